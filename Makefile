@@ -1,0 +1,110 @@
+# moeflash — set-up, build, run, test. Every target sets up what it needs; a second run with
+# nothing changed does no rebuild (stamps).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+# CPU code generation for the llama.cpp build: native | portable | armv8.2 (see vendor/llama.cpp/build.sh)
+MOEFLASH_CPU ?= native
+export MOEFLASH_CPU
+HOST ?= 127.0.0.1
+PORT ?= 8000
+MODEL ?=
+DEMO_MODEL ?= models/demo-qwen3moe.gguf
+PYTEST_ARGS ?=
+
+LLAMA_SRC := vendor/llama.cpp/llama-cpp-python/vendor/llama.cpp
+LLAMA_STAMP := $(VENV)/.moeflash-llama-stamp
+# recursive (=): only evaluated once the venv exists
+SITE = $(shell $(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+EXT_SRC := $(wildcard streaming_ext/src/*.c)
+EXT_HDR := $(wildcard streaming_ext/include/*.h)
+EXT_CFLAGS := -std=c11 -O2 -g -fPIC -fvisibility=hidden -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes \
+	-D_GNU_SOURCE -Istreaming_ext/include -I$(LLAMA_SRC)/ggml/include -I$(LLAMA_SRC)/ggml/src -I$(LLAMA_SRC)/include
+EXT_LDFLAGS = -shared -L$(SITE)/llama_cpp/lib -Wl,-rpath,$(SITE)/llama_cpp/lib -lllama -lggml -lggml-base -lggml-cpu -lpthread
+EXT_LIB := streaming_ext/lib/libmoeflash_stream.so
+EXT_ASAN_LIB := streaming_ext/lib/libmoeflash_stream_asan.so
+CTEST_BIN := tests/c/build/test_ready_hook
+
+.PHONY: setup setup-dev llama ext serve serve-container require-api-key demo-model test lint clean distclean
+
+setup: $(VENV)/.deps-stamp llama ext $(VENV)/.install-stamp
+
+setup-dev: setup $(VENV)/.dev-stamp
+
+$(VPY):
+	$(PYTHON) -m venv $(VENV)
+
+# runtime dependencies (pinned in pyproject.toml)
+$(VENV)/.deps-stamp: pyproject.toml | $(VPY)
+	$(VPY) -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml","rb"))["project"]["dependencies"]))' > $(VENV)/requirements.txt
+	$(VPY) -m pip install --quiet -r $(VENV)/requirements.txt setuptools==84.2.1 wheel==0.48.0
+	touch $@
+
+$(VENV)/.dev-stamp: pyproject.toml | $(VPY)
+	$(VPY) -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml","rb"))["project"]["optional-dependencies"]["dev"]))' > $(VENV)/requirements-dev.txt
+	$(VPY) -m pip install --quiet -r $(VENV)/requirements-dev.txt
+	touch $@
+
+# the moeflash packages themselves, editable, with the `moeflash` console script
+$(VENV)/.install-stamp: pyproject.toml $(VENV)/.deps-stamp
+	$(VPY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $@
+
+# patched, pinned llama-cpp-python (its own stamp makes this a no-op when nothing changed)
+llama: $(VENV)/.deps-stamp
+	vendor/llama.cpp/build.sh $(VPY)
+
+ext: $(EXT_LIB) $(EXT_ASAN_LIB) $(CTEST_BIN)
+
+$(EXT_LIB): $(EXT_SRC) $(EXT_HDR) $(LLAMA_STAMP) Makefile
+	@mkdir -p $(dir $@)
+	$(CC) $(EXT_CFLAGS) $(EXT_SRC) -o $@ $(EXT_LDFLAGS)
+
+# sanitizer build (ASan + UBSan), loaded by the test suite with libasan preloaded
+$(EXT_ASAN_LIB): $(EXT_SRC) $(EXT_HDR) $(LLAMA_STAMP) Makefile
+	@mkdir -p $(dir $@)
+	$(CC) $(EXT_CFLAGS) -O1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined \
+		$(EXT_SRC) -o $@ $(EXT_LDFLAGS)
+
+# C test of the mul_mat_id ready-hook patch, against the installed libraries
+$(CTEST_BIN): tests/c/test_ready_hook.c $(LLAMA_STAMP) Makefile
+	@mkdir -p $(dir $@)
+	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -D_GNU_SOURCE -I$(LLAMA_SRC)/ggml/include -I$(LLAMA_SRC)/include \
+		$< -o $@ -L$(SITE)/llama_cpp/lib -Wl,-rpath,$(SITE)/llama_cpp/lib -lllama -lggml -lggml-base -lggml-cpu -lpthread
+
+$(DEMO_MODEL): | setup
+	@mkdir -p $(dir $@)
+	$(VENV)/bin/moeflash make-model $@ --preset tiny-qwen3moe
+
+demo-model: $(DEMO_MODEL)
+
+# Runs the server on MODEL (default: the built-in demo model, generated on first use)
+serve: setup
+	@if [ -z "$(MODEL)" ]; then $(MAKE) --no-print-directory demo-model; fi
+	$(VENV)/bin/moeflash serve --model "$(if $(MODEL),$(MODEL),$(DEMO_MODEL))" --host $(HOST) --port $(PORT)
+
+# The container's entry point (Dockerfile CMD): it listens on the LAN, so an API key is required.
+serve-container: require-api-key
+	$(MAKE) --no-print-directory serve HOST=0.0.0.0
+
+require-api-key:
+	@if [ -z "$$MOEFLASH_API_KEY" ]; then \
+		echo "serve-container: MOEFLASH_API_KEY is not set; the container serves on 0.0.0.0 and needs a key" >&2; \
+		exit 1; \
+	fi
+
+test: setup-dev
+	$(VPY) -m pytest $(PYTEST_ARGS)
+
+lint: setup-dev
+	$(VENV)/bin/ruff check server streaming_ext tests
+	$(VENV)/bin/ruff format --check server streaming_ext tests
+	$(VENV)/bin/mypy
+	$(VENV)/bin/hadolint Dockerfile
+
+clean:
+	rm -rf streaming_ext/lib tests/c/build .pytest_cache .mypy_cache .ruff_cache
+
+distclean: clean
+	rm -rf $(VENV) vendor/llama.cpp/llama-cpp-python vendor/llama.cpp/build vendor/llama.cpp/.cache models

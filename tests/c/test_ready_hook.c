@@ -1,0 +1,190 @@
+// Test of patch 0002 (ggml-cpu mul_mat_id ready hook), driven by tests/test_patches.py.
+//
+//   test_ready_hook MODEL.gguf N_THREADS
+//
+// Decodes a fixed prompt three times on a fresh context each time:
+//   1. no hook                        -> reference logits
+//   2. a hook that records and allows -> every routed (layer, expert) of every MUL_MAT_ID was
+//      announced before use, nothing unrouted was, and the logits equal the reference
+//   3. a hook that refuses everything -> the logits differ (the hook sits on the consumption path)
+// Without the patch this file does not link (ggml_cpu_set_mul_mat_id_ready_hook is missing).
+// Prints one "ok ..." or "FAIL ..." line per check; exit status 0 only if all pass.
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ggml-cpu.h"
+#include "ggml.h"
+#include "llama.h"
+
+#define MAX_LAYERS  256
+#define MAX_EXPERTS 512
+#define N_PROMPT    12
+
+typedef struct {
+    // routed experts per layer, from the ffn_moe_topk-<il> nodes (written on the decode thread)
+    uint8_t        routed[MAX_LAYERS][MAX_EXPERTS];
+    // experts announced by the hook per layer (written concurrently by compute threads)
+    atomic_uint    announced[MAX_LAYERS][MAX_EXPERTS];
+    atomic_long    calls;
+    atomic_long    unrouted;  // hook calls for an expert the router did not pick
+    bool           allow;
+} probe;
+
+static int layer_of(const char * name) {
+    int il = -1;
+    if (sscanf(name, "blk.%d.", &il) != 1 || il < 0 || il >= MAX_LAYERS) {
+        return -1;
+    }
+    return il;
+}
+
+static bool on_eval(struct ggml_tensor * t, bool ask, void * ud) {
+    probe * p = ud;
+    if (ask) {
+        return strncmp(t->name, "ffn_moe_topk-", 13) == 0;
+    }
+    const int il = atoi(t->name + 13);
+    if (il < 0 || il >= MAX_LAYERS) {
+        return false;
+    }
+    // the ids are a strided view: row i1 starts at data + i1*nb[1]
+    for (int64_t i1 = 0; i1 < t->ne[1]; i1++) {
+        for (int64_t i0 = 0; i0 < t->ne[0]; i0++) {
+            const int32_t e = *(const int32_t *) ((const char *) t->data + i1 * t->nb[1] + i0 * t->nb[0]);
+            if (e >= 0 && e < MAX_EXPERTS) {
+                p->routed[il][e] = 1;
+            }
+        }
+    }
+    return true;
+}
+
+static bool on_ready(const struct ggml_tensor * src0, int64_t expert, void * ud) {
+    probe *   p  = ud;
+    const int il = layer_of(src0->name);
+    atomic_fetch_add(&p->calls, 1);
+    if (il < 0 || expert < 0 || expert >= MAX_EXPERTS || !p->routed[il][expert]) {
+        atomic_fetch_add(&p->unrouted, 1);
+    } else {
+        atomic_fetch_add(&p->announced[il][expert], 1);
+    }
+    return p->allow;
+}
+
+// decodes the prompt on a fresh context; copies the last row of logits into out (n_vocab floats)
+static int run(struct llama_model * model, int n_threads, probe * p, bool hook, float * out, int n_vocab) {
+    struct llama_context_params cp = llama_context_default_params();
+    cp.n_ctx             = 256;
+    cp.n_batch           = 64;
+    cp.n_threads         = n_threads;
+    cp.n_threads_batch   = n_threads;
+    cp.cb_eval           = on_eval;
+    cp.cb_eval_user_data = p;
+    struct llama_context * ctx = llama_init_from_model(model, cp);
+    if (!ctx) {
+        fprintf(stderr, "FAIL cannot create a context\n");
+        return -1;
+    }
+    llama_token prompt[N_PROMPT];
+    for (int i = 0; i < N_PROMPT; i++) {
+        prompt[i] = (llama_token) (32 + 7 * i) % n_vocab;
+    }
+    ggml_cpu_set_mul_mat_id_ready_hook(hook ? on_ready : NULL, p);
+    const int rc = llama_decode(ctx, llama_batch_get_one(prompt, N_PROMPT));
+    ggml_cpu_set_mul_mat_id_ready_hook(NULL, NULL);
+    if (rc != 0) {
+        fprintf(stderr, "FAIL llama_decode returned %d\n", rc);
+        llama_free(ctx);
+        return -1;
+    }
+    memcpy(out, llama_get_logits_ith(ctx, -1), sizeof(float) * (size_t) n_vocab);
+    llama_free(ctx);
+    return 0;
+}
+
+int main(int argc, char ** argv) {
+    if (argc != 3) {
+        fprintf(stderr, "usage: %s MODEL.gguf N_THREADS\n", argv[0]);
+        return 2;
+    }
+    const int n_threads = atoi(argv[2]);
+    llama_backend_init();
+    struct llama_model_params mp = llama_model_default_params();
+    mp.use_extra_bufts           = false;  // repacked experts would bypass this mul_mat_id
+    mp.load_mode                 = LLAMA_LOAD_MODE_MMAP;
+    struct llama_model * model   = llama_model_load_from_file(argv[1], mp);
+    if (!model) {
+        fprintf(stderr, "FAIL cannot load %s\n", argv[1]);
+        return 1;
+    }
+    const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
+    const int n_layer = llama_model_n_layer(model);
+    float *   ref     = malloc(sizeof(float) * (size_t) n_vocab);
+    float *   got     = malloc(sizeof(float) * (size_t) n_vocab);
+    probe *   p       = calloc(1, sizeof *p);
+    int       failed  = 0;
+    if (!ref || !got || !p) {
+        fprintf(stderr, "FAIL out of memory\n");
+        return 1;
+    }
+
+    if (run(model, n_threads, p, false, ref, n_vocab) != 0) {
+        return 1;
+    }
+    if (atomic_load(&p->calls) != 0) {
+        printf("FAIL the unset hook was called %ld times\n", atomic_load(&p->calls));
+        failed = 1;
+    }
+
+    memset(p, 0, sizeof *p);
+    p->allow = true;
+    if (run(model, n_threads, p, true, got, n_vocab) != 0) {
+        return 1;
+    }
+    long missing = 0, routed = 0;
+    for (int il = 0; il < n_layer && il < MAX_LAYERS; il++) {
+        for (int e = 0; e < MAX_EXPERTS; e++) {
+            if (p->routed[il][e]) {
+                routed++;
+                missing += atomic_load(&p->announced[il][e]) == 0;
+            }
+        }
+    }
+    if (routed == 0 || atomic_load(&p->calls) == 0 || missing != 0 || atomic_load(&p->unrouted) != 0) {
+        printf("FAIL hook: %ld calls, %ld routed (layer, expert) pairs, %ld never announced, %ld unrouted\n",
+               atomic_load(&p->calls), routed, missing, atomic_load(&p->unrouted));
+        failed = 1;
+    } else {
+        printf("ok hook announced all %ld routed (layer, expert) pairs in %ld calls, none unrouted\n", routed,
+               atomic_load(&p->calls));
+    }
+    if (memcmp(ref, got, sizeof(float) * (size_t) n_vocab) != 0) {
+        printf("FAIL an allowing hook changed the logits\n");
+        failed = 1;
+    } else {
+        printf("ok an allowing hook leaves the logits bit-identical\n");
+    }
+
+    memset(p, 0, sizeof *p);
+    p->allow = false;
+    if (run(model, n_threads, p, true, got, n_vocab) != 0) {
+        return 1;
+    }
+    if (memcmp(ref, got, sizeof(float) * (size_t) n_vocab) == 0) {
+        printf("FAIL a refusing hook did not change the logits: it is not on the expert path\n");
+        failed = 1;
+    } else {
+        printf("ok a refusing hook skips the experts (logits differ)\n");
+    }
+
+    free(p);
+    free(got);
+    free(ref);
+    llama_model_free(model);
+    llama_backend_free();
+    return failed;
+}

@@ -1,0 +1,41 @@
+"""Build and packaging checks: the Dockerfile lints clean and its entry point refuses to run open."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_dockerfile_lints_clean() -> None:
+    hadolint = shutil.which("hadolint") or str(REPO / ".venv" / "bin" / "hadolint")
+    proc = subprocess.run(
+        [hadolint, "--no-color", "Dockerfile"], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_container_entry_point_requires_an_api_key() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "MOEFLASH_API_KEY" and not k.startswith("MAKE")}
+    proc = subprocess.run(
+        ["make", "--no-print-directory", "serve-container"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "MOEFLASH_API_KEY is not set" in proc.stderr
+
+
+def test_dockerfile_runs_the_readme_setup_as_non_root() -> None:
+    text = (REPO / "Dockerfile").read_text()
+    assert "RUN make setup" in text
+    assert "USER 10001" in text
+    assert 'CMD ["make", "serve-container"]' in text
+    assert "HEALTHCHECK" in text and "/health" in text

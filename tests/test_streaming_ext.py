@@ -1,0 +1,66 @@
+"""streaming_ext: the C library loads through ctypes, in its normal and its sanitizer build."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from streaming_ext import StreamLibError, load_library
+
+REPO = Path(__file__).resolve().parents[1]
+ASAN_LIB = REPO / "streaming_ext" / "lib" / "libmoeflash_stream_asan.so"
+
+
+def test_library_loads_and_reports_its_build() -> None:
+    lib = load_library()
+    assert lib.version() == "0.1.0"
+    assert lib.ggml_version()  # the pinned ggml, e.g. "0.25.3"
+    assert lib.patched_build()
+
+
+def test_missing_library_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(StreamLibError, match="make ext"):
+        load_library(tmp_path / "nope.so")
+
+
+def test_foreign_file_is_a_clear_error(tmp_path: Path) -> None:
+    bogus = tmp_path / "libbogus.so"
+    bogus.write_bytes(b"not an ELF file")
+    with pytest.raises(StreamLibError, match="cannot load"):
+        load_library(bogus)
+
+
+def sanitizer_env() -> dict[str, str]:
+    """Environment that loads the ASan+UBSan build into a plain CPython."""
+    libasan = subprocess.run(
+        ["cc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    env = dict(os.environ)
+    env.update(
+        LD_PRELOAD=libasan,
+        # CPython itself is not leak-clean at exit; UBSan findings abort the process
+        ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",
+        UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1",
+        MOEFLASH_STREAM_LIB=str(ASAN_LIB),
+    )
+    return env
+
+
+def test_sanitizer_build_loads() -> None:
+    assert ASAN_LIB.is_file(), "build it with `make ext`"
+    code = "from streaming_ext import load_library; lib = load_library(); print(lib.path.name, lib.version())"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=sanitizer_env(),
+        cwd=REPO,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == [ASAN_LIB.name, "0.1.0"]
