@@ -1,0 +1,201 @@
+"""Named model shapes: tiny ones for tests, and the real models' shapes for benchmarks.
+
+The `*-shape` presets copy the published architecture of the real model (layers, widths, heads,
+experts, vocabulary, context) with random weights. Their experts use the real release's
+storage (Q4_0 stands in for Qwen's and Mixtral's Q4_K_M: same 4.5 bits per weight; gpt-oss
+ships MXFP4). Their dense weights are Q8_0, as llama.cpp's MXFP4_MOE recipe stores gpt-oss's:
+at real vocabulary sizes the embedding and output matrices are the biggest dense tensors.
+
+The tiny presets (a few MB) load and decode in milliseconds; every width is a multiple of the
+32-value quant block. tiny-gptoss keeps gpt-oss's quirk of a q projection wider than n_embd.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from server.errors import ModelGenError
+from server.modelgen.spec import ModelSpec, QType
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    spec: ModelSpec
+
+
+def _tiny(arch: str, **fields: Any) -> ModelSpec:
+    """A tiny model of `arch`: the common tiny shape with `fields` changed."""
+    common = ModelSpec(
+        arch="qwen3moe",
+        n_layer=3,
+        n_embd=256,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=64,
+        n_expert=16,
+        n_expert_used=4,
+        n_ff_exp=128,
+        n_vocab=512,
+        # generous, so servers can run tiny models at large context sizes without warnings
+        n_ctx=32768,
+        expert_qtype=QType.Q4_0,
+        dense_qtype=QType.Q8_0,
+    )
+    return dataclasses.replace(common, arch=arch, **fields)
+
+
+def _gptoss(n_layer: int, n_expert: int, name: str) -> ModelSpec:
+    return ModelSpec(
+        arch="gpt-oss",
+        n_layer=n_layer,
+        n_embd=2880,
+        n_head=64,
+        n_head_kv=8,
+        head_dim=64,
+        n_expert=n_expert,
+        n_expert_used=4,
+        n_ff_exp=2880,
+        n_vocab=201088,
+        n_ctx=131072,
+        expert_qtype=QType.MXFP4,
+        dense_qtype=QType.Q8_0,
+        n_swa=128,
+        rope_freq_base=150000.0,
+        rms_eps=1e-5,
+        name=name,
+    )
+
+
+def _all() -> tuple[Preset, ...]:
+    gptoss_120b = _gptoss(36, 128, "gptoss-120b-shape")
+    return (
+        Preset(
+            "tiny-qwen3moe",
+            "qwen3moe, 4 layers, 16 experts (4 used), Q4_0 experts, q/k norms",
+            _tiny("qwen3moe", n_layer=4, name="tiny-qwen3moe"),
+        ),
+        Preset(
+            "tiny-gptoss",
+            "gpt-oss, 4 layers (2 sliding-window), 16 experts (4 used), MXFP4 experts, biases, sinks",
+            _tiny(
+                "gpt-oss",
+                n_layer=4,
+                n_embd=192,
+                n_ff_exp=192,
+                expert_qtype=QType.MXFP4,
+                n_swa=64,
+                rope_freq_base=150000.0,
+                rms_eps=1e-5,
+                name="tiny-gptoss",
+            ),
+        ),
+        Preset(
+            "tiny-mixtral",
+            "llama (Mixtral layout), 3 layers, 8 experts (2 used), Q4_0 experts, [INST] template",
+            _tiny(
+                "llama",
+                n_head=8,
+                n_head_kv=4,
+                head_dim=32,
+                n_expert=8,
+                n_expert_used=2,
+                n_ff_exp=384,
+                rms_eps=1e-5,
+                name="tiny-mixtral",
+            ),
+        ),
+        Preset(
+            "tiny-qwen2moe",
+            "qwen2moe, 3 layers, 12 experts (4 used) + gated shared expert, Q8_0 experts, F16 dense",
+            _tiny(
+                "qwen2moe",
+                n_expert=12,
+                n_ff_shexp=256,
+                expert_qtype=QType.Q8_0,
+                dense_qtype=QType.F16,
+                name="tiny-qwen2moe",
+            ),
+        ),
+        Preset(
+            "tiny-hyv3",
+            "hy_v3, 3 layers, 16 experts (4 used) in a merged gate_up tensor + shared expert, sigmoid router",
+            _tiny("hy_v3", n_ff_shexp=128, name="tiny-hyv3"),
+        ),
+        Preset(
+            "qwen30b-shape",
+            "Qwen3-30B-A3B's shape: qwen3moe, 48 layers, 128 experts (8 used), Q4_0 experts, Q8_0 dense",
+            ModelSpec(
+                arch="qwen3moe",
+                n_layer=48,
+                n_embd=2048,
+                n_head=32,
+                n_head_kv=4,
+                head_dim=128,
+                n_expert=128,
+                n_expert_used=8,
+                n_ff_exp=768,
+                n_vocab=151936,
+                n_ctx=40960,
+                expert_qtype=QType.Q4_0,
+                dense_qtype=QType.Q8_0,
+                name="qwen30b-shape",
+            ),
+        ),
+        Preset(
+            "gptoss-120b-shape",
+            "gpt-oss-120b's shape: 36 layers, 128 experts (4 used), MXFP4 experts, Q8_0 dense",
+            gptoss_120b,
+        ),
+        Preset(
+            "gptoss-20b-shape",
+            "gpt-oss-20b's shape: 24 layers, 32 experts (4 used), MXFP4 experts, Q8_0 dense",
+            _gptoss(24, 32, "gptoss-20b-shape"),
+        ),
+        Preset(
+            "gptoss-shape",
+            "alias of gptoss-120b-shape (the name BENCH.md uses)",
+            gptoss_120b,
+        ),
+        Preset(
+            "mixtral-shape",
+            "Mixtral-8x7B's shape: llama, 32 layers, 8 experts (2 used), Q4_0 experts, Q8_0 dense",
+            ModelSpec(
+                arch="llama",
+                n_layer=32,
+                n_embd=4096,
+                n_head=32,
+                n_head_kv=8,
+                head_dim=128,
+                n_expert=8,
+                n_expert_used=2,
+                n_ff_exp=14336,
+                n_vocab=32000,
+                n_ctx=32768,
+                expert_qtype=QType.Q4_0,
+                dense_qtype=QType.Q8_0,
+                rms_eps=1e-5,
+                name="mixtral-shape",
+            ),
+        ),
+    )
+
+
+def presets() -> tuple[Preset, ...]:
+    """Every preset, tiny ones first."""
+    return _all()
+
+
+def preset_names() -> list[str]:
+    """The valid preset names."""
+    return [p.name for p in _all()]
+
+
+def preset(name: str) -> ModelSpec:
+    """The ModelSpec of preset `name`; ModelGenError listing the valid names if there is none."""
+    for p in _all():
+        if p.name == name:
+            return p.spec
+    raise ModelGenError(f"unknown preset {name!r}; valid: {', '.join(preset_names())}")

@@ -1,0 +1,222 @@
+"""What a synthetic model looks like: `ModelSpec` (a frozen, self-validating shape) and `QType`."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+
+from server.errors import ModelGenError
+from server.modelgen.tokenizer import base_vocab_size
+
+# llama.cpp limits (src/llama-hparams.h)
+LLAMA_MAX_LAYERS = 512
+LLAMA_MAX_EXPERTS = 1024
+
+# the architectures the generator writes, as llama.cpp spells them in general.architecture
+ARCHITECTURES = ("qwen3moe", "gpt-oss", "llama", "qwen2moe", "hy_v3")
+
+# architectures whose MoE block has an always-active shared expert (n_ff_shexp > 0 required)
+SHARED_EXPERT_ARCHS = frozenset({"qwen2moe", "hy_v3"})
+
+
+class QType(enum.Enum):
+    """Tensor storage types the generator writes: (ggml type id, values per block, bytes per block)."""
+
+    F32 = (0, 1, 4)
+    F16 = (1, 1, 2)
+    Q4_0 = (2, 32, 18)
+    Q8_0 = (8, 32, 34)
+    MXFP4 = (39, 32, 17)
+
+    @property
+    def ggml_type(self) -> int:
+        return self.value[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.value[1]
+
+    @property
+    def type_size(self) -> int:
+        return self.value[2]
+
+    def row_bytes(self, n: int) -> int:
+        """Bytes of a row of `n` values (n must be a multiple of block_size)."""
+        return n // self.block_size * self.type_size
+
+    @classmethod
+    def parse(cls, name: str) -> QType:
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            valid = ", ".join(q.name for q in WEIGHT_QTYPES)
+            raise ModelGenError(f"unknown quantization type {name!r}; valid: {valid}") from None
+
+
+# types a weight matrix may be stored in (F32 is reserved for norms, biases and routers)
+WEIGHT_QTYPES = (QType.F16, QType.Q8_0, QType.Q4_0, QType.MXFP4)
+
+# llama_ftype (include/llama.h) written to general.file_type, keyed by the expert type
+FILE_TYPES = {QType.F16: 1, QType.Q4_0: 2, QType.Q8_0: 7, QType.MXFP4: 38}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """The shape and storage of a synthetic MoE model; validated on construction.
+
+    Dimensions follow llama.cpp's hparams. `head_dim=None` means n_embd // n_head. The expert
+    matrices use `expert_qtype`, the other weight matrices `dense_qtype`; norms, biases, routers
+    and attention sinks are always F32. `n_ff_shexp` is the shared expert's FFN width
+    (qwen2moe, hy_v3; 0 elsewhere). `n_swa` is gpt-oss's sliding-window length.
+    """
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int | None
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    n_vocab: int
+    n_ctx: int
+    expert_qtype: QType
+    dense_qtype: QType
+    n_ff_shexp: int = 0
+    n_swa: int = 128
+    rope_freq_base: float = 1_000_000.0
+    rms_eps: float = 1e-6
+    alignment: int = 32
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        problems = _problems(self)
+        if problems:
+            raise ModelGenError("invalid model shape: " + "; ".join(problems))
+
+    @property
+    def head_size(self) -> int:
+        """Per-head q/k/v width (head_dim, or n_embd // n_head when head_dim is None)."""
+        return self.head_dim if self.head_dim is not None else self.n_embd // self.n_head
+
+    @property
+    def n_embd_q(self) -> int:
+        return self.n_head * self.head_size
+
+    @property
+    def n_embd_kv(self) -> int:
+        return self.n_head_kv * self.head_size
+
+    @property
+    def bytes_per_expert(self) -> int:
+        """Bytes of one expert's slices in one layer (gate + up + down weights, biases excluded)."""
+        gate_up = 2 * self.n_ff_exp * self.expert_qtype.row_bytes(self.n_embd)
+        down = self.n_embd * self.expert_qtype.row_bytes(self.n_ff_exp)
+        return gate_up + down
+
+    @property
+    def routed_bytes_per_token(self) -> int:
+        """Expert bytes one decoded token reads when nothing is cached (used experts x layers)."""
+        return self.bytes_per_expert * self.n_expert_used * self.n_layer
+
+    def describe(self) -> str:
+        """One-line human summary of the shape."""
+        shexp = f" + shared ff {self.n_ff_shexp}" if self.n_ff_shexp else ""
+        return (
+            f"{self.arch}, {self.n_layer} layers, n_embd {self.n_embd}, "
+            f"heads {self.n_head}/{self.n_head_kv} x {self.head_size}, "
+            f"experts {self.n_expert_used}/{self.n_expert} x ff {self.n_ff_exp}{shexp} "
+            f"({self.expert_qtype.name}; dense {self.dense_qtype.name}), "
+            f"vocab {self.n_vocab}, ctx {self.n_ctx}"
+        )
+
+
+def _problems(s: ModelSpec) -> list[str]:
+    """Every reason `s` cannot become a model llama.cpp loads; empty when it is fine."""
+    if s.arch not in ARCHITECTURES:
+        return [f"unknown architecture {s.arch!r}; valid: {', '.join(ARCHITECTURES)}"]
+    out: list[str] = []
+    positive = ("n_layer", "n_embd", "n_head", "n_head_kv", "n_expert", "n_expert_used", "n_ff_exp")
+    for field in (*positive, "n_vocab", "n_ctx"):
+        value = getattr(s, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            out.append(f"{field} must be a positive integer (got {value!r})")
+    if out:
+        return out
+    for field in ("expert_qtype", "dense_qtype"):
+        if not isinstance(getattr(s, field), QType):
+            out.append(f"{field} must be a QType")
+    if out:
+        return out
+
+    if s.n_layer > LLAMA_MAX_LAYERS:
+        out.append(f"n_layer {s.n_layer} exceeds llama.cpp's limit of {LLAMA_MAX_LAYERS}")
+    if s.n_expert > LLAMA_MAX_EXPERTS:
+        out.append(f"n_expert {s.n_expert} exceeds llama.cpp's limit of {LLAMA_MAX_EXPERTS}")
+    if s.n_expert_used > s.n_expert:
+        out.append(f"n_expert_used {s.n_expert_used} exceeds n_expert {s.n_expert}")
+
+    if s.head_dim is None:
+        if s.n_embd % s.n_head:
+            out.append(f"n_embd {s.n_embd} is not divisible by n_head {s.n_head} (or give head_dim)")
+    elif not isinstance(s.head_dim, int) or isinstance(s.head_dim, bool) or s.head_dim < 1:
+        out.append(f"head_dim must be a positive integer or None (got {s.head_dim!r})")
+    if s.n_head % s.n_head_kv:
+        out.append(f"n_head {s.n_head} is not a multiple of n_head_kv {s.n_head_kv}")
+    if not out and s.head_size % 2:
+        out.append(f"head_dim {s.head_size} must be even (RoPE rotates pairs)")
+    if not out and s.arch == "qwen2moe" and s.n_embd_q != s.n_embd:
+        out.append(f"qwen2moe needs n_head * head_dim == n_embd ({s.n_head} * {s.head_size} != {s.n_embd})")
+
+    if s.arch in SHARED_EXPERT_ARCHS:
+        if s.n_ff_shexp < 1:
+            out.append(f"{s.arch} has a shared expert: n_ff_shexp must be positive (got {s.n_ff_shexp})")
+    elif s.n_ff_shexp != 0:
+        out.append(f"{s.arch} has no shared expert: n_ff_shexp must be 0 (got {s.n_ff_shexp})")
+    if s.arch == "gpt-oss" and s.n_swa < 1:
+        out.append(f"gpt-oss needs a positive sliding window n_swa (got {s.n_swa})")
+
+    for field, qtype in (("expert_qtype", s.expert_qtype), ("dense_qtype", s.dense_qtype)):
+        if qtype not in WEIGHT_QTYPES:
+            out.append(
+                f"{field} {qtype.name} is not a weight type ({', '.join(q.name for q in WEIGHT_QTYPES)})"
+            )
+    if s.expert_qtype is QType.MXFP4 and s.arch != "gpt-oss":
+        out.append(f"MXFP4 experts are only supported for gpt-oss, not {s.arch}")
+    if s.dense_qtype is QType.MXFP4:
+        out.append("MXFP4 is for expert tensors only; use F16, Q8_0 or Q4_0 for dense_qtype")
+
+    # every quantized matrix's row (ne0) must hold whole blocks
+    if not out:
+        rows = {"n_embd": s.n_embd, "n_head * head_dim": s.n_embd_q}
+        if s.n_ff_shexp:
+            rows["n_ff_shexp"] = s.n_ff_shexp
+        for label, n in rows.items():
+            if n % s.dense_qtype.block_size:
+                out.append(
+                    f"{label} = {n} is not a multiple of {s.dense_qtype.name}'s block of "
+                    f"{s.dense_qtype.block_size}"
+                )
+        for label, n in {"n_embd": s.n_embd, "n_ff_exp": s.n_ff_exp}.items():
+            if n % s.expert_qtype.block_size:
+                out.append(
+                    f"{label} = {n} is not a multiple of {s.expert_qtype.name}'s block of "
+                    f"{s.expert_qtype.block_size}"
+                )
+
+    if s.n_vocab >= 2**31:
+        out.append(f"n_vocab {s.n_vocab} does not fit llama.cpp's int32 token ids")
+    elif not out and s.n_vocab < base_vocab_size(s.arch):
+        out.append(
+            f"n_vocab {s.n_vocab} is smaller than the {s.arch} tokenizer's "
+            f"{base_vocab_size(s.arch)} base tokens"
+        )
+    if not (isinstance(s.alignment, int) and s.alignment >= 8 and s.alignment & (s.alignment - 1) == 0):
+        out.append(f"alignment must be a power of two >= 8 (got {s.alignment!r})")
+    if not (math.isfinite(s.rope_freq_base) and s.rope_freq_base > 0):
+        out.append(f"rope_freq_base must be positive (got {s.rope_freq_base})")
+    if not (math.isfinite(s.rms_eps) and s.rms_eps > 0):
+        out.append(f"rms_eps must be positive (got {s.rms_eps})")
+    return out

@@ -1,0 +1,63 @@
+"""Session fixtures shared by the whole suite.
+
+- `tiny_model(preset_name, **spec_overrides, seed=0, split_max_size=None) -> Path`: generates a
+  synthetic model (server.modelgen) once per distinct argument set into a session temporary
+  directory and returns its path (the first file of a split set). Overrides are ModelSpec
+  fields, e.g. `tiny_model("tiny-qwen3moe", n_layer=2, expert_qtype=QType.Q8_0)`. The files are
+  shared: tests must not modify them (copy first).
+- `llama_factory(path, **kw) -> Llama`: tests.models.load_llama, closing every model it made
+  when the test ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import llama_cpp
+import pytest
+
+from server.modelgen import generate_model, preset
+from tests.models import load_llama
+
+
+class TinyModelFactory(Protocol):
+    def __call__(
+        self, preset_name: str, *, seed: int = 0, split_max_size: int | None = None, **spec_overrides: Any
+    ) -> Path: ...
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFactory:
+    directory = tmp_path_factory.mktemp("models")
+    made: dict[str, Path] = {}
+
+    def make(
+        preset_name: str, *, seed: int = 0, split_max_size: int | None = None, **spec_overrides: Any
+    ) -> Path:
+        key = repr((preset_name, seed, split_max_size, sorted(spec_overrides.items())))
+        if key not in made:
+            spec = dataclasses.replace(preset(preset_name), **spec_overrides)
+            tag = hashlib.sha256(key.encode()).hexdigest()[:12]
+            out = directory / f"{preset_name}-{tag}.gguf"
+            made[key] = generate_model(spec, out, seed=seed, split_max_size=split_max_size)[0]
+        return made[key]
+
+    return make
+
+
+@pytest.fixture
+def llama_factory() -> Iterator[Callable[..., llama_cpp.Llama]]:
+    opened: list[llama_cpp.Llama] = []
+
+    def load(path: Path | str, **kw: Any) -> llama_cpp.Llama:
+        llm = load_llama(path, **kw)
+        opened.append(llm)
+        return llm
+
+    yield load
+    for llm in opened:
+        llm.close()
