@@ -5,5 +5,26 @@ build to load instead (the test suite uses it for the ASan+UBSan build).
 """
 
 from streaming_ext._lib import StreamLib, StreamLibError, library_path, load_library
+from streaming_ext.streamer import (
+    CachePolicy,
+    Policy,
+    Reader,
+    Streamer,
+    StreamerConfig,
+    StreamerError,
+    StreamerStats,
+)
 
-__all__ = ["StreamLib", "StreamLibError", "library_path", "load_library"]
+__all__ = [
+    "CachePolicy",
+    "Policy",
+    "Reader",
+    "StreamLib",
+    "StreamLibError",
+    "Streamer",
+    "StreamerConfig",
+    "StreamerError",
+    "StreamerStats",
+    "library_path",
+    "load_library",
+]

@@ -1,4 +1,4 @@
-"""Locating and loading libmoeflash_stream through ctypes."""
+"""Locating and loading libmoeflash_stream through ctypes, with every signature declared."""
 
 from __future__ import annotations
 
@@ -16,6 +16,46 @@ _LIB_NAME = "libmoeflash_stream.so"
 
 class StreamLibError(RuntimeError):
     """The streamer's C library is missing, unloadable, or built against an unpatched llama.cpp."""
+
+
+class MfConfig(ctypes.Structure):
+    """struct mf_config (moeflash_stream.h)."""
+
+    _fields_ = [
+        ("model_path", ctypes.c_char_p),
+        ("budget_bytes", ctypes.c_uint64),
+        ("n_lanes", ctypes.c_int32),
+        ("reader", ctypes.c_int32),
+        ("overlap", ctypes.c_int32),
+        ("policy", ctypes.c_int32),
+        ("fault_errno", ctypes.c_int32),
+        ("fault_after_bytes", ctypes.c_uint64),
+        ("skip_expert", ctypes.c_int32),
+    ]
+
+
+STAT_FIELDS = (
+    "routes",
+    "hits",
+    "misses",
+    "evictions",
+    "bytes_read",
+    "reads",
+    "wait_ns",
+    "manage_ns",
+    "read_ns",
+    "dense_bytes",
+    "resident_bytes",
+    "violations",
+    "errors",
+    "direct_io",
+)
+
+
+class MfStats(ctypes.Structure):
+    """struct mf_stats (moeflash_stream.h): cumulative counters."""
+
+    _fields_ = [(name, ctypes.c_uint64) for name in STAT_FIELDS]
 
 
 def library_path() -> Path:
@@ -54,6 +94,45 @@ class StreamLib:
         return raw.decode()
 
 
+def _declare(cdll: ctypes.CDLL) -> None:
+    vp, u64, i32, c_bool = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int32, ctypes.c_bool
+    sigs: dict[str, tuple[list[type], type | None]] = {
+        "mf_version": ([], ctypes.c_char_p),
+        "mf_ggml_version": ([], ctypes.c_char_p),
+        "mf_ggml_commit": ([], ctypes.c_char_p),
+        "mf_patched_build": ([], ctypes.c_int),
+        "mf_streamer_new": (
+            [ctypes.POINTER(MfConfig), ctypes.POINTER(vp), ctypes.c_char_p, ctypes.c_size_t],
+            ctypes.c_int,
+        ),
+        "mf_streamer_free": ([vp], None),
+        "mf_streamer_set_budget": ([vp, u64], ctypes.c_int),
+        "mf_streamer_expert_buft": ([vp], vp),
+        "mf_streamer_dense_buft": ([vp], vp),
+        "mf_streamer_check_loaded": ([vp], ctypes.c_int),
+        "mf_streamer_eval_cb": ([vp, c_bool, vp], c_bool),
+        "mf_streamer_get_stats": ([vp, ctypes.POINTER(MfStats)], None),
+        "mf_streamer_take_error": ([vp, ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int),
+        "mf_streamer_last_error": ([vp], ctypes.c_char_p),
+        "mf_streamer_drop_cache": ([vp], None),
+        "mf_streamer_layer_bytes": ([vp], u64),
+        "mf_streamer_expert_bytes": ([vp], u64),
+        "mf_streamer_n_moe_layers": ([vp], i32),
+        "mf_streamer_n_expert": ([vp], i32),
+        "mf_cache_new": (
+            [i32, i32, ctypes.POINTER(u64), u64, i32, ctypes.POINTER(vp)],
+            ctypes.c_int,
+        ),
+        "mf_cache_free": ([vp], None),
+        "mf_cache_route": ([vp, i32, ctypes.POINTER(ctypes.c_uint8)], ctypes.c_int),
+        "mf_cache_counts": ([vp, ctypes.POINTER(u64), ctypes.POINTER(u64), ctypes.POINTER(u64)], None),
+    }
+    for name, (argtypes, restype) in sigs.items():
+        fn = getattr(cdll, name)
+        fn.argtypes = argtypes
+        fn.restype = restype
+
+
 def load_library(path: Path | None = None) -> StreamLib:
     """Load the streamer library (after llama_cpp, whose libraries it links against).
 
@@ -67,14 +146,9 @@ def load_library(path: Path | None = None) -> StreamLib:
         raise StreamLibError(f"{lib_path} does not exist: run `make ext` (or `make setup`) to build it")
     try:
         cdll = ctypes.CDLL(str(lib_path))
-    except OSError as exc:
+        _declare(cdll)
+    except (OSError, AttributeError) as exc:
         raise StreamLibError(f"cannot load {lib_path}: {exc}; rebuild it with `make ext`") from exc
-    for name in ("mf_version", "mf_ggml_version", "mf_ggml_commit"):
-        fn = getattr(cdll, name)
-        fn.argtypes = []
-        fn.restype = ctypes.c_char_p
-    cdll.mf_patched_build.argtypes = []
-    cdll.mf_patched_build.restype = ctypes.c_int
     lib = StreamLib(cdll=cdll, path=lib_path)
     if not lib.patched_build():
         raise StreamLibError(f"{lib_path} is linked against an unpatched llama.cpp; run `make setup`")

@@ -1,10 +1,22 @@
 // moeflash_stream — the expert streamer's C library (libmoeflash_stream.so).
 //
-// Conventions (see ../shared/STYLE.md): every symbol is prefixed mf_; functions that can fail
-// return 0 or -errno; there is no global mutable state: everything hangs off a handle.
+// An MoE model is loaded by llama.cpp with two buffer types of this library (selected through
+// llama_model_params.tensor_buft_overrides): expert tensors live in reserved, inaccessible address
+// ranges that are filled on demand; every other tensor is read once into anonymous memory. The
+// context's eval callback (mf_streamer_eval_cb) sees each layer's routed expert ids and makes those
+// (layer, expert) slices resident from flash, into a cache bounded by a byte budget.
+//
+// Conventions (../../shared/STYLE.md): prefix mf_; functions that can fail return 0 or -errno and
+// leave a message for mf_streamer_last_error(); no global mutable state (everything hangs off the
+// mf_streamer handle); an I/O error never aborts: it is recorded, the graph is stopped, and the
+// caller (Python) raises it for that request.
 #pragma once
 
+#include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
+
+#include "ggml-backend.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -26,6 +38,122 @@ MF_API const char * mf_ggml_commit(void);
 // Non-zero when the llama.cpp build this library is linked against carries moeflash's patches
 // (the mul_mat_id ready hook resolves to the patched ggml-cpu). Thread-safe.
 MF_API int mf_patched_build(void);
+
+// ---------------------------------------------------------------------------------------------
+// The streamer
+
+typedef struct mf_streamer mf_streamer;
+
+enum mf_policy {
+    MF_POLICY_LRU    = 0,  // least recently used (layer, expert) entry first
+    MF_POLICY_LAYER  = 1,  // evict what is needed furthest in the future, estimated from the
+                           // layer cycle and each entry's decayed use frequency (the default)
+    MF_POLICY_NONE   = 2,  // no cache: only the running layer's experts are kept
+};
+
+enum mf_reader {
+    MF_READER_DIRECT   = 0,  // O_DIRECT (page-aligned reads straight into place); buffered if refused
+    MF_READER_BUFFERED = 1,  // plain pread through the page cache
+};
+
+typedef struct mf_config {
+    const char * model_path;    // the GGUF, or the first file of a split set (-00001-of-0000N.gguf)
+    uint64_t     budget_bytes;  // expert cache budget, at least one layer's experts; 0: set it later
+    int32_t      n_lanes;       // reader threads, 1..MF_MAX_LANES
+    int32_t      reader;        // enum mf_reader
+    int32_t      overlap;       // non-zero: reads overlap compute through the mul_mat_id ready hook
+    int32_t      policy;        // enum mf_policy
+    // fault injection for tests: after this many expert bytes have been read, reads fail with
+    // fault_errno (0 = off)
+    int32_t      fault_errno;
+    uint64_t     fault_after_bytes;
+    // negative control for tests: when > 0, expert (skip_expert - 1) is never read but still
+    // marked ready, leaving its slices zero-filled; a byte-identity gate must then fail
+    int32_t      skip_expert;
+} mf_config;
+
+#define MF_MAX_LANES 16
+
+// Cumulative counters; read with mf_streamer_get_stats (no lock on the hot path).
+typedef struct mf_stats {
+    uint64_t routes;         // ffn_moe_topk callbacks handled (one per MoE layer per micro-batch)
+    uint64_t hits;           // routed (layer, expert) entries found resident
+    uint64_t misses;         // routed entries that had to be read
+    uint64_t evictions;      // entries evicted
+    uint64_t bytes_read;     // expert bytes read from storage (payload, not alignment padding)
+    uint64_t reads;          // slice reads issued
+    uint64_t wait_ns;        // time the computation waited for expert reads
+    uint64_t manage_ns;      // time spent in cache bookkeeping and page protection on the decode path
+    uint64_t read_ns;        // time lanes spent inside read calls (summed over lanes)
+    uint64_t dense_bytes;    // non-expert bytes read at load into anonymous memory
+    uint64_t resident_bytes; // expert bytes resident now
+    uint64_t violations;     // expert matmuls that found a routed slice absent (must stay 0)
+    uint64_t errors;         // failed reads
+    uint64_t direct_io;      // 1 when O_DIRECT is in use, 0 when reads are buffered
+} mf_stats;
+
+// Creates a streamer for cfg->model_path: indexes the GGUF (all splits), checks sizes and
+// offsets, and starts the reader lanes. Returns 0, or -errno with *out == NULL and a message in
+// last_error (which may be NULL). Thread contract: call before loading the model.
+MF_API int mf_streamer_new(const mf_config * cfg, mf_streamer ** out, char * last_error, size_t last_error_size);
+
+// Sets the expert budget (bytes, at least mf_streamer_layer_bytes) before the model loads.
+// Returns 0, -EINVAL below the floor, -EBUSY once the cache exists.
+MF_API int mf_streamer_set_budget(mf_streamer * s, uint64_t budget_bytes);
+
+// Stops the lanes and frees the streamer. NULL is a no-op. Call after the llama model (whose
+// buffers belong to the streamer's buffer types) has been freed.
+MF_API void mf_streamer_free(mf_streamer * s);
+
+// The buffer types to pass in tensor_buft_overrides: experts (`_exps.weight`) and the rest.
+MF_API ggml_backend_buffer_type_t mf_streamer_expert_buft(mf_streamer * s);
+MF_API ggml_backend_buffer_type_t mf_streamer_dense_buft(mf_streamer * s);
+
+// After the model has loaded: 0 when every expert tensor of the file is in the expert buffer
+// type and every other tensor was read, else -errno with a message.
+MF_API int mf_streamer_check_loaded(mf_streamer * s);
+
+// The ggml_backend_sched_eval_callback to install as cb_eval, with the streamer as user data.
+// Thread contract: called on the llama_decode thread only.
+MF_API bool mf_streamer_eval_cb(struct ggml_tensor * t, bool ask, void * user_data);
+
+// Copies the counters. Thread-safe, lock-free.
+MF_API void mf_streamer_get_stats(const mf_streamer * s, mf_stats * out);
+
+// Takes the first error recorded since the last call: returns its -errno (0 if none) and copies
+// its message. Thread contract: between llama_decode calls, on the decode thread.
+MF_API int mf_streamer_take_error(mf_streamer * s, char * msg, size_t msg_size);
+
+// The message of the last failure of a call on this streamer. Valid until the next call.
+MF_API const char * mf_streamer_last_error(const mf_streamer * s);
+
+// Evicts every unpinned expert entry (tests and benchmarks: a cold cache). Decode thread only.
+MF_API void mf_streamer_drop_cache(mf_streamer * s);
+
+// Bytes of one layer's experts (all of them) and of the largest layer; the budget floor.
+MF_API uint64_t mf_streamer_layer_bytes(const mf_streamer * s);
+// Bytes of all expert tensors, and number of MoE layers / experts per layer.
+MF_API uint64_t mf_streamer_expert_bytes(const mf_streamer * s);
+MF_API int32_t  mf_streamer_n_moe_layers(const mf_streamer * s);
+MF_API int32_t  mf_streamer_n_expert(const mf_streamer * s);
+
+// ---------------------------------------------------------------------------------------------
+// The cache policy on its own, for trace replay (the same code the streamer runs).
+
+typedef struct mf_cache mf_cache;
+
+// entry_bytes[l] = bytes of one expert of layer l (0 for a layer without experts).
+MF_API int  mf_cache_new(int32_t n_layer, int32_t n_expert, const uint64_t * entry_bytes, uint64_t budget_bytes,
+                         int32_t policy, mf_cache ** out);
+MF_API void mf_cache_free(mf_cache * c);
+
+// One layer's routing: want[e] != 0 for each routed expert. Marks hits, admits misses (evicting
+// per the policy), pins the layer until the next call. Returns the number of misses (>= 0) or
+// -ENOSPC when the routed set alone exceeds the budget.
+MF_API int mf_cache_route(mf_cache * c, int32_t layer, const uint8_t * want);
+
+// Counters of a stand-alone cache: hits, misses, evictions.
+MF_API void mf_cache_counts(const mf_cache * c, uint64_t * hits, uint64_t * misses, uint64_t * evictions);
 
 #ifdef __cplusplus
 }

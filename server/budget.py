@@ -1,0 +1,158 @@
+"""The expert cache budget: explicit bytes, or `auto` from the memory this process may use.
+
+auto = limit - dense weights - KV cache - margin, where the limit is the memory cgroup's
+(v2 memory.max or v1 memory.limit_in_bytes) when one is set, else MemAvailable, and the margin
+covers llama.cpp's compute buffers, the Python process and page tables (10% of the limit plus
+256 MiB). The result is clamped to [one layer's experts, all experts]; below the floor the model
+cannot run in this memory and that is an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from server.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_MIB = 2**20
+_UNLIMITED = 2**60  # cgroup v1 reports "no limit" as a huge page-rounded number
+_SPLIT_RE = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+_SIZE_RE = re.compile(r"^\s*(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>[kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+@dataclass(frozen=True)
+class BudgetChoice:
+    """The budget in bytes and the reason it was chosen (logged at start-up)."""
+
+    bytes: int
+    reason: str
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "123", "512M", "4G", "1.5GiB" (binary units)."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ConfigError(f"not a size: {text!r} (examples: 4G, 512M, 1073741824)")
+    unit = (m.group("unit") or "").lower().rstrip("b").rstrip("i")
+    return int(float(m.group("num")) * _UNITS[unit])
+
+
+def model_files(path: Path) -> list[Path]:
+    """The model's files: the path itself, or every file of its split set."""
+    m = _SPLIT_RE.match(path.name)
+    if not m:
+        return [path]
+    count = int(m.group("count"))
+    return [path.with_name(f"{m.group('prefix')}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def streamer_dense_bytes(path: Path, expert_bytes: int) -> int:
+    """Bytes of everything but the experts (dense weights, plus the small header)."""
+    total = sum(p.stat().st_size for p in model_files(path) if p.exists())
+    return max(0, total - expert_bytes)
+
+
+def _cgroup_limit() -> tuple[int, str] | None:
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
+        if controllers == "":  # cgroup v2
+            f = Path("/sys/fs/cgroup") / rel.lstrip("/") / "memory.max"
+            name = "cgroup v2 memory.max"
+        elif "memory" in controllers.split(","):
+            f = Path("/sys/fs/cgroup/memory") / rel.lstrip("/") / "memory.limit_in_bytes"
+            name = "cgroup v1 memory.limit_in_bytes"
+        else:
+            continue
+        try:
+            raw = f.read_text().strip()
+        except OSError:
+            continue
+        if raw != "max" and raw.isdigit() and int(raw) < _UNLIMITED:
+            return int(raw), f"{name} ({f})"
+    return None
+
+
+def _mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise ConfigError("cannot read MemAvailable from /proc/meminfo; give an explicit --budget")
+
+
+def memory_limit() -> tuple[int, str]:
+    """(bytes this process may use, where that number comes from)."""
+    cg = _cgroup_limit()
+    if cg is not None:
+        return cg
+    return _mem_available(), "MemAvailable (/proc/meminfo)"
+
+
+def choose_budget(
+    *,
+    requested: int | None,
+    expert_bytes: int,
+    layer_bytes: int,
+    dense_bytes: int,
+    kv_bytes: int,
+    limit: tuple[int, str] | None = None,
+) -> BudgetChoice:
+    """The expert budget: `requested` bytes as given, or automatic when it is None."""
+    if requested is not None:
+        if requested < layer_bytes:
+            raise ConfigError(
+                f"budget {requested / _MIB:.1f} MiB is smaller than one layer's experts "
+                f"({layer_bytes / _MIB:.1f} MiB), which one prompt can route to"
+            )
+        return BudgetChoice(requested, "given explicitly")
+    limit_bytes, source = limit or memory_limit()
+    margin = limit_bytes // 10 + 256 * _MIB
+    auto = limit_bytes - dense_bytes - kv_bytes - margin
+    why = (
+        f"auto: {source} {limit_bytes / _MIB:.0f} MiB - dense {dense_bytes / _MIB:.0f} MiB"
+        f" - KV {kv_bytes / _MIB:.0f} MiB - margin {margin / _MIB:.0f} MiB"
+    )
+    if auto >= expert_bytes:
+        return BudgetChoice(
+            expert_bytes, f"{why} >= all experts ({expert_bytes / _MIB:.0f} MiB): everything cached"
+        )
+    if auto < layer_bytes:
+        raise ConfigError(
+            f"not enough memory to stream this model: {why} = {auto / _MIB:.0f} MiB, below one layer's "
+            f"experts ({layer_bytes / _MIB:.0f} MiB); free memory, lower --ctx-size, or use a smaller model"
+        )
+    return BudgetChoice(auto, why)
+
+
+def kv_cache_bytes(metadata: dict[str, str], n_ctx: int) -> int:
+    """F16 K and V bytes for n_ctx tokens, from the GGUF metadata (an upper bound for SWA models)."""
+    arch = metadata.get("general.architecture", "")
+
+    def num(key: str, default: int) -> int:
+        raw = metadata.get(f"{arch}.{key}")
+        if raw is None:
+            return default
+        try:
+            return int(float(raw))
+        except ValueError:  # a per-layer array: take its largest value
+            values = [int(float(x)) for x in re.findall(r"-?\d+(?:\.\d+)?", raw)]
+            return max(values) if values else default
+
+    n_layer = num("block_count", 0)
+    n_embd = num("embedding_length", 0)
+    n_head = max(1, num("attention.head_count", 1))
+    n_head_kv = num("attention.head_count_kv", n_head)
+    k_len = num("attention.key_length", n_embd // n_head)
+    v_len = num("attention.value_length", n_embd // n_head)
+    return n_ctx * n_layer * n_head_kv * (k_len + v_len) * 2

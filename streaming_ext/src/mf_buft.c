@@ -1,0 +1,311 @@
+// The streamer's two ggml buffer types.
+//
+// DESIGN
+// MF_EXPERTS holds the expert tensors (blk.N.ffn_*_exps.weight). Its max buffer size is 1 byte, so
+// ggml gives every expert tensor a buffer of its own, and each buffer is a PROT_NONE,
+// MAP_NORESERVE reservation: no memory until a slice is read. init_tensor moves the tensor's data
+// pointer inside its reservation so that it is congruent to the tensor's file offset modulo the
+// page size: then a page-aligned O_DIRECT read of a slice lands straight in place (the edge bytes
+// it also brings belong to the neighbouring slices and are their correct bytes: weights are
+// immutable). set_tensor ignores the loader's pointer into its (unread) file mapping.
+// MF_DENSE holds everything else in anonymous memory, read once from the file in set_tensor
+// (O_DIRECT through a bounce buffer when possible) so it never depends on the page cache.
+// Both are host buffers of the CPU device, so the CPU backend computes on them directly.
+#include "mf_internal.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+typedef struct mf_buf {
+    mf_streamer * s;
+    char *        reserve;  // expert buffers: the whole reservation; dense: the mapping
+    size_t        reserve_size;
+    char *        base;
+    mf_xtensor *  xt;  // expert buffers: the one tensor placed in it
+} mf_buf;
+
+static mf_streamer * buft_streamer(ggml_backend_buffer_type_t buft) {
+    return buft->context;
+}
+
+// ---------------------------------------------------------------- shared buffer callbacks
+static void * buf_get_base(ggml_backend_buffer_t buffer) {
+    return ((mf_buf *) buffer->context)->base;
+}
+
+static void buf_free(ggml_backend_buffer_t buffer) {
+    // the mf_xtensor (if any) belongs to the streamer, which never touches it after the model is freed
+    mf_buf * b = buffer->context;
+    munmap(b->reserve, b->reserve_size);
+    free(b);
+}
+
+static bool buft_is_host(ggml_backend_buffer_type_t buft) {
+    (void) buft;
+    return true;
+}
+
+// ---------------------------------------------------------------- experts
+static const char * xbuft_name(ggml_backend_buffer_type_t buft) {
+    (void) buft;
+    return "MF_EXPERTS";
+}
+
+bool mf_buft_is_expert(ggml_backend_buffer_type_t buft) {
+    return buft && buft->iface.get_name == xbuft_name;
+}
+
+mf_xtensor * mf_buffer_xtensor(ggml_backend_buffer_t buffer) {
+    return ((mf_buf *) buffer->context)->xt;
+}
+
+static enum ggml_status xbuf_init_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * t) {
+    mf_buf *      b = buffer->context;
+    mf_streamer * s = b->s;
+    if (t->view_src) {
+        return GGML_STATUS_SUCCESS;  // a view shares its source's memory
+    }
+    int32_t  layer = -1;
+    mf_loc * loc   = mf_index_find(&s->ix, t->name);
+    if (b->xt || !loc || !mf_is_expert_name(t->name, &layer) || t->ne[2] < 1 || loc->size != ggml_nbytes(t) ||
+        (size_t) t->nb[2] * (size_t) t->ne[2] != ggml_nbytes(t) || (char *) t->data != b->base) {
+        mf_streamer_fail(s, -EINVAL, "tensor %s cannot be streamed (not an expert tensor of %s, or shared buffer)",
+                         t->name, s->model_path);
+        return GGML_STATUS_FAILED;
+    }
+    // place the tensor so that data = file offset (mod page): see DESIGN above
+    const uintptr_t base  = (uintptr_t) b->base;
+    const uintptr_t shift = (uintptr_t) (loc->offset - base) & (MF_PAGE - 1);
+    t->data               = (void *) (base + shift);
+
+    mf_xtensor * xt = calloc(1, sizeof *xt);
+    atomic_int * st = calloc((size_t) t->ne[2], sizeof *st);
+    if (!xt || !st) {
+        free(xt);
+        free(st);
+        mf_streamer_fail(s, -ENOMEM, "out of memory registering %s", t->name);
+        return GGML_STATUS_ALLOC_FAILED;
+    }
+    xt->s            = s;
+    xt->t            = t;
+    xt->loc          = loc;
+    xt->layer        = layer;
+    xt->n_expert     = (int32_t) t->ne[2];
+    xt->nb2          = t->nb[2];
+    xt->reserve      = b->reserve;
+    xt->reserve_size = b->reserve_size;
+    xt->data         = t->data;
+    xt->state        = st;
+    if (mf_streamer_register_xt(s, xt) != 0) {
+        free(st);
+        free(xt);
+        return GGML_STATUS_FAILED;
+    }
+    b->xt       = xt;
+    loc->placed = true;
+    return GGML_STATUS_SUCCESS;
+}
+
+static void xbuf_set_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * t, const void * data, size_t offset,
+                            size_t size) {
+    // the loader hands a pointer into its file mapping: never touch it (that would read the file)
+    (void) buffer;
+    (void) t;
+    (void) data;
+    (void) offset;
+    (void) size;
+}
+
+static void xbuf_get_tensor(ggml_backend_buffer_t buffer, const struct ggml_tensor * t, void * data, size_t offset,
+                            size_t size) {
+    // served from the file: the tensor's memory may be inaccessible
+    mf_buf * b  = buffer->context;
+    mf_loc * lo = mf_index_find(&b->s->ix, t->name);
+    int      rc = -ENOENT;
+    if (lo && offset + size <= lo->size) {
+        rc = mf_pread_full(b->s->ix.files[lo->file].fd, data, size, lo->offset + offset, size);
+    }
+    if (rc != 0) {
+        memset(data, 0, size);
+        mf_streamer_fail(b->s, rc, "reading %s back from %s failed: %s", t->name, b->s->model_path, strerror(-rc));
+    }
+}
+
+static void xbuf_memset_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * t, uint8_t value, size_t offset,
+                               size_t size) {
+    (void) value;
+    (void) offset;
+    (void) size;
+    mf_buf * b = buffer->context;
+    mf_streamer_fail(b->s, -EPERM, "memset of streamed expert tensor %s refused (weights are read-only)", t->name);
+}
+
+static void xbuf_clear(ggml_backend_buffer_t buffer, uint8_t value) {
+    // weights are never cleared; a reservation reads as inaccessible until filled
+    (void) buffer;
+    (void) value;
+}
+
+static const struct ggml_backend_buffer_i xbuf_iface = {
+    .free_buffer   = buf_free,
+    .get_base      = buf_get_base,
+    .init_tensor   = xbuf_init_tensor,
+    .memset_tensor = xbuf_memset_tensor,
+    .set_tensor    = xbuf_set_tensor,
+    .get_tensor    = xbuf_get_tensor,
+    .set_tensor_2d = NULL,
+    .get_tensor_2d = NULL,
+    .cpy_tensor    = NULL,
+    .clear         = xbuf_clear,
+    .reset         = NULL,
+};
+
+static ggml_backend_buffer_t xbuft_alloc(ggml_backend_buffer_type_t buft, size_t size) {
+    mf_streamer * s = buft_streamer(buft);
+    // one page in front and the alloc-size padding behind keep page-aligned reads inside
+    const size_t  reserve_size = ((size + MF_PAGE - 1) & ~(size_t) (MF_PAGE - 1)) + 2 * MF_PAGE;
+    void *        p = mmap(NULL, reserve_size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    mf_buf *      b = calloc(1, sizeof *b);
+    if (p == MAP_FAILED || !b) {
+        if (p != MAP_FAILED) {
+            munmap(p, reserve_size);
+        }
+        free(b);
+        mf_streamer_fail(s, -ENOMEM, "cannot reserve %zu bytes of address space for experts", reserve_size);
+        return NULL;
+    }
+    b->s            = s;
+    b->reserve      = p;
+    b->reserve_size = reserve_size;
+    b->base         = (char *) p + MF_PAGE;
+    return ggml_backend_buffer_init(buft, xbuf_iface, b, size);
+}
+
+static size_t xbuft_alignment(ggml_backend_buffer_type_t buft) {
+    (void) buft;
+    return 32;  // GGUF's default alignment; the real placement is chosen in init_tensor
+}
+
+static size_t xbuft_max_size(ggml_backend_buffer_type_t buft) {
+    (void) buft;
+    return 1;  // one buffer per tensor (see DESIGN)
+}
+
+static size_t xbuft_alloc_size(ggml_backend_buffer_type_t buft, const struct ggml_tensor * t) {
+    (void) buft;
+    return ggml_nbytes(t) + 2 * MF_PAGE;  // room to shift the data pointer and read whole pages
+}
+
+// ---------------------------------------------------------------- dense
+static const char * dbuft_name(ggml_backend_buffer_type_t buft) {
+    (void) buft;
+    return "MF_DENSE";
+}
+
+static void dbuf_set_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * t, const void * data, size_t offset,
+                            size_t size) {
+    mf_buf *   b   = buffer->context;
+    mf_loc *   loc = mf_index_find(&b->s->ix, t->name);
+    const bool whole_file_tensor = loc && offset == 0 && size == loc->size && size == ggml_nbytes(t);
+    if (!whole_file_tensor) {
+        // not a file tensor (or a partial update): take the caller's bytes
+        memcpy((char *) t->data + offset, data, size);
+        return;
+    }
+    // read it ourselves rather than from the loader's mapping: no page cache left behind
+    const int rc = mf_read_dense(b->s, loc, t->data);
+    if (rc != 0) {
+        mf_streamer_fail(b->s, rc, "reading %s from %s failed: %s", t->name, b->s->ix.files[loc->file].path,
+                         strerror(-rc));
+        memset(t->data, 0, size);
+        return;
+    }
+    loc->placed = true;
+}
+
+static void dbuf_get_tensor(ggml_backend_buffer_t buffer, const struct ggml_tensor * t, void * data, size_t offset,
+                            size_t size) {
+    (void) buffer;
+    memcpy(data, (const char *) t->data + offset, size);
+}
+
+static void dbuf_memset_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * t, uint8_t value, size_t offset,
+                               size_t size) {
+    (void) buffer;
+    memset((char *) t->data + offset, value, size);
+}
+
+static void dbuf_clear(ggml_backend_buffer_t buffer, uint8_t value) {
+    memset(((mf_buf *) buffer->context)->base, value, buffer->size);
+}
+
+static const struct ggml_backend_buffer_i dbuf_iface = {
+    .free_buffer   = buf_free,
+    .get_base      = buf_get_base,
+    .init_tensor   = NULL,
+    .memset_tensor = dbuf_memset_tensor,
+    .set_tensor    = dbuf_set_tensor,
+    .get_tensor    = dbuf_get_tensor,
+    .set_tensor_2d = NULL,
+    .get_tensor_2d = NULL,
+    .cpy_tensor    = NULL,
+    .clear         = dbuf_clear,
+    .reset         = NULL,
+};
+
+static ggml_backend_buffer_t dbuft_alloc(ggml_backend_buffer_type_t buft, size_t size) {
+    mf_streamer * s            = buft_streamer(buft);
+    const size_t  reserve_size = size ? (size + MF_PAGE - 1) & ~(size_t) (MF_PAGE - 1) : MF_PAGE;
+    void *        p            = mmap(NULL, reserve_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    mf_buf *      b            = calloc(1, sizeof *b);
+    if (p == MAP_FAILED || !b) {
+        if (p != MAP_FAILED) {
+            munmap(p, reserve_size);
+        }
+        free(b);
+        mf_streamer_fail(s, -ENOMEM, "cannot allocate %zu bytes for dense weights", reserve_size);
+        return NULL;
+    }
+    b->s            = s;
+    b->reserve      = p;
+    b->reserve_size = reserve_size;
+    b->base         = p;
+    return ggml_backend_buffer_init(buft, dbuf_iface, b, size);
+}
+
+static size_t dbuft_alignment(ggml_backend_buffer_type_t buft) {
+    (void) buft;
+    return 64;
+}
+
+void mf_buft_init(mf_streamer * s) {
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    s->expert_buft         = (struct ggml_backend_buffer_type){
+                .iface   = {
+                    .get_name       = xbuft_name,
+                    .alloc_buffer   = xbuft_alloc,
+                    .get_alignment  = xbuft_alignment,
+                    .get_max_size   = xbuft_max_size,
+                    .get_alloc_size = xbuft_alloc_size,
+                    .is_host        = buft_is_host,
+        },
+                .device  = cpu,
+                .context = s,
+    };
+    s->dense_buft = (struct ggml_backend_buffer_type){
+        .iface   = {
+            .get_name       = dbuft_name,
+            .alloc_buffer   = dbuft_alloc,
+            .get_alignment  = dbuft_alignment,
+            .get_max_size   = NULL,
+            .get_alloc_size = NULL,
+            .is_host        = buft_is_host,
+        },
+        .device  = cpu,
+        .context = s,
+    };
+}

@@ -1,0 +1,175 @@
+// Internal structures of libmoeflash_stream, shared by its source files.
+#pragma once
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ggml-backend-impl.h"
+#include "ggml.h"
+#include "moeflash_stream.h"
+
+#define MF_PAGE          4096u  // O_DIRECT alignment and page granularity of expert memory
+#define MF_MAX_SPLITS    256
+#define MF_MAX_XT        4      // expert tensors per layer (gate, up, down; or gate_up, down)
+#define MF_ERR_LEN       512
+
+// ---------------------------------------------------------------- cache policy (mf_cache.c)
+struct mf_cache {
+    int32_t    n_layer;
+    int32_t    n_expert;
+    int32_t    policy;
+    int32_t    k_seen;        // largest routed-set size seen (the frequency prior is k / n_expert)
+    uint64_t   budget;
+    uint64_t   used;          // bytes of resident entries
+    uint64_t * entry_bytes;   // [n_layer]
+    uint8_t *  resident;      // [n_layer * n_expert]
+    uint64_t * last_use;      // [n_layer * n_expert] route clock of the last use (LRU)
+    float *    freq;          // [n_layer * n_expert] decayed count of routes that picked the entry
+    float *    weight;        // [n_layer] decayed count of routes of the layer
+    uint64_t   clock;
+    int32_t    pinned_layer;  // the running layer; its routed entries cannot be evicted
+    uint8_t *  pinned;        // [n_expert]
+    // results of the last mf_cache_route: experts of `layer` to load, entries (l*n_expert+e) evicted
+    int32_t *  load;
+    int32_t    n_load;
+    int32_t *  evict;
+    int32_t    n_evict;
+    uint64_t   hits;
+    uint64_t   misses;
+    uint64_t   evictions;
+};
+
+// forgets a resident entry whose read failed (it is not resident after all)
+void mf_cache_forget(mf_cache * c, int32_t layer, int32_t expert);
+// evicts every entry (the list is left in c->evict); returns how many
+int32_t mf_cache_evict_all(mf_cache * c);
+
+// ---------------------------------------------------------------- GGUF index (mf_index.c)
+typedef struct mf_file {
+    char *   path;
+    int      fd;         // buffered reads
+    int      fd_direct;  // O_DIRECT, or -1 when the file system refuses it
+    uint64_t size;       // at open; a read past it means the file changed
+} mf_file;
+
+typedef struct mf_loc {
+    char *   name;
+    int32_t  file;
+    uint64_t offset;  // absolute offset of the tensor's data in its file
+    uint64_t size;    // bytes
+    bool     placed;  // seen by a buffer of the streamer while loading
+} mf_loc;
+
+typedef struct mf_index {
+    mf_file  files[MF_MAX_SPLITS];
+    int32_t  n_files;
+    mf_loc * locs;  // sorted by name
+    int64_t  n_locs;
+} mf_index;
+
+int            mf_index_open(mf_index * ix, const char * path, bool direct, char * err, size_t err_size);
+void           mf_index_close(mf_index * ix);
+mf_loc *       mf_index_find(const mf_index * ix, const char * name);
+bool           mf_is_expert_name(const char * name, int32_t * layer);
+
+// ---------------------------------------------------------------- reads (mf_io.c)
+// Reads exactly len bytes at off (retrying EINTR, continuing short reads). need <= len: reaching
+// end of file after `need` bytes is fine (aligned reads may run past the last tensor).
+// Returns 0, -errno on a read error, or -ENODATA when the file ended early (it changed size).
+int mf_pread_full(int fd, void * buf, size_t len, uint64_t off, size_t need);
+
+// ---------------------------------------------------------------- expert tensors (mf_buft.c)
+enum mf_slice_state { MF_SLICE_ABSENT = 0, MF_SLICE_LOADING = 1, MF_SLICE_READY = 2, MF_SLICE_FAILED = 3 };
+
+typedef struct mf_xtensor {
+    struct mf_streamer * s;
+    struct ggml_tensor * t;
+    mf_loc *             loc;
+    int32_t              layer;
+    int32_t              n_expert;
+    uint64_t             nb2;      // bytes of one expert's slice
+    char *               reserve;  // the whole reservation (PROT_NONE when not resident)
+    size_t               reserve_size;
+    char *               data;     // t->data: congruent to loc->offset modulo MF_PAGE
+    atomic_int *         state;    // [n_expert] enum mf_slice_state
+} mf_xtensor;
+
+typedef struct mf_layer {
+    mf_xtensor * xt[MF_MAX_XT];  // in consumption order
+    int32_t      n_xt;
+    uint64_t     entry_bytes;    // one expert of this layer, all its tensors
+} mf_layer;
+
+// ---------------------------------------------------------------- the streamer (mf_streamer.c)
+typedef struct mf_job {
+    mf_xtensor * xt;
+    int32_t      expert;
+} mf_job;
+
+struct mf_streamer {
+    mf_config  cfg;
+    char *     model_path;
+    mf_index   ix;
+    bool       direct;  // O_DIRECT reads in use
+
+    struct ggml_backend_buffer_type expert_buft;
+    struct ggml_backend_buffer_type dense_buft;
+
+    // expert tensors, registered while the model loads
+    mf_xtensor ** xts;
+    int32_t       n_xt;
+    int32_t       cap_xt;
+    mf_layer *    layers;    // [n_layer_max]
+    int32_t       n_layers;  // layers slots (max layer index + 1 of expert tensors in the file)
+    int32_t       n_expert;
+    uint64_t      layer_bytes_max;
+    uint64_t      expert_bytes;
+    mf_cache *    cache;
+    uint8_t *     want;  // [n_expert] scratch for routing
+
+    // dense reads at load: an aligned bounce buffer for O_DIRECT
+    void *        bounce;
+    size_t        bounce_size;
+
+    // reader lanes: one queue (FIFO), one completion condition
+    pthread_t       lanes[MF_MAX_LANES];
+    int32_t         n_lanes_started;
+    pthread_mutex_t mu;
+    pthread_cond_t  work_cv;  // jobs queued or stop
+    pthread_cond_t  done_cv;  // a job finished
+    mf_job *        queue;
+    size_t          queue_cap;
+    size_t          q_head;
+    size_t          q_len;
+    size_t          outstanding;  // queued + in flight
+    bool            stop;
+    int32_t         n_waiting;    // compute threads blocked in the ready hook
+    uint64_t        wait_start_ns;
+
+    // first error since the last mf_streamer_take_error (under mu)
+    int  err_code;
+    char err_msg[MF_ERR_LEN];
+    char last_error[MF_ERR_LEN];  // of the last failed API call
+
+    // counters (relaxed atomics: read without locks)
+    atomic_uint_fast64_t st_routes, st_hits, st_misses, st_evictions, st_bytes_read, st_reads, st_wait_ns,
+        st_manage_ns, st_read_ns, st_dense_bytes, st_resident_bytes, st_violations, st_errors;
+    atomic_uint_fast64_t expert_bytes_read_total;  // for fault injection
+};
+
+// buffer types (mf_buft.c)
+void mf_buft_init(mf_streamer * s);
+bool mf_buft_is_expert(ggml_backend_buffer_type_t buft);
+mf_xtensor * mf_buffer_xtensor(ggml_backend_buffer_t buffer);  // the tensor of an expert buffer
+
+// streamer helpers used by mf_buft.c
+int      mf_streamer_register_xt(mf_streamer * s, mf_xtensor * xt);
+void     mf_streamer_fail(mf_streamer * s, int code, const char * fmt, ...) __attribute__((format(printf, 3, 4)));
+int      mf_read_dense(mf_streamer * s, const mf_loc * loc, void * dst);
+uint64_t mf_now_ns(void);
+
+// the mul_mat_id ready hook (mf_streamer.c); dispatches on the tensor's buffer type
+bool mf_ready_hook(const struct ggml_tensor * src0, int64_t expert, void * user_data);

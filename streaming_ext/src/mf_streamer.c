@@ -1,0 +1,780 @@
+// The expert streamer: routing callback, reader lanes, residency of expert slices.
+//
+// DESIGN
+// Threads. The decode thread (the one calling llama_decode) runs mf_streamer_eval_cb: on each
+// ffn_moe_topk-<il> node it reads the routed ids, asks the cache (mf_cache.c) what to load and
+// evict, releases evicted slices' pages, makes the slices to load writable and queues one job per
+// slice. N reader lanes pop jobs (one mutex + condition variable, FIFO), read unlocked, and mark
+// each slice READY (or FAILED) under the mutex, broadcasting done_cv. Without overlap the decode
+// thread waits for the layer's jobs before returning; with overlap it returns at once and the
+// compute threads wait per slice in the mul_mat_id ready hook (mf_ready_hook), so the matmuls of
+// ready experts run while the rest are still being read. Jobs are queued in the order the graph
+// consumes them (gate or gate_up, then up, then down; experts ascending).
+// Memory. A slice is readable only while its state is LOADING or READY; eviction returns its
+// pages (MADV_DONTNEED) and protects them again, except pages shared with a neighbouring slice
+// that is still resident. A computation that touches a slice nobody loaded faults.
+// Errors. Nothing here aborts. A failed read marks its slice FAILED, records the first error, and
+// makes the next callback return false (which stops the graph); mf_streamer_take_error hands the
+// error to Python, which fails that request. Failed entries are forgotten by the cache and
+// retried on their next use.
+// Lanes block all signals (the host process handles them) and stop by flag + broadcast + join.
+#include "mf_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ggml-cpu.h"
+
+#define MF_BOUNCE_SIZE (8u << 20)
+
+uint64_t mf_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t) ts.tv_sec * 1000000000u + (uint64_t) ts.tv_nsec;
+}
+
+static inline char * pg_down(char * p) {
+    return (char *) ((uintptr_t) p & ~(uintptr_t) (MF_PAGE - 1));
+}
+
+static inline char * pg_up(char * p) {
+    return (char *) (((uintptr_t) p + MF_PAGE - 1) & ~(uintptr_t) (MF_PAGE - 1));
+}
+
+#define ADD(counter, v) atomic_fetch_add_explicit(&(counter), (uint64_t) (v), memory_order_relaxed)
+
+// ---------------------------------------------------------------- errors
+static void record_error_locked(mf_streamer * s, int code, const char * msg) {
+    if (s->err_code == 0) {
+        s->err_code = code ? code : -EIO;
+        snprintf(s->err_msg, sizeof s->err_msg, "%s", msg);
+    }
+}
+
+void mf_streamer_fail(mf_streamer * s, int code, const char * fmt, ...) {
+    char    msg[MF_ERR_LEN];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    pthread_mutex_lock(&s->mu);
+    record_error_locked(s, code, msg);
+    snprintf(s->last_error, sizeof s->last_error, "%s", msg);
+    pthread_mutex_unlock(&s->mu);
+    ADD(s->st_errors, 1);
+}
+
+static bool has_error(mf_streamer * s) {
+    pthread_mutex_lock(&s->mu);
+    const bool e = s->err_code != 0;
+    pthread_mutex_unlock(&s->mu);
+    return e;
+}
+
+int mf_streamer_take_error(mf_streamer * s, char * msg, size_t msg_size) {
+    pthread_mutex_lock(&s->mu);
+    const int code = s->err_code;
+    if (msg && msg_size) {
+        snprintf(msg, msg_size, "%s", code ? s->err_msg : "");
+    }
+    s->err_code  = 0;
+    s->err_msg[0] = '\0';
+    pthread_mutex_unlock(&s->mu);
+    return code;
+}
+
+const char * mf_streamer_last_error(const mf_streamer * s) {
+    return s->last_error;
+}
+
+// ---------------------------------------------------------------- dense reads (at load)
+int mf_read_dense(mf_streamer * s, const mf_loc * loc, void * dst) {
+    const mf_file * f = &s->ix.files[loc->file];
+    int             rc;
+    if (s->direct && f->fd_direct >= 0 && s->bounce) {
+        // O_DIRECT through the bounce buffer, chunk by chunk: nothing enters the page cache
+        uint64_t done = 0;
+        rc            = 0;
+        while (done < loc->size && rc == 0) {
+            const uint64_t off   = loc->offset + done;
+            const uint64_t a0    = off & ~(uint64_t) (MF_PAGE - 1);
+            const uint64_t want  = loc->size - done;
+            uint64_t       chunk = MF_BOUNCE_SIZE - (off - a0);
+            if (chunk > want) {
+                chunk = want;
+            }
+            const uint64_t a1 = (off + chunk + MF_PAGE - 1) & ~(uint64_t) (MF_PAGE - 1);
+            rc                = mf_pread_full(f->fd_direct, s->bounce, (size_t) (a1 - a0), a0, (size_t) (off + chunk - a0));
+            if (rc == 0) {
+                memcpy((char *) dst + done, (char *) s->bounce + (off - a0), (size_t) chunk);
+                done += chunk;
+            }
+        }
+        if (rc != -EINVAL) {
+            if (rc == 0) {
+                ADD(s->st_dense_bytes, loc->size);
+            }
+            return rc;
+        }
+        // O_DIRECT refused at read time: fall through to buffered reads
+    }
+    rc = mf_pread_full(f->fd, dst, (size_t) loc->size, loc->offset, (size_t) loc->size);
+    if (rc == 0) {
+        ADD(s->st_dense_bytes, loc->size);
+        // the bytes now live in anonymous memory; do not keep a second copy in the page cache
+        posix_fadvise(f->fd, (off_t) loc->offset, (off_t) loc->size, POSIX_FADV_DONTNEED);
+    }
+    return rc;
+}
+
+// ---------------------------------------------------------------- slice memory
+static void slice_span(const mf_xtensor * xt, int32_t e, char ** p0, char ** p1) {
+    char * m0 = xt->data + (size_t) e * xt->nb2;
+    *p0       = pg_down(m0);
+    *p1       = pg_up(m0 + xt->nb2);
+}
+
+static int slice_make_rw(mf_xtensor * xt, int32_t e) {
+    char *p0, *p1;
+    slice_span(xt, e, &p0, &p1);
+    return mprotect(p0, (size_t) (p1 - p0), PROT_READ | PROT_WRITE) == 0 ? 0 : -errno;
+}
+
+static bool slice_live(const mf_xtensor * xt, int64_t e) {
+    const int st = atomic_load_explicit(&xt->state[e], memory_order_acquire);
+    return st == MF_SLICE_LOADING || st == MF_SLICE_READY;
+}
+
+static void release_run(char * a, char * b) {
+    if (a && b > a) {
+        // errors here are not fatal: the pages stay readable with correct bytes, only memory is lost
+        madvise(a, (size_t) (b - a), MADV_DONTNEED);
+        mprotect(a, (size_t) (b - a), PROT_NONE);
+    }
+}
+
+// returns slice e's pages, keeping those shared with a live neighbour (state must be non-live)
+static void slice_release(mf_xtensor * xt, int32_t e) {
+    char *p0, *p1;
+    slice_span(xt, e, &p0, &p1);
+    const int64_t nb2 = (int64_t) xt->nb2;
+    char *        run = NULL;
+    for (char * p = p0; p < p1; p += MF_PAGE) {
+        // slices overlapping page [p, p + page)
+        int64_t lo   = (int64_t) (p - xt->data);
+        int64_t hi   = lo + MF_PAGE - 1;
+        lo           = lo < 0 ? 0 : lo / nb2;
+        hi           = hi < 0 ? -1 : hi / nb2;
+        bool shared  = false;
+        for (int64_t o = lo; o <= hi && o < xt->n_expert; o++) {
+            if (o != e && slice_live(xt, o)) {
+                shared = true;
+                break;
+            }
+        }
+        if (shared) {
+            if (run) {
+                release_run(run, p);
+                run = NULL;
+            }
+        } else if (!run) {
+            run = p;
+        }
+    }
+    if (run) {
+        release_run(run, p1);
+    }
+}
+
+// ---------------------------------------------------------------- reader lanes
+static int read_slice(mf_streamer * s, mf_xtensor * xt, int32_t e) {
+    const mf_file * f   = &s->ix.files[xt->loc->file];
+    const uint64_t  f0  = xt->loc->offset + (uint64_t) e * xt->nb2;
+    const size_t    len = (size_t) xt->nb2;
+    char *          m0  = xt->data + (size_t) e * xt->nb2;
+
+    if (s->cfg.skip_expert > 0 && e == s->cfg.skip_expert - 1) {
+        return 0;  // negative control: the slice stays zero-filled (see mf_config.skip_expert)
+    }
+    if (s->cfg.fault_errno) {
+        const uint64_t before = atomic_fetch_add(&s->expert_bytes_read_total, len);
+        if (before + len > s->cfg.fault_after_bytes) {
+            return -s->cfg.fault_errno;
+        }
+    }
+    if (s->direct && f->fd_direct >= 0) {
+        // whole pages, straight into place: data is congruent to the file offset (mf_buft.c)
+        const uint64_t a0 = f0 & ~(uint64_t) (MF_PAGE - 1);
+        const uint64_t a1 = (f0 + len + MF_PAGE - 1) & ~(uint64_t) (MF_PAGE - 1);
+        const int      rc = mf_pread_full(f->fd_direct, m0 - (f0 - a0), (size_t) (a1 - a0), a0, (size_t) (f0 + len - a0));
+        if (rc != -EINVAL) {
+            return rc;
+        }
+        // O_DIRECT refused at read time: buffered for this slice
+    }
+    const int rc = mf_pread_full(f->fd, m0, len, f0, len);
+    if (rc == 0 && !s->direct) {
+        // buffered mode: the slice now lives in the cache's memory; drop the page-cache copy
+        posix_fadvise(f->fd, (off_t) f0, (off_t) len, POSIX_FADV_DONTNEED);
+    }
+    return rc;
+}
+
+static void * lane_main(void * arg) {
+    mf_streamer * s = arg;
+    sigset_t      all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL);
+
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (!s->stop && s->q_len == 0) {
+            pthread_cond_wait(&s->work_cv, &s->mu);
+        }
+        if (s->stop) {
+            break;
+        }
+        const mf_job job = s->queue[s->q_head];
+        s->q_head        = (s->q_head + 1) % s->queue_cap;
+        s->q_len--;
+        pthread_mutex_unlock(&s->mu);
+
+        const uint64_t t0 = mf_now_ns();
+        const int      rc = read_slice(s, job.xt, job.expert);
+        ADD(s->st_read_ns, mf_now_ns() - t0);
+        ADD(s->st_reads, 1);
+
+        pthread_mutex_lock(&s->mu);
+        if (rc == 0) {
+            ADD(s->st_bytes_read, job.xt->nb2);
+            atomic_store_explicit(&job.xt->state[job.expert], MF_SLICE_READY, memory_order_release);
+        } else {
+            char msg[MF_ERR_LEN];
+            snprintf(msg, sizeof msg, "reading expert %d of %s from %s failed: %s", (int) job.expert,
+                     job.xt->loc->name, s->ix.files[job.xt->loc->file].path,
+                     rc == -ENODATA ? "the file ended early (it changed size while open)" : strerror(-rc));
+            record_error_locked(s, rc, msg);
+            ADD(s->st_errors, 1);
+            atomic_store_explicit(&job.xt->state[job.expert], MF_SLICE_FAILED, memory_order_release);
+        }
+        s->outstanding--;
+        pthread_cond_broadcast(&s->done_cv);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+// waits until every queued read has finished; returns the nanoseconds waited
+static uint64_t wait_all(mf_streamer * s) {
+    pthread_mutex_lock(&s->mu);
+    uint64_t waited = 0;
+    if (s->outstanding) {
+        const uint64_t t0 = mf_now_ns();
+        while (s->outstanding) {
+            pthread_cond_wait(&s->done_cv, &s->mu);
+        }
+        waited = mf_now_ns() - t0;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return waited;
+}
+
+// forgets entries whose reads failed so that their next use reads them again (decode thread)
+static void reap_failures(mf_streamer * s) {
+    for (int32_t l = 0; l < s->n_layers; l++) {
+        mf_layer * L = &s->layers[l];
+        for (int32_t e = 0; e < s->n_expert && L->n_xt; e++) {
+            bool failed = false;
+            for (int32_t j = 0; j < L->n_xt; j++) {
+                failed |= atomic_load(&L->xt[j]->state[e]) == MF_SLICE_FAILED;
+            }
+            if (!failed) {
+                continue;
+            }
+            for (int32_t j = 0; j < L->n_xt; j++) {
+                atomic_store(&L->xt[j]->state[e], MF_SLICE_ABSENT);
+            }
+            for (int32_t j = 0; j < L->n_xt; j++) {
+                slice_release(L->xt[j], e);
+            }
+            if (s->cache->resident[(size_t) l * (size_t) s->n_expert + (size_t) e]) {
+                atomic_fetch_sub(&s->st_resident_bytes, L->entry_bytes);
+            }
+            mf_cache_forget(s->cache, l, e);
+        }
+    }
+}
+
+// ---------------------------------------------------------------- routing
+static void evict_listed(mf_streamer * s) {
+    for (int32_t i = 0; i < s->cache->n_evict; i++) {
+        const int32_t l = s->cache->evict[i] / s->n_expert;
+        const int32_t e = s->cache->evict[i] % s->n_expert;
+        mf_layer *    L = &s->layers[l];
+        for (int32_t j = 0; j < L->n_xt; j++) {
+            atomic_store_explicit(&L->xt[j]->state[e], MF_SLICE_ABSENT, memory_order_release);
+        }
+        for (int32_t j = 0; j < L->n_xt; j++) {
+            slice_release(L->xt[j], e);
+        }
+        atomic_fetch_sub(&s->st_resident_bytes, L->entry_bytes);
+    }
+    ADD(s->st_evictions, s->cache->n_evict);
+}
+
+// queues the listed loads of layer il in consumption order; returns 0 or -errno
+static int queue_loads(mf_streamer * s, int32_t il) {
+    mf_layer * L = &s->layers[il];
+    for (int32_t j = 0; j < L->n_xt; j++) {
+        for (int32_t i = 0; i < s->cache->n_load; i++) {
+            const int rc = slice_make_rw(L->xt[j], s->cache->load[i]);
+            if (rc != 0) {
+                return rc;
+            }
+        }
+    }
+    pthread_mutex_lock(&s->mu);
+    for (int32_t j = 0; j < L->n_xt; j++) {
+        for (int32_t i = 0; i < s->cache->n_load; i++) {
+            const int32_t e = s->cache->load[i];
+            atomic_store_explicit(&L->xt[j]->state[e], MF_SLICE_LOADING, memory_order_release);
+            s->queue[(s->q_head + s->q_len) % s->queue_cap] = (mf_job){ .xt = L->xt[j], .expert = e };
+            s->q_len++;
+            s->outstanding++;
+        }
+    }
+    pthread_cond_broadcast(&s->work_cv);
+    pthread_mutex_unlock(&s->mu);
+    ADD(s->st_resident_bytes, (uint64_t) s->cache->n_load * L->entry_bytes);
+    return 0;
+}
+
+static bool route(mf_streamer * s, int32_t il, const struct ggml_tensor * ids) {
+    if (has_error(s)) {
+        return false;  // stop the graph: the request fails with the recorded error
+    }
+    if (il < 0 || il >= s->n_layers || s->layers[il].n_xt == 0) {
+        return true;  // a layer whose experts are not streamed
+    }
+    if (!s->cache) {
+        mf_streamer_fail(s, -EINVAL, "streamer used before mf_streamer_check_loaded");
+        return false;
+    }
+    const uint64_t t0     = mf_now_ns();
+    uint64_t       waited = wait_all(s);  // the previous layer's reads (normally long done)
+    reap_failures(s);
+
+    memset(s->want, 0, (size_t) s->n_expert);
+    for (int64_t i1 = 0; i1 < ids->ne[1]; i1++) {
+        for (int64_t i0 = 0; i0 < ids->ne[0]; i0++) {
+            // a strided view: row i1 starts at data + i1*nb[1]
+            const int32_t e = *(const int32_t *) ((const char *) ids->data + i1 * ids->nb[1] + i0 * ids->nb[0]);
+            if (e < 0 || e >= s->n_expert) {
+                mf_streamer_fail(s, -EINVAL, "layer %d routed to expert %d of %d", (int) il, (int) e, (int) s->n_expert);
+                return false;
+            }
+            s->want[e] = 1;
+        }
+    }
+    const int rc = mf_cache_route(s->cache, il, s->want);
+    if (rc < 0) {
+        mf_streamer_fail(s, rc, "layer %d: the routed experts do not fit the budget of %llu bytes", (int) il,
+                         (unsigned long long) s->cfg.budget_bytes);
+        return false;
+    }
+    evict_listed(s);
+    const int qrc = queue_loads(s, il);
+    if (qrc != 0) {
+        mf_streamer_fail(s, qrc, "cannot map expert memory of layer %d: %s", (int) il, strerror(-qrc));
+        return false;
+    }
+    int32_t k = 0;
+    for (int32_t e = 0; e < s->n_expert; e++) {
+        k += s->want[e];
+    }
+    ADD(s->st_routes, 1);
+    ADD(s->st_hits, k - s->cache->n_load);
+    ADD(s->st_misses, s->cache->n_load);
+
+    if (!s->cfg.overlap) {
+        const uint64_t t1 = mf_now_ns();
+        waited += wait_all(s);
+        ADD(s->st_manage_ns, t1 - t0 - (waited > t1 - t0 ? t1 - t0 : waited));
+        ADD(s->st_wait_ns, waited);
+        return !has_error(s);
+    }
+    const uint64_t t1 = mf_now_ns();
+    ADD(s->st_manage_ns, t1 - t0 - (waited > t1 - t0 ? t1 - t0 : waited));
+    ADD(s->st_wait_ns, waited);
+    return true;
+}
+
+// ask-phase check of an expert matmul: every routed slice must be live (never computes on a hole)
+static void check_mmid(mf_streamer * s, const struct ggml_tensor * node) {
+    const struct ggml_tensor * w   = node->src[0];
+    const struct ggml_tensor * ids = node->src[2];
+    if (!w || !ids || !w->buffer || w->buffer->buft != &s->expert_buft) {
+        return;
+    }
+    const mf_xtensor * xt = mf_buffer_xtensor(w->buffer);
+    if (!xt) {
+        return;
+    }
+    for (int64_t i1 = 0; i1 < ids->ne[1]; i1++) {
+        for (int64_t i0 = 0; i0 < ids->ne[0]; i0++) {
+            const int32_t e = *(const int32_t *) ((const char *) ids->data + i1 * ids->nb[1] + i0 * ids->nb[0]);
+            if (e >= 0 && e < xt->n_expert && !slice_live(xt, e)) {
+                ADD(s->st_violations, 1);
+                mf_streamer_fail(s, -EFAULT, "expert %d of %s is used but was never loaded", (int) e, w->name);
+            }
+        }
+    }
+}
+
+bool mf_streamer_eval_cb(struct ggml_tensor * t, bool ask, void * user_data) {
+    mf_streamer * s = user_data;
+    if (ask) {
+        if (t->op == GGML_OP_MUL_MAT_ID) {
+            check_mmid(s, t);
+            return false;
+        }
+        return strncmp(t->name, "ffn_moe_topk-", 13) == 0;
+    }
+    if (strncmp(t->name, "ffn_moe_topk-", 13) != 0) {
+        return true;
+    }
+    return route(s, (int32_t) strtol(t->name + 13, NULL, 10), t);
+}
+
+// ---------------------------------------------------------------- the ready hook (overlap)
+bool mf_ready_hook(const struct ggml_tensor * src0, int64_t expert, void * user_data) {
+    (void) user_data;  // stateless dispatch: the tensor's buffer says which streamer owns it
+    const ggml_backend_buffer_t buffer = src0->buffer;
+    if (!buffer || !mf_buft_is_expert(buffer->buft)) {
+        return true;
+    }
+    mf_xtensor * xt = mf_buffer_xtensor(buffer);
+    if (!xt || expert < 0 || expert >= xt->n_expert) {
+        return true;
+    }
+    int st = atomic_load_explicit(&xt->state[expert], memory_order_acquire);
+    if (st == MF_SLICE_READY) {
+        return true;  // the fast path: one atomic load
+    }
+    mf_streamer * s = xt->s;
+    if (st == MF_SLICE_ABSENT) {
+        ADD(s->st_violations, 1);
+        mf_streamer_fail(s, -EFAULT, "expert %d of %s is used but was never loaded", (int) expert, xt->loc->name);
+        return false;  // skip it: never compute on an inaccessible slice
+    }
+    // stall time is the time at least one compute thread waits
+    pthread_mutex_lock(&s->mu);
+    if (s->n_waiting++ == 0) {
+        s->wait_start_ns = mf_now_ns();
+    }
+    while ((st = atomic_load_explicit(&xt->state[expert], memory_order_acquire)) == MF_SLICE_LOADING) {
+        pthread_cond_wait(&s->done_cv, &s->mu);
+    }
+    if (--s->n_waiting == 0) {
+        ADD(s->st_wait_ns, mf_now_ns() - s->wait_start_ns);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return st == MF_SLICE_READY;
+}
+
+// ---------------------------------------------------------------- registration while loading
+int mf_streamer_register_xt(mf_streamer * s, mf_xtensor * xt) {
+    if (s->n_xt == s->cap_xt) {
+        const int32_t cap = s->cap_xt ? 2 * s->cap_xt : 64;
+        mf_xtensor ** a   = realloc(s->xts, (size_t) cap * sizeof *a);
+        if (!a) {
+            mf_streamer_fail(s, -ENOMEM, "out of memory registering %s", xt->loc->name);
+            return -ENOMEM;
+        }
+        s->xts    = a;
+        s->cap_xt = cap;
+    }
+    s->xts[s->n_xt++] = xt;
+    return 0;
+}
+
+// consumption order of a layer's expert matmuls in build_moe_ffn: gate_up or gate, up, down
+static int kind_rank(const char * name) {
+    if (strstr(name, ".ffn_gate_up_exps.")) {
+        return 0;
+    }
+    if (strstr(name, ".ffn_gate_exps.")) {
+        return 1;
+    }
+    if (strstr(name, ".ffn_up_exps.")) {
+        return 2;
+    }
+    return 3;
+}
+
+int mf_streamer_check_loaded(mf_streamer * s) {
+    if (s->cfg.budget_bytes == 0) {
+        snprintf(s->last_error, sizeof s->last_error, "no expert budget set (mf_streamer_set_budget)");
+        return -EINVAL;
+    }
+    int32_t n_layers = 0;
+    for (int64_t i = 0; i < s->ix.n_locs; i++) {
+        int32_t l = -1;
+        if (mf_is_expert_name(s->ix.locs[i].name, &l)) {
+            n_layers = l + 1 > n_layers ? l + 1 : n_layers;
+            bool streamed = false;
+            for (int32_t j = 0; j < s->n_xt && !streamed; j++) {
+                streamed = s->xts[j]->loc == &s->ix.locs[i];
+            }
+            if (!streamed) {
+                snprintf(s->last_error, sizeof s->last_error,
+                         "expert tensor %s was not placed in the streamer's buffer type (check tensor_buft_overrides)",
+                         s->ix.locs[i].name);
+                return -EINVAL;
+            }
+        }
+    }
+    free(s->layers);
+    s->layers   = calloc((size_t) n_layers, sizeof *s->layers);
+    s->n_layers = n_layers;
+    if (!s->layers) {
+        return -ENOMEM;
+    }
+    s->n_expert = 0;
+    for (int32_t j = 0; j < s->n_xt; j++) {
+        mf_xtensor * xt = s->xts[j];
+        mf_layer *   L  = &s->layers[xt->layer];
+        if (L->n_xt == MF_MAX_XT || (s->n_expert && xt->n_expert != s->n_expert)) {
+            snprintf(s->last_error, sizeof s->last_error, "unsupported expert layout at %s", xt->loc->name);
+            return -EINVAL;
+        }
+        s->n_expert = xt->n_expert;
+        // insertion in consumption order
+        int32_t pos = L->n_xt++;
+        while (pos > 0 && kind_rank(L->xt[pos - 1]->loc->name) > kind_rank(xt->loc->name)) {
+            L->xt[pos] = L->xt[pos - 1];
+            pos--;
+        }
+        L->xt[pos] = xt;
+        L->entry_bytes += xt->nb2;
+    }
+    uint64_t * entry_bytes = calloc((size_t) n_layers, sizeof *entry_bytes);
+    if (!entry_bytes) {
+        return -ENOMEM;
+    }
+    for (int32_t l = 0; l < n_layers; l++) {
+        entry_bytes[l] = s->layers[l].entry_bytes;
+    }
+    mf_cache_free(s->cache);
+    s->cache = NULL;
+    int rc   = mf_cache_new(n_layers, s->n_expert, entry_bytes, s->cfg.budget_bytes, s->cfg.policy, &s->cache);
+    free(entry_bytes);
+    if (rc != 0) {
+        snprintf(s->last_error, sizeof s->last_error, "cannot create the expert cache: %s", strerror(-rc));
+        return rc;
+    }
+    free(s->want);
+    s->want = calloc((size_t) s->n_expert, 1);
+    // the largest route: every expert of a layer, all its tensors
+    free(s->queue);
+    s->queue_cap = (size_t) s->n_expert * MF_MAX_XT * 2;
+    s->queue     = calloc(s->queue_cap, sizeof *s->queue);
+    s->q_head    = 0;
+    s->q_len     = 0;
+    if (!s->want || !s->queue) {
+        return -ENOMEM;
+    }
+    return 0;
+}
+
+// ---------------------------------------------------------------- life cycle
+static int fail_new(mf_streamer * s, int rc, char * last_error, size_t last_error_size) {
+    if (last_error && last_error_size) {
+        snprintf(last_error, last_error_size, "%s", s->last_error);
+    }
+    mf_streamer_free(s);
+    return rc;
+}
+
+int mf_streamer_new(const mf_config * cfg, mf_streamer ** out, char * last_error, size_t last_error_size) {
+    *out            = NULL;
+    mf_streamer * s = calloc(1, sizeof *s);
+    if (!s) {
+        return -ENOMEM;
+    }
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->work_cv, NULL);
+    pthread_cond_init(&s->done_cv, NULL);
+    s->cfg = *cfg;
+    if (!cfg->model_path || cfg->n_lanes < 1 || cfg->n_lanes > MF_MAX_LANES || cfg->reader < MF_READER_DIRECT ||
+        cfg->reader > MF_READER_BUFFERED || cfg->policy < MF_POLICY_LRU || cfg->policy > MF_POLICY_NONE ||
+        cfg->fault_errno < 0) {
+        snprintf(s->last_error, sizeof s->last_error,
+                 "invalid streamer configuration (lanes 1..%d, reader, policy, model path)", MF_MAX_LANES);
+        return fail_new(s, -EINVAL, last_error, last_error_size);
+    }
+    s->model_path   = strdup(cfg->model_path);
+    s->cfg.model_path = s->model_path;
+    if (!s->model_path) {
+        return fail_new(s, -ENOMEM, last_error, last_error_size);
+    }
+    int rc = mf_index_open(&s->ix, s->model_path, cfg->reader == MF_READER_DIRECT, s->last_error, sizeof s->last_error);
+    if (rc != 0) {
+        return fail_new(s, rc, last_error, last_error_size);
+    }
+    // the budget floor: one layer's experts, all of them (a micro-batch may route to every one)
+    uint64_t * per_layer = calloc(4096, sizeof *per_layer);
+    if (!per_layer) {
+        return fail_new(s, -ENOMEM, last_error, last_error_size);
+    }
+    for (int64_t i = 0; i < s->ix.n_locs; i++) {
+        int32_t l = -1;
+        if (mf_is_expert_name(s->ix.locs[i].name, &l) && l < 4096) {
+            per_layer[l] += s->ix.locs[i].size;
+            s->expert_bytes += s->ix.locs[i].size;
+        }
+    }
+    for (int32_t l = 0; l < 4096; l++) {
+        s->layer_bytes_max = per_layer[l] > s->layer_bytes_max ? per_layer[l] : s->layer_bytes_max;
+    }
+    free(per_layer);
+    if (s->expert_bytes == 0) {
+        snprintf(s->last_error, sizeof s->last_error,
+                 "%s has no expert tensors (blk.N.ffn_*_exps.weight): not a Mixture-of-Experts model", s->model_path);
+        return fail_new(s, -EINVAL, last_error, last_error_size);
+    }
+    if (cfg->budget_bytes != 0 && (rc = mf_streamer_set_budget(s, cfg->budget_bytes)) != 0) {
+        return fail_new(s, rc, last_error, last_error_size);
+    }
+    s->direct = cfg->reader == MF_READER_DIRECT;
+    for (int32_t i = 0; i < s->ix.n_files; i++) {
+        s->direct &= s->ix.files[i].fd_direct >= 0;
+    }
+    if (s->direct && posix_memalign(&s->bounce, MF_PAGE, MF_BOUNCE_SIZE) != 0) {
+        s->bounce = NULL;
+    }
+    mf_buft_init(s);
+    for (int32_t i = 0; i < cfg->n_lanes; i++) {
+        rc = pthread_create(&s->lanes[i], NULL, lane_main, s);
+        if (rc != 0) {
+            snprintf(s->last_error, sizeof s->last_error, "cannot start reader lane: %s", strerror(rc));
+            return fail_new(s, -rc, last_error, last_error_size);
+        }
+        s->n_lanes_started++;
+    }
+    if (cfg->overlap) {
+        // a stateless dispatcher: safe to leave installed, and shared by every streamer
+        ggml_cpu_set_mul_mat_id_ready_hook(mf_ready_hook, NULL);
+    }
+    *out = s;
+    return 0;
+}
+
+void mf_streamer_free(mf_streamer * s) {
+    if (!s) {
+        return;
+    }
+    pthread_mutex_lock(&s->mu);
+    s->stop = true;
+    pthread_cond_broadcast(&s->work_cv);
+    pthread_mutex_unlock(&s->mu);
+    for (int32_t i = 0; i < s->n_lanes_started; i++) {
+        pthread_join(s->lanes[i], NULL);
+    }
+    for (int32_t i = 0; i < s->n_xt; i++) {
+        free(s->xts[i]->state);
+        free(s->xts[i]);
+    }
+    free(s->xts);
+    free(s->layers);
+    free(s->queue);
+    free(s->want);
+    free(s->bounce);
+    mf_cache_free(s->cache);
+    mf_index_close(&s->ix);
+    free(s->model_path);
+    pthread_cond_destroy(&s->work_cv);
+    pthread_cond_destroy(&s->done_cv);
+    pthread_mutex_destroy(&s->mu);
+    free(s);
+}
+
+int mf_streamer_set_budget(mf_streamer * s, uint64_t budget_bytes) {
+    if (s->cache) {
+        snprintf(s->last_error, sizeof s->last_error, "the budget is fixed once the model has loaded");
+        return -EBUSY;
+    }
+    if (budget_bytes < s->layer_bytes_max) {
+        snprintf(s->last_error, sizeof s->last_error,
+                 "budget of %llu bytes is smaller than one layer's experts (%llu bytes), which a prompt can route to",
+                 (unsigned long long) budget_bytes, (unsigned long long) s->layer_bytes_max);
+        return -EINVAL;
+    }
+    s->cfg.budget_bytes = budget_bytes;
+    return 0;
+}
+
+ggml_backend_buffer_type_t mf_streamer_expert_buft(mf_streamer * s) {
+    return &s->expert_buft;
+}
+
+ggml_backend_buffer_type_t mf_streamer_dense_buft(mf_streamer * s) {
+    return &s->dense_buft;
+}
+
+void mf_streamer_get_stats(const mf_streamer * s, mf_stats * out) {
+#define LOAD(c) atomic_load_explicit(&s->c, memory_order_relaxed)
+    out->routes         = LOAD(st_routes);
+    out->hits           = LOAD(st_hits);
+    out->misses         = LOAD(st_misses);
+    out->evictions      = LOAD(st_evictions);
+    out->bytes_read     = LOAD(st_bytes_read);
+    out->reads          = LOAD(st_reads);
+    out->wait_ns        = LOAD(st_wait_ns);
+    out->manage_ns      = LOAD(st_manage_ns);
+    out->read_ns        = LOAD(st_read_ns);
+    out->dense_bytes    = LOAD(st_dense_bytes);
+    out->resident_bytes = LOAD(st_resident_bytes);
+    out->violations     = LOAD(st_violations);
+    out->errors         = LOAD(st_errors);
+    out->direct_io      = s->direct ? 1 : 0;
+#undef LOAD
+}
+
+void mf_streamer_drop_cache(mf_streamer * s) {
+    if (!s->cache) {
+        return;
+    }
+    wait_all(s);
+    reap_failures(s);
+    mf_cache_evict_all(s->cache);
+    evict_listed(s);
+}
+
+uint64_t mf_streamer_layer_bytes(const mf_streamer * s) {
+    return s->layer_bytes_max;
+}
+
+uint64_t mf_streamer_expert_bytes(const mf_streamer * s) {
+    return s->expert_bytes;
+}
+
+int32_t mf_streamer_n_moe_layers(const mf_streamer * s) {
+    int32_t n = 0;
+    for (int32_t l = 0; l < s->n_layers; l++) {
+        n += s->layers[l].n_xt > 0;
+    }
+    return n;
+}
+
+int32_t mf_streamer_n_expert(const mf_streamer * s) {
+    return s->n_expert;
+}

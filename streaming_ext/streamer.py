@@ -1,0 +1,250 @@
+"""The expert streamer as a Python object: configuration, life cycle, callback, counters.
+
+A Streamer is created for one GGUF before the model loads; its two buffer types go into the
+model's tensor_buft_overrides and its C callback into the context's cb_eval (see
+server/streaming.py, which builds the llama_cpp.Llama). Nothing here runs per graph node:
+the per-node path is entirely in C.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+from dataclasses import asdict, dataclass
+from enum import IntEnum
+from pathlib import Path
+
+from streaming_ext._lib import STAT_FIELDS, MfConfig, MfStats, StreamLib, load_library
+
+logger = logging.getLogger(__name__)
+
+_ERR_LEN = 512
+
+
+class Policy(IntEnum):
+    """enum mf_policy: how the expert cache chooses what to evict."""
+
+    LRU = 0
+    LAYER = 1  # expected next use from the layer cycle and decayed routing frequency (default)
+    NONE = 2  # no cache: only the running layer's experts stay
+
+
+class Reader(IntEnum):
+    """enum mf_reader: how expert bytes are read."""
+
+    DIRECT = 0  # O_DIRECT, straight into place; buffered when the file system refuses it
+    BUFFERED = 1
+
+
+class StreamerError(Exception):
+    """The streamer refused a model or configuration, or a read failed. `code` is an errno."""
+
+    def __init__(self, message: str, code: int = errno.EIO) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class StreamerConfig:
+    """Options of the streamer (the levers its byte-identity gates cover)."""
+
+    budget_bytes: int = 0  # 0: set later with Streamer.set_budget
+    lanes: int = 4
+    reader: Reader = Reader.DIRECT
+    overlap: bool = True
+    policy: Policy = Policy.LAYER
+    # fault injection for tests: after this many expert bytes, reads fail with fault_errno
+    fault_errno: int = 0
+    fault_after_bytes: int = 0
+    # negative control for tests: never read expert (skip_expert - 1), leave it zero-filled
+    skip_expert: int = 0
+
+
+@dataclass(frozen=True)
+class StreamerStats:
+    """Cumulative counters of a streamer (see struct mf_stats); subtract two for a delta."""
+
+    routes: int
+    hits: int
+    misses: int
+    evictions: int
+    bytes_read: int
+    reads: int
+    wait_ns: int
+    manage_ns: int
+    read_ns: int
+    dense_bytes: int
+    resident_bytes: int
+    violations: int
+    errors: int
+    direct_io: int
+
+    def __sub__(self, other: StreamerStats) -> StreamerStats:
+        a, b = asdict(self), asdict(other)
+        # gauges stay as they are now; counters become deltas
+        gauges = {"resident_bytes", "direct_io", "dense_bytes"}
+        return StreamerStats(**{k: a[k] if k in gauges else a[k] - b[k] for k in a})
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits over routed entries (0 when nothing was routed)."""
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+class Streamer:
+    """One expert streamer (the C mf_streamer) for one model file."""
+
+    def __init__(
+        self, model_path: str | os.PathLike[str], config: StreamerConfig, lib: StreamLib | None = None
+    ):
+        self.lib = lib or load_library()
+        self.config = config
+        self.model_path = Path(model_path)
+        c = MfConfig(
+            model_path=os.fsencode(self.model_path),
+            budget_bytes=config.budget_bytes,
+            n_lanes=config.lanes,
+            reader=int(config.reader),
+            overlap=int(config.overlap),
+            policy=int(config.policy),
+            fault_errno=config.fault_errno,
+            fault_after_bytes=config.fault_after_bytes,
+            skip_expert=config.skip_expert,
+        )
+        handle = ctypes.c_void_p()
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        rc = self.lib.cdll.mf_streamer_new(ctypes.byref(c), ctypes.byref(handle), err, _ERR_LEN)
+        if rc != 0:
+            raise StreamerError(err.value.decode(errors="replace") or os.strerror(-rc), -rc)
+        self._handle: int | None = handle.value
+        # the raw C function pointer, wrapped once so llama_cpp can store it in its params
+        import llama_cpp
+
+        address = ctypes.cast(self.lib.cdll.mf_streamer_eval_cb, ctypes.c_void_p).value
+        if address is None:
+            raise StreamerError("mf_streamer_eval_cb has no address", errno.ENOSYS)
+        self.eval_callback = llama_cpp.ggml_backend_sched_eval_callback(address)
+
+    @property
+    def handle(self) -> int:
+        """The mf_streamer pointer (the callback's user data)."""
+        if self._handle is None:
+            raise StreamerError("the streamer is closed", errno.EBADF)
+        return self._handle
+
+    @property
+    def expert_buft(self) -> int:
+        """ggml_backend_buffer_type_t of the expert tensors."""
+        value: int = self.lib.cdll.mf_streamer_expert_buft(self.handle)
+        return value
+
+    @property
+    def dense_buft(self) -> int:
+        """ggml_backend_buffer_type_t of every other tensor."""
+        value: int = self.lib.cdll.mf_streamer_dense_buft(self.handle)
+        return value
+
+    def set_budget(self, budget_bytes: int) -> None:
+        """Set the expert budget before the model loads (at least `layer_bytes`)."""
+        rc = self.lib.cdll.mf_streamer_set_budget(self.handle, budget_bytes)
+        if rc != 0:
+            raise StreamerError(self.last_error() or os.strerror(-rc), -rc)
+
+    def check_loaded(self) -> None:
+        """After the model loaded: every expert tensor is streamed; builds the cache."""
+        rc = self.lib.cdll.mf_streamer_check_loaded(self.handle)
+        if rc != 0:
+            raise StreamerError(self.last_error() or os.strerror(-rc), -rc)
+
+    def last_error(self) -> str:
+        """Message of the last failed call."""
+        raw: bytes = self.lib.cdll.mf_streamer_last_error(self.handle)
+        return raw.decode(errors="replace")
+
+    def take_error(self) -> StreamerError | None:
+        """The first error recorded since the last call (e.g. a failed read), or None."""
+        buf = ctypes.create_string_buffer(_ERR_LEN)
+        rc = self.lib.cdll.mf_streamer_take_error(self.handle, buf, _ERR_LEN)
+        if rc == 0:
+            return None
+        return StreamerError(buf.value.decode(errors="replace"), -rc)
+
+    def stats(self) -> StreamerStats:
+        """The cumulative counters (a lock-free copy)."""
+        raw = MfStats()
+        self.lib.cdll.mf_streamer_get_stats(self.handle, ctypes.byref(raw))
+        return StreamerStats(**{name: int(getattr(raw, name)) for name in STAT_FIELDS})
+
+    def drop_cache(self) -> None:
+        """Evict every expert (a cold cache for tests and benchmarks)."""
+        self.lib.cdll.mf_streamer_drop_cache(self.handle)
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer's experts: the smallest budget accepted."""
+        value: int = self.lib.cdll.mf_streamer_layer_bytes(self.handle)
+        return value
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of all expert tensors of the model."""
+        value: int = self.lib.cdll.mf_streamer_expert_bytes(self.handle)
+        return value
+
+    def close(self) -> None:
+        """Free the streamer; only after the model using its buffer types has been freed."""
+        if self._handle is not None:
+            self.lib.cdll.mf_streamer_free(self._handle)
+            self._handle = None
+
+
+class CachePolicy:
+    """The streamer's cache policy on its own (mf_cache_*), for replaying routing traces."""
+
+    def __init__(
+        self,
+        n_layer: int,
+        n_expert: int,
+        entry_bytes: list[int],
+        budget_bytes: int,
+        policy: Policy = Policy.LAYER,
+        lib: StreamLib | None = None,
+    ) -> None:
+        if len(entry_bytes) != n_layer:
+            raise ValueError("entry_bytes needs one value per layer")
+        self.lib = lib or load_library()
+        self.n_expert = n_expert
+        arr = (ctypes.c_uint64 * n_layer)(*entry_bytes)
+        handle = ctypes.c_void_p()
+        rc = self.lib.cdll.mf_cache_new(
+            n_layer, n_expert, arr, budget_bytes, int(policy), ctypes.byref(handle)
+        )
+        if rc != 0:
+            raise StreamerError(f"cannot create a cache: {os.strerror(-rc)}", -rc)
+        self._handle: int | None = handle.value
+        self._want = (ctypes.c_uint8 * n_expert)()
+
+    def route(self, layer: int, experts: list[int]) -> int:
+        """One layer's routed experts; returns the number of misses."""
+        ctypes.memset(self._want, 0, self.n_expert)
+        for e in experts:
+            self._want[e] = 1
+        rc: int = self.lib.cdll.mf_cache_route(self._handle, layer, self._want)
+        if rc < 0:
+            raise StreamerError(f"route of layer {layer} failed: {os.strerror(-rc)}", -rc)
+        return rc
+
+    def counts(self) -> tuple[int, int, int]:
+        """(hits, misses, evictions) so far."""
+        h, m, e = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
+        self.lib.cdll.mf_cache_counts(self._handle, ctypes.byref(h), ctypes.byref(m), ctypes.byref(e))
+        return h.value, m.value, e.value
+
+    def close(self) -> None:
+        """Free the C cache."""
+        if self._handle is not None:
+            self.lib.cdll.mf_cache_free(self._handle)
+            self._handle = None
