@@ -15,14 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from server.errors import ConfigError
+from server.model_files import split_files
 
 logger = logging.getLogger(__name__)
 
 _MIB = 2**20
 _UNLIMITED = 2**60  # cgroup v1 reports "no limit" as a huge page-rounded number
-_SPLIT_RE = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
-_SIZE_RE = re.compile(r"^\s*(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>[kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
 @dataclass(frozen=True)
@@ -33,27 +31,9 @@ class BudgetChoice:
     reason: str
 
 
-def parse_size(text: str) -> int:
-    """Bytes from "123", "512M", "4G", "1.5GiB" (binary units)."""
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise ConfigError(f"not a size: {text!r} (examples: 4G, 512M, 1073741824)")
-    unit = (m.group("unit") or "").lower().rstrip("b").rstrip("i")
-    return int(float(m.group("num")) * _UNITS[unit])
-
-
-def model_files(path: Path) -> list[Path]:
-    """The model's files: the path itself, or every file of its split set."""
-    m = _SPLIT_RE.match(path.name)
-    if not m:
-        return [path]
-    count = int(m.group("count"))
-    return [path.with_name(f"{m.group('prefix')}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
-
-
 def streamer_dense_bytes(path: Path, expert_bytes: int) -> int:
     """Bytes of everything but the experts (dense weights, plus the small header)."""
-    total = sum(p.stat().st_size for p in model_files(path) if p.exists())
+    total = sum(p.stat().st_size for p in split_files(path) if p.exists())
     return max(0, total - expert_bytes)
 
 

@@ -18,6 +18,7 @@ EXIT_ERROR = 2
 
 def build_parser() -> argparse.ArgumentParser:
     """The full parser; each subcommand module adds itself through `register(subparsers)`."""
+    from server import generate_command, serve_command
     from server.modelgen import command as make_model_command
 
     parser = argparse.ArgumentParser(
@@ -33,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     make_model_command.register(subparsers)
+    serve_command.register(subparsers)
+    generate_command.register(subparsers)
     return parser
 
 

@@ -6,10 +6,20 @@ MoeflashError
  │                          impossible shape, no disk room, ...)
  ├── ModelLoadError         a model file could not be loaded (missing, truncated, unsupported)
  ├── ContextLengthExceeded  a prompt does not fit the context window
- └── ExpertReadError        reading expert weights from flash failed during a request
+ ├── ExpertReadError        reading expert weights from flash failed during a request
+ └── RequestError           an HTTP request refused before or while it is served
+      ├── InvalidRequest        bad input (validation, template, grammar, n > 1, ...)
+      ├── AuthenticationFailed  missing or wrong API key
+      ├── ForbiddenOrigin       an Origin header outside the CORS allow-list
+      ├── InvalidHost           a Host header outside the allow-list (DNS rebinding)
+      ├── NotFound              unknown route or model
+      ├── MethodNotAllowed      a known route with the wrong method
+      ├── PayloadTooLarge       the request body is over the cap
+      ├── QueueFull             the FIFO of waiting requests is full
+      └── ServiceUnavailable    the model is loading or the server is shutting down
 
-Each is mapped once to a CLI exit status and, in the server, to one HTTP status and an
-OpenAI-shaped error body.
+Each is mapped once to a CLI exit status and, in the server (server/app.py,
+`error_response`), to one HTTP status and an OpenAI-shaped error body.
 """
 
 from __future__ import annotations
@@ -37,3 +47,61 @@ class ContextLengthExceeded(MoeflashError):
 
 class ExpertReadError(MoeflashError):
     """Reading expert weights from storage failed."""
+
+
+class RequestError(MoeflashError):
+    """An HTTP request is refused; `param` names the offending request field, if any."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequest(RequestError):
+    """Bad input: always a 400, never a 422 or a 500."""
+
+
+class AuthenticationFailed(RequestError):
+    """The Authorization header is missing or does not carry the configured key."""
+
+
+class ForbiddenOrigin(RequestError):
+    """A browser Origin that is neither same-origin nor in the CORS allow-list."""
+
+
+class InvalidHost(RequestError):
+    """A Host header outside the allow-list while bound to loopback."""
+
+
+class NotFound(RequestError):
+    """An unknown route or model id."""
+
+
+class MethodNotAllowed(RequestError):
+    """A known route asked with a method it does not serve."""
+
+    def __init__(self, message: str, *, allow: str = "") -> None:
+        super().__init__(message, code="method_not_allowed")
+        self.allow = allow
+
+
+class PayloadTooLarge(RequestError):
+    """The request body is larger than the configured cap."""
+
+
+class QueueFull(RequestError):
+    """Too many requests are already waiting for the model."""
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message, code="queue_full")
+        self.retry_after_s = retry_after_s
+
+
+class ServiceUnavailable(RequestError):
+    """The model is still loading, failed to load, or the server is shutting down."""
+
+    def __init__(self, message: str, *, retry_after_s: int, code: str = "unavailable") -> None:
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s

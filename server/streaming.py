@@ -75,12 +75,14 @@ class StreamingLlama(llama_cpp.Llama):
     streamer: Streamer
     budget: BudgetChoice
     telemetry: deque[DecodeTelemetry]
+    compute_ns_total: int
 
     def __init__(self, model_path: str, *, streamer: Streamer, **kwargs: Any) -> None:
         self.streamer = streamer
         self.budget = BudgetChoice(0, "not chosen yet")
         # one record per llama_decode, bounded: the server reads the latest, the CLI all of them
         self.telemetry = deque(maxlen=4096)
+        self.compute_ns_total = 0  # sum of the records' compute_ns, never trimmed
         super().__init__(model_path, **kwargs)
         self._wrap_decode()
 
@@ -91,6 +93,7 @@ class StreamingLlama(llama_cpp.Llama):
         original = ctx.decode
         streamer = self.streamer
         records = self.telemetry
+        owner = self
 
         def decode(batch: Any) -> None:
             before = streamer.stats()
@@ -107,6 +110,7 @@ class StreamingLlama(llama_cpp.Llama):
             if failure is not None:
                 raise ExpertReadError(str(failure))
             d = streamer.stats() - before
+            owner.compute_ns_total += max(0, wall - d.wait_ns - d.manage_ns)
             records.append(
                 DecodeTelemetry(
                     n_tokens=int(batch.batch.n_tokens),

@@ -64,3 +64,34 @@ def test_sanitizer_build_loads() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == [ASAN_LIB.name, "0.1.0"]
+
+
+def test_streaming_gates_under_sanitizers() -> None:
+    """The streaming gates and error tests again, with the ASan+UBSan build of the library."""
+    assert ASAN_LIB.is_file(), "build it with `make ext`"
+    selection = "evicts_every_layer or reader_modes or split or multi_turn or every_architecture or negative"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_streaming_gates.py",
+            "tests/test_streaming_errors.py",
+            "-k",
+            # not unknown_architecture: llama.cpp's own C++ exception aborts under a preloaded
+            # libasan (uninstrumented libstdc++), before our library is involved
+            f"({selection} or test_streaming_errors) and not unknown_architecture",
+        ],
+        capture_output=True,
+        text=True,
+        env=sanitizer_env(),
+        cwd=REPO,
+        timeout=900,
+        check=False,
+    )
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, tail
+    assert "passed" in proc.stdout and "AddressSanitizer" not in proc.stderr, tail

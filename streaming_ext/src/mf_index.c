@@ -131,6 +131,16 @@ static int add_file(mf_index * ix, const char * path, bool direct, int32_t split
 
 int mf_index_open(mf_index * ix, const char * path, bool direct, char * err, size_t err_size) {
     memset(ix, 0, sizeof *ix);
+    struct stat st;
+    if (stat(path, &st) != 0) {
+        const int e = errno;
+        snprintf(err, err_size, "cannot open %s: %s", path, strerror(e));
+        return -e;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        snprintf(err, err_size, "%s is not a regular file", path);
+        return -EINVAL;
+    }
     struct gguf_init_params gp  = { .no_alloc = true, .ctx = NULL };
     struct gguf_context *   ctx = gguf_init_from_file(path, gp);
     if (!ctx) {

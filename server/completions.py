@@ -1,0 +1,567 @@
+"""Chat and legacy completions: protocol request -> engine job -> response or SSE stream.
+
+Everything that can refuse a request (model id, n, bounds that depend on the model,
+template, grammar, context length, queue) runs BEFORE the 200 is sent; once streaming,
+a failure is reported in-band as `data: {"error": ...}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import anyio
+from sse_starlette import ServerSentEvent
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from server.chat_template import ChatTemplate
+from server.decode import GenerationRequest, GenerationStats, TextDelta, TokenLogprob
+from server.engine import Engine, Failed, Job
+from server.errors import ContextLengthExceeded, InvalidRequest, NotFound, ServiceUnavailable
+from server.http_errors import describe
+from server.metrics import Metrics
+from server.model_loader import LoadedModel, StreamerTelemetry
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseFormatJsonObject,
+    ResponseFormatJsonSchema,
+)
+from server.reasoning import PlainSplitter, make_splitter
+from server.settings import ServerSettings
+from server.sse import DONE, event, sse_response
+from server.tools import (
+    ChatOutput,
+    OutPiece,
+    ToolCallArgs,
+    ToolCallStart,
+    auto_tool_grammar,
+    check_grammar,
+    json_object_grammar,
+    schema_grammar,
+    tool_grammar,
+)
+
+logger = logging.getLogger(__name__)
+
+TIMINGS_HEADER = "x-moeflash-timings"
+# what a request still connected when its job was cancelled gets: only shutdown does that
+_SHUTDOWN = ServiceUnavailable("the server is shutting down", retry_after_s=5, code="shutting_down")
+
+
+@dataclass
+class ServeContext:
+    """Per-app state shared by the routes (lives on app.state, never in a module global)."""
+
+    settings: ServerSettings
+    engine: Engine
+    metrics: Metrics
+    warned_fields: set[str] = field(default_factory=set)
+    _template: ChatTemplate | None = None
+
+    def ready_model(self) -> LoadedModel:
+        model = self.engine.model
+        if model is None:
+            error = self.engine.load_error
+            if error is not None:
+                raise ServiceUnavailable(
+                    f"the model failed to load: {error}", retry_after_s=60, code="model_failed"
+                )
+            raise ServiceUnavailable(
+                "the model is still loading", retry_after_s=self.settings.retry_after_s, code="model_loading"
+            )
+        return model
+
+    def template(self, model: LoadedModel) -> ChatTemplate:
+        if self._template is None:
+            self._template = ChatTemplate(model.llama, model.info.chat_template)
+        return self._template
+
+    def warn_unknown(self, extra: dict[str, Any] | None) -> None:
+        for name in extra or {}:
+            if name not in self.warned_fields:
+                self.warned_fields.add(name)
+                logger.warning("ignoring unknown request field %r (logged once)", name)
+
+
+def _check_model(ctx: ServeContext, model: LoadedModel, requested: str) -> None:
+    if requested != model.info.id:
+        raise NotFound(
+            f"the model {requested!r} does not exist; this server serves {model.info.id!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _max_tokens(ctx: ServeContext, model: LoadedModel, requested: int | None, n_prompt: int) -> int:
+    cap = ctx.settings.max_completion_tokens
+    if requested is not None and requested > cap:
+        raise InvalidRequest(f"max_tokens {requested} is over the server's cap of {cap}", param="max_tokens")
+    room = model.info.n_ctx - n_prompt
+    return min(requested or cap, cap, room)
+
+
+def _check_prompt(ctx: ServeContext, model: LoadedModel, n_prompt: int) -> None:
+    n_ctx = model.info.n_ctx
+    cap = ctx.settings.max_prompt_tokens
+    if cap is not None and n_prompt > cap:
+        raise ContextLengthExceeded(f"the prompt is {n_prompt} tokens, over the server's cap of {cap}")
+    if n_prompt >= n_ctx:
+        raise ContextLengthExceeded(
+            f"this model's context is {n_ctx} tokens; the prompt alone is {n_prompt} tokens"
+        )
+
+
+def _logit_bias(model: LoadedModel, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    out: list[tuple[int, float]] = []
+    for key, value in (bias or {}).items():
+        if not key.lstrip("-").isdigit() or not 0 <= int(key) < model.info.n_vocab:
+            raise InvalidRequest(
+                f"logit_bias key {key!r} is not a token id of this model", param="logit_bias"
+            )
+        out.append((int(key), value))
+    return tuple(out)
+
+
+def _want_timings(flag: bool | None, request: Request) -> bool:
+    return bool(flag) or request.headers.get(TIMINGS_HEADER, "").lower() in ("1", "true", "yes")
+
+
+def _usage(stats: GenerationStats) -> dict[str, Any]:
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+    }
+
+
+def _timings(stats: GenerationStats, telemetry: StreamerTelemetry | None) -> dict[str, Any]:
+    decode_s = stats.decode_ns / 1e9
+    lookups = (telemetry.cache_hits + telemetry.cache_misses) if telemetry else 0
+    return {
+        "prompt_ms": stats.prompt_ns / 1e6,
+        "decode_ms": stats.decode_ns / 1e6,
+        "tok_per_s": stats.completion_tokens / decode_s if decode_s > 0 and stats.completion_tokens else None,
+        "flash_wait_ms": telemetry.flash_wait_ns / 1e6 if telemetry else None,
+        "compute_ms": telemetry.compute_ns / 1e6 if telemetry else None,
+        "cache_ms": telemetry.cache_ns / 1e6 if telemetry else None,
+        "hit_rate": telemetry.cache_hits / lookups if telemetry and lookups else None,
+        "bytes_read": telemetry.bytes_read if telemetry else None,
+    }
+
+
+def _chat_logprobs(lps: list[TokenLogprob]) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": lp.token,
+                "logprob": lp.logprob,
+                "bytes": lp.bytes,
+                "top_logprobs": [
+                    {"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in lp.top_logprobs
+                ],
+            }
+            for lp in lps
+        ],
+        "refusal": None,
+    }
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    # after the body is read, receive() only returns when the client goes away
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.cancel()
+            return
+
+
+def _finish_reason(stats: GenerationStats, n_calls: int) -> str:
+    # a call cut short by max_tokens is "length", like OpenAI: its arguments are incomplete
+    if stats.finish_reason == "length":
+        return "length"
+    return "tool_calls" if n_calls else "stop"
+
+
+# ---------------------------------------------------------------------- chat
+
+
+@dataclass
+class _ChatPlan:
+    job: Job
+    output: ChatOutput
+    created: int
+    model_id: str
+    fingerprint: str
+    timings: bool
+    include_usage: bool
+
+
+async def create_chat_completion(
+    ctx: ServeContext, body: ChatCompletionRequest, request: Request
+) -> Response:
+    """POST /v1/chat/completions."""
+    ctx.warn_unknown(body.model_extra)
+    model = ctx.ready_model()
+    _check_model(ctx, model, body.model)
+    if body.n is not None and body.n > 1:
+        raise InvalidRequest("n > 1 is not supported: this server generates one choice", param="n")
+    if body.top_logprobs is not None and body.top_logprobs > 0 and not body.logprobs:
+        raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
+    template = ctx.template(model)
+    settings = ctx.settings
+
+    tools = body.tools if body.tool_choice != "none" else None
+    parallel = body.parallel_tool_calls is not False
+    grammar, forced_name = tool_grammar(
+        body.tools or [], body.tool_choice, parallel, settings.max_json_schema_bytes
+    )
+    mode = "named" if forced_name else "required" if grammar else "text"
+    if grammar is None and isinstance(body.response_format, ResponseFormatJsonSchema):
+        schema = body.response_format.json_schema.json_schema or {"type": "object"}
+        grammar = schema_grammar(schema, settings.max_json_schema_bytes, "response_format")
+    elif grammar is None and isinstance(body.response_format, ResponseFormatJsonObject):
+        grammar = json_object_grammar()
+    lazy = None
+    if grammar is None and tools and template.style != "harmony":
+        # tool_choice auto: text until the model opens a call, then only valid calls
+        lazy = auto_tool_grammar(
+            model.llama, template.source, tools, parallel, settings.max_json_schema_bytes
+        )
+        grammar = lazy.grammar if lazy is not None else None
+    tool_choice = (
+        body.tool_choice if isinstance(body.tool_choice, str) else "required" if body.tool_choice else None
+    )
+
+    extra = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        extra["reasoning_effort"] = body.reasoning_effort  # gpt-oss templates read it
+    prompt = await run_in_threadpool(template.render, list(body.messages), body.tools, tool_choice, extra)
+    tokens = await run_in_threadpool(template.tokenize, prompt)
+    _check_prompt(ctx, model, len(tokens))
+    if grammar is not None:
+        await run_in_threadpool(
+            check_grammar,
+            model.llama,
+            grammar,
+            settings.max_grammar_compile_ms,
+            "tools" if mode != "text" or lazy is not None else "response_format",
+        )
+
+    params = body.to_sampling_params(
+        max_tokens=_max_tokens(ctx, model, body.max_completion_tokens or body.max_tokens, len(tokens)),
+        logit_bias=_logit_bias(model, body.logit_bias),
+        grammar=grammar,
+    )
+    if lazy is not None:
+        params = replace(
+            params, grammar_trigger_tokens=lazy.trigger_tokens, grammar_trigger_patterns=lazy.trigger_patterns
+        )
+    # a (non-lazy) grammar constrains the whole output, so no reasoning markup can appear in it
+    whole_output_constrained = grammar is not None and lazy is None
+    splitter = PlainSplitter() if whole_output_constrained else make_splitter(template.style, prompt)
+    output = ChatOutput(
+        splitter,
+        mode=mode,
+        forced_name=forced_name,
+        parse_tools=bool(tools) and template.style != "harmony",
+        parallel=parallel,
+    )
+    job = ctx.engine.submit(
+        "chatcmpl-" + secrets.token_hex(12),
+        GenerationRequest(tokens, params, render_special=template.style == "harmony"),
+    )
+    plan = _ChatPlan(
+        job=job,
+        output=output,
+        created=int(time.time()),
+        model_id=model.info.id,
+        fingerprint=model.info.fingerprint,
+        timings=_want_timings(body.timings, request),
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+    )
+    if body.stream:
+        shutdown = anyio.Event()
+        return sse_response(_chat_stream(ctx, plan, shutdown), settings.keepalive_s, shutdown)
+    return await _chat_whole(ctx, plan, request)
+
+
+def _apply(pieces: list[OutPiece], acc: dict[str, Any]) -> None:
+    for piece in pieces:
+        if isinstance(piece, ToolCallStart):
+            acc["calls"].append(
+                {"id": piece.id, "type": "function", "function": {"name": piece.name, "arguments": ""}}
+            )
+        elif isinstance(piece, ToolCallArgs):
+            acc["calls"][piece.index]["function"]["arguments"] += piece.text
+        else:
+            acc[piece[0]] = acc.get(piece[0], "") + piece[1]
+
+
+async def _chat_whole(ctx: ServeContext, plan: _ChatPlan, request: Request) -> Response:
+    job = plan.job
+    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    acc: dict[str, Any] = {"calls": []}
+    logprobs: list[TokenLogprob] = []
+    try:
+        async for ev in job.events():
+            if isinstance(ev, TextDelta):
+                _apply(plan.output.feed(ev.text), acc)
+                logprobs.extend(ev.logprobs)
+            elif isinstance(ev, Failed):
+                raise ev.error
+            else:
+                _apply(plan.output.finish(), acc)
+                finished = ev
+    finally:
+        watcher.cancel()
+        job.cancel()
+    stats = finished.stats
+    if stats.finish_reason == "cancelled":
+        # the client is still here (else nobody reads this): the server is stopping
+        raise _SHUTDOWN
+    ctx.metrics.observe(stats)
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": acc.get("content", "" if not acc["calls"] else None),
+    }
+    if acc["calls"]:
+        message["tool_calls"] = acc["calls"]
+    if "reasoning" in acc:
+        message["reasoning_content"] = acc["reasoning"]
+    result: dict[str, Any] = {
+        "id": job.id,
+        "object": "chat.completion",
+        "created": plan.created,
+        "model": plan.model_id,
+        "system_fingerprint": plan.fingerprint,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": _chat_logprobs(logprobs) if job.request.params.logprobs else None,
+                "finish_reason": _finish_reason(stats, plan.output.n_calls),
+            }
+        ],
+        "usage": _usage(stats),
+    }
+    if plan.timings:
+        result["timings"] = _timings(stats, finished.telemetry)
+    return JSONResponse(result)
+
+
+def _delta(piece: OutPiece) -> dict[str, Any]:
+    if isinstance(piece, ToolCallStart):
+        call = {
+            "index": piece.index,
+            "id": piece.id,
+            "type": "function",
+            "function": {"name": piece.name, "arguments": ""},
+        }
+        return {"tool_calls": [call]}
+    if isinstance(piece, ToolCallArgs):
+        return {"tool_calls": [{"index": piece.index, "function": {"arguments": piece.text}}]}
+    kind, text = piece
+    return {"reasoning_content": text} if kind == "reasoning" else {"content": text}
+
+
+async def _cancel_on(shutdown: anyio.Event, job: Job) -> None:
+    await shutdown.wait()
+    job.cancel()
+
+
+async def _chat_stream(
+    ctx: ServeContext, plan: _ChatPlan, shutdown: anyio.Event
+) -> AsyncIterator[ServerSentEvent]:
+    job = plan.job
+    watcher = asyncio.create_task(_cancel_on(shutdown, job))
+    head = {
+        "id": job.id,
+        "object": "chat.completion.chunk",
+        "created": plan.created,
+        "model": plan.model_id,
+        "system_fingerprint": plan.fingerprint,
+    }
+
+    def chunk(
+        delta: dict[str, Any], finish: str | None = None, logprobs: list[TokenLogprob] | None = None
+    ) -> dict[str, Any]:
+        choice = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": _chat_logprobs(logprobs) if logprobs else None,
+            "finish_reason": finish,
+        }
+        return {**head, "choices": [choice]}
+
+    try:
+        yield event(chunk({"role": "assistant", "content": ""}))
+        pending_lps: list[TokenLogprob] = []
+        async for ev in job.events():
+            if isinstance(ev, TextDelta):
+                pending_lps.extend(ev.logprobs)
+                for piece in plan.output.feed(ev.text):
+                    yield event(chunk(_delta(piece), logprobs=pending_lps))
+                    pending_lps = []
+            elif isinstance(ev, Failed):
+                _, body, _ = describe(ev.error, ctx.engine.queue_full_status)
+                yield event(body)
+            elif ev.stats.finish_reason == "cancelled":
+                # only the server cancels a stream that still has a reader: it is stopping
+                yield event(describe(_SHUTDOWN)[1])
+            else:
+                for piece in plan.output.finish():
+                    yield event(chunk(_delta(piece), logprobs=pending_lps))
+                    pending_lps = []
+                stats = ev.stats
+                ctx.metrics.observe(stats)
+                last = chunk({}, _finish_reason(stats, plan.output.n_calls), logprobs=pending_lps)
+                if plan.timings:
+                    last["timings"] = _timings(stats, ev.telemetry)
+                yield event(last)
+                if plan.include_usage:
+                    yield event({**head, "choices": [], "usage": _usage(stats)})
+        yield event(DONE)
+    finally:
+        watcher.cancel()
+        # a no-op when the job finished; stops the worker when the client went away
+        job.cancel()
+
+
+# ---------------------------------------------------------------------- legacy completions
+
+
+async def create_completion(ctx: ServeContext, body: CompletionRequest, request: Request) -> Response:
+    """POST /v1/completions."""
+    ctx.warn_unknown(body.model_extra)
+    model = ctx.ready_model()
+    _check_model(ctx, model, body.model)
+    if body.n is not None and body.n > 1:
+        raise InvalidRequest("n > 1 is not supported: this server generates one choice", param="n")
+    if body.suffix:
+        raise InvalidRequest("suffix (insertion) is not supported", param="suffix")
+    prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+    llama = model.llama
+    add_bos = bool(llama._model.add_bos_token()) and llama.token_bos() >= 0
+    tokens = tuple(await run_in_threadpool(llama.tokenize, prompt.encode("utf-8"), add_bos, True))
+    if not tokens:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    _check_prompt(ctx, model, len(tokens))
+    params = body.to_sampling_params(
+        max_tokens=_max_tokens(ctx, model, body.max_tokens, len(tokens)),
+        logit_bias=_logit_bias(model, body.logit_bias),
+    )
+    job = ctx.engine.submit("cmpl-" + secrets.token_hex(12), GenerationRequest(tokens, params))
+    head = {
+        "id": job.id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model.info.id,
+        "system_fingerprint": model.info.fingerprint,
+    }
+    timings = _want_timings(body.timings, request)
+    echo = prompt if body.echo else ""
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        shutdown = anyio.Event()
+        stream = _completion_stream(ctx, job, head, echo, timings, include_usage, shutdown)
+        return sse_response(stream, ctx.settings.keepalive_s, shutdown)
+
+    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    text, lps = echo, []
+    try:
+        async for ev in job.events():
+            if isinstance(ev, TextDelta):
+                text += ev.text
+                lps.extend(ev.logprobs)
+            elif isinstance(ev, Failed):
+                raise ev.error
+            else:
+                finished = ev
+    finally:
+        watcher.cancel()
+        job.cancel()
+    stats = finished.stats
+    if stats.finish_reason == "cancelled":
+        raise _SHUTDOWN
+    ctx.metrics.observe(stats)
+    result: dict[str, Any] = {
+        **head,
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": _legacy_logprobs(lps, len(echo)) if params.logprobs else None,
+                "finish_reason": _finish_reason(stats, 0),
+            }
+        ],
+        "usage": _usage(stats),
+    }
+    if timings:
+        result["timings"] = _timings(stats, finished.telemetry)
+    return JSONResponse(result)
+
+
+def _legacy_logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    offsets = []
+    for lp in lps:
+        offsets.append(offset)
+        offset += len(lp.token)
+    return {
+        "tokens": [lp.token for lp in lps],
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{t.token: t.logprob for t in lp.top_logprobs} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+async def _completion_stream(
+    ctx: ServeContext,
+    job: Job,
+    head: dict[str, Any],
+    echo: str,
+    timings: bool,
+    include_usage: bool,
+    shutdown: anyio.Event,
+) -> AsyncIterator[ServerSentEvent]:
+    watcher = asyncio.create_task(_cancel_on(shutdown, job))
+
+    def chunk(text: str, finish: str | None = None, lps: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        logprobs = _legacy_logprobs(lps, 0) if lps else None
+        return {
+            **head,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        }
+
+    try:
+        if echo:
+            yield event(chunk(echo))
+        async for ev in job.events():
+            if isinstance(ev, TextDelta):
+                yield event(chunk(ev.text, lps=ev.logprobs))
+            elif isinstance(ev, Failed):
+                _, body, _ = describe(ev.error, ctx.engine.queue_full_status)
+                yield event(body)
+            elif ev.stats.finish_reason == "cancelled":
+                yield event(describe(_SHUTDOWN)[1])
+            else:
+                stats = ev.stats
+                ctx.metrics.observe(stats)
+                last = chunk("", _finish_reason(stats, 0))
+                if timings:
+                    last["timings"] = _timings(stats, ev.telemetry)
+                yield event(last)
+                if include_usage:
+                    yield event({**head, "choices": [], "usage": _usage(stats)})
+        yield event(DONE)
+    finally:
+        watcher.cancel()
+        job.cancel()

@@ -1,0 +1,313 @@
+"""`moeflash generate`: prompt in, tokens out, with per-token streamer telemetry.
+
+The shortest path from a model file to tokens (no server, no queue), like the phone's CLI. It
+streams experts by default; `--resident` runs the same model the stock way (load mode MMAP,
+use_extra_bufts off) for comparison. `--json` prints one machine-readable report (the benchmark
+harness runs this command under memory caps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import json
+import logging
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from server.errors import ConfigError, ModelLoadError
+from server.settings import parse_size
+from server.streaming import DecodeTelemetry, StreamingLlama, StreamingOptions, load_streaming_llama
+
+logger = logging.getLogger(__name__)
+
+_MB = 1e6
+
+
+@dataclass
+class TokenRecord:
+    """One decoded token: its id and where its time went (seconds, bytes)."""
+
+    token: int
+    seconds: float
+    compute_s: float | None = None
+    flash_wait_s: float | None = None
+    cache_s: float | None = None
+    bytes_read: int | None = None
+    hits: int | None = None
+    misses: int | None = None
+    evictions: int | None = None
+
+
+@dataclass
+class GenerateReport:
+    """Everything one run measured (the --json output)."""
+
+    model: str
+    mode: str
+    load_s: float
+    prompt_tokens: int
+    prompt_s: float
+    ttft_s: float
+    decode_tokens: int
+    decode_s: float
+    decode_tok_s: float
+    decode_tok_s_median: float
+    text: str
+    tokens: list[int]
+    peak_rss_bytes: int
+    budget_bytes: int | None = None
+    budget_reason: str | None = None
+    prompt_bytes_read: int | None = None
+    totals: dict[str, Any] = field(default_factory=dict)
+    per_token: list[TokenRecord] = field(default_factory=list)
+
+
+def register(subparsers: Any) -> None:
+    """Add the `generate` subcommand."""
+    p = subparsers.add_parser(
+        "generate",
+        help="generate tokens from a prompt, streaming experts (per-token telemetry)",
+        description="Generate tokens from a prompt with expert streaming (or --resident), printing "
+        "the text, per-token telemetry and a summary.",
+    )
+    p.add_argument("--model", "-m", required=True, type=Path, help="GGUF file (or first file of a split set)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", "-p", default="Once upon a time", help="prompt text")
+    src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    p.add_argument("--n-predict", "-n", type=int, default=32, help="tokens to generate (default 32)")
+    p.add_argument(
+        "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
+    )
+    p.add_argument("--resident", action="store_true", help="load the model the stock way (no streaming)")
+    p.add_argument("--budget", default="auto", help="expert cache budget: bytes (4G, 512M) or auto (default)")
+    p.add_argument("--lanes", type=int, default=4, help="reader threads (default 4)")
+    p.add_argument("--no-direct-io", action="store_true", help="buffered reads instead of O_DIRECT")
+    p.add_argument("--no-overlap", action="store_true", help="wait for a layer's reads before its matmuls")
+    p.add_argument("--policy", default="layer", choices=["layer", "lru", "none"], help="cache policy")
+    p.add_argument("--ctx-size", "-c", type=int, default=4096, help="context size in tokens")
+    p.add_argument("--batch-size", type=int, default=512, help="logical batch size (n_batch)")
+    p.add_argument("--ubatch-size", type=int, default=512, help="micro-batch size (n_ubatch)")
+    p.add_argument("--threads", "-t", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
+    p.add_argument("--telemetry", action="store_true", help="print one telemetry line per token (stderr)")
+    p.add_argument("--json", action="store_true", help="print a JSON report instead of text and summary")
+    p.set_defaults(func=run)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.n_predict < 1:
+        raise ConfigError("--n-predict must be at least 1")
+    if args.ctx_size < 16:
+        raise ConfigError("--ctx-size must be at least 16")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError("--threads must be at least 1")
+    if not 1 <= args.ubatch_size <= args.batch_size:
+        raise ConfigError("--ubatch-size must be between 1 and --batch-size")
+    if not args.model.exists():
+        raise ModelLoadError(f"model file {args.model} does not exist")
+
+
+def _load(args: argparse.Namespace) -> Any:
+    import os
+
+    import llama_cpp
+
+    threads = args.threads or os.cpu_count() or 1
+    common: dict[str, Any] = {
+        "n_ctx": args.ctx_size,
+        "n_batch": args.batch_size,
+        "n_ubatch": args.ubatch_size,
+        "n_threads": threads,
+        "n_threads_batch": threads,
+        "seed": args.seed,
+        "verbose": False,
+    }
+    if args.resident:
+        try:
+            return llama_cpp.Llama(
+                str(args.model), load_mode=llama_cpp.LLAMA_LOAD_MODE_MMAP, use_extra_bufts=False, **common
+            )
+        except ValueError as exc:
+            raise ModelLoadError(f"llama.cpp could not load {args.model} ({exc})") from exc
+    try:
+        budget = None if args.budget == "auto" else parse_size(args.budget)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    options = StreamingOptions(
+        budget_bytes=budget,
+        lanes=args.lanes,
+        direct_io=not args.no_direct_io,
+        overlap=not args.no_overlap,
+        policy=args.policy,
+    )
+    n_ctx = common.pop("n_ctx")
+    return load_streaming_llama(args.model, options, n_ctx=n_ctx, **common)
+
+
+def _prompt_tokens(llm: Any, args: argparse.Namespace) -> list[int]:
+    text = args.prompt_file.read_text() if args.prompt_file else args.prompt
+    if args.chat:
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        template = llm.metadata.get("tokenizer.chat_template")
+        if not template:
+            raise ConfigError(f"{args.model} has no chat template (tokenizer.chat_template); drop --chat")
+        eos = llm.detokenize([llm.token_eos()], special=True).decode(errors="replace")
+        bos = llm.detokenize([llm.token_bos()], special=True).decode(errors="replace")
+        formatter = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
+        text = formatter(messages=[{"role": "user", "content": text}]).prompt
+    tokens: list[int] = llm.tokenize(text.encode(), add_bos=not args.chat, special=True)
+    if not tokens:
+        raise ConfigError("the prompt is empty")
+    if len(tokens) + args.n_predict > llm.n_ctx():
+        raise ConfigError(
+            f"prompt ({len(tokens)} tokens) + --n-predict {args.n_predict} exceed --ctx-size {llm.n_ctx()}"
+        )
+    return tokens
+
+
+def _next_token(llm: Any, args: argparse.Namespace, rng: np.random.Generator) -> int:
+    import llama_cpp
+
+    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+    if args.temp <= 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / args.temp
+    p = np.exp(z - z.max())
+    return int(rng.choice(len(p), p=p / p.sum()))
+
+
+def _record(token: int, seconds: float, t: DecodeTelemetry | None) -> TokenRecord:
+    if t is None:
+        return TokenRecord(token=token, seconds=seconds)
+    return TokenRecord(
+        token=token,
+        seconds=seconds,
+        compute_s=t.compute_ns / 1e9,
+        flash_wait_s=t.flash_wait_ns / 1e9,
+        cache_s=t.cache_ns / 1e9,
+        bytes_read=t.bytes_read,
+        hits=t.hits,
+        misses=t.misses,
+        evictions=t.evictions,
+    )
+
+
+def _telemetry_line(i: int, r: TokenRecord) -> str:
+    line = f"tok {i:4d} {r.token:7d} | {r.seconds * 1e3:8.1f} ms"
+    if r.compute_s is not None:
+        line += (
+            f" | compute {r.compute_s * 1e3:7.1f} ms | flash wait {(r.flash_wait_s or 0) * 1e3:7.1f} ms"
+            f" | cache {(r.cache_s or 0) * 1e3:6.1f} ms | read {(r.bytes_read or 0) / _MB:7.1f} MB"
+            f" | hits {r.hits}/{(r.hits or 0) + (r.misses or 0)}"
+        )
+    return line
+
+
+def generate(llm: Any, args: argparse.Namespace, load_s: float) -> GenerateReport:
+    """Evaluate the prompt, then decode greedily (or sampled) token by token."""
+    streaming = isinstance(llm, StreamingLlama)
+    prompt = _prompt_tokens(llm, args)
+    rng = np.random.default_rng(args.seed)
+    eog = {llm.token_eos()}
+    records: list[TokenRecord] = []
+
+    stats0 = llm.stats() if streaming else None
+    t0 = time.perf_counter()
+    llm.reset()
+    llm.eval(prompt)
+    prompt_s = time.perf_counter() - t0
+    prompt_read = (llm.stats() - stats0).bytes_read if streaming and stats0 is not None else None
+
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def emit(tok: int) -> None:
+        if not args.json:
+            sys.stdout.write(text.decode(llm.detokenize([tok])))
+            sys.stdout.flush()
+
+    token = _next_token(llm, args, rng)
+    ttft = time.perf_counter() - t0
+    out = [token]
+    emit(token)
+    while len(out) < args.n_predict and (args.ignore_eos or token not in eog):
+        t1 = time.perf_counter()
+        llm.eval([token])
+        seconds = time.perf_counter() - t1
+        records.append(_record(token, seconds, llm.telemetry[-1] if streaming else None))
+        if args.telemetry and not args.json:
+            print(_telemetry_line(len(records), records[-1]), file=sys.stderr)
+        token = _next_token(llm, args, rng)
+        out.append(token)
+        emit(token)
+    decode_s = sum(r.seconds for r in records)
+    per_tok = sorted(r.seconds for r in records)
+    median = per_tok[len(per_tok) // 2] if per_tok else 0.0
+    report = GenerateReport(
+        model=str(args.model),
+        mode="resident" if not streaming else "streaming",
+        load_s=load_s,
+        prompt_tokens=len(prompt),
+        prompt_s=prompt_s,
+        ttft_s=ttft,
+        decode_tokens=len(records),
+        decode_s=decode_s,
+        decode_tok_s=len(records) / decode_s if decode_s > 0 else 0.0,
+        decode_tok_s_median=1.0 / median if median > 0 else 0.0,
+        text=llm.detokenize(out).decode(errors="replace"),
+        tokens=out,
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        prompt_bytes_read=prompt_read,
+        per_token=records,
+    )
+    if streaming:
+        report.budget_bytes = llm.budget.bytes
+        report.budget_reason = llm.budget.reason
+        report.totals = asdict(llm.stats())
+    return report
+
+
+def _summary(r: GenerateReport) -> str:
+    lines = [
+        f"model {r.model} ({r.mode}), load {r.load_s:.2f} s, peak RSS {r.peak_rss_bytes / 2**20:.0f} MiB",
+        f"prompt {r.prompt_tokens} tokens in {r.prompt_s:.2f} s, time to first token {r.ttft_s:.2f} s",
+        f"decode {r.decode_tokens} tokens in {r.decode_s:.2f} s: {r.decode_tok_s:.2f} tok/s "
+        f"(median {r.decode_tok_s_median:.2f})",
+    ]
+    if r.budget_bytes is not None:
+        t = r.totals
+        routed = t["hits"] + t["misses"]
+        lines.append(
+            f"experts: budget {r.budget_bytes / 2**20:.0f} MiB ({r.budget_reason}); hit rate "
+            f"{t['hits'] / routed if routed else 0:.1%}; read {t['bytes_read'] / _MB:.0f} MB; "
+            f"flash wait {t['wait_ns'] / 1e9:.2f} s; cache {t['manage_ns'] / 1e9:.2f} s; "
+            f"O_DIRECT {'on' if t['direct_io'] else 'off'}"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The `generate` subcommand."""
+    _check_args(args)
+    t0 = time.perf_counter()
+    llm = _load(args)
+    load_s = time.perf_counter() - t0
+    try:
+        report = generate(llm, args, load_s)
+    finally:
+        llm.close()
+    if args.json:
+        print(json.dumps(asdict(report)))
+    else:
+        print()
+        print(_summary(report), file=sys.stderr)
+    return 0

@@ -1,0 +1,208 @@
+"""Model loading behind one function, `load_model(settings) -> LoadedModel`.
+
+Two modes. resident: llama.cpp maps the file (load mode MMAP) with use_extra_bufts off, so no
+weight is repacked into another layout (the resident reference of the byte-identity gates uses
+the same setting). streaming: the expert streamer (server/streaming.py) keeps dense weights in
+RAM and streams routed experts from flash into a bounded cache. auto (the default) streams when
+the model file does not fit comfortably in the memory this process may use. `load_model` is the
+only place that decides how a model is loaded; `LoadedModel.telemetry()` surfaces the streamer's
+counters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from server import __version__
+from server.errors import ConfigError, ModelLoadError
+from server.model_files import split_files
+from server.settings import ModelSettings
+
+if TYPE_CHECKING:
+    from llama_cpp import Llama
+
+logger = logging.getLogger(__name__)
+
+# bytes hashed from the start of the file for system_fingerprint: the GGUF header and
+# metadata live there; hashing a 60 GB file at start-up is not an option
+_FINGERPRINT_BYTES = 1 << 20
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the API and the start-up log say about the loaded model."""
+
+    path: Path
+    id: str
+    architecture: str
+    file_size: int  # bytes, all split files together
+    n_ctx: int  # context window of the created context, tokens
+    n_ctx_train: int
+    n_vocab: int
+    chat_template: str | None
+    mode: str  # "resident" | "streaming"
+    budget_bytes: int | None
+    fingerprint: str  # system_fingerprint: build + model hash
+    created: int  # file mtime, seconds since the epoch (the /v1/models `created`)
+
+
+@dataclass
+class StreamerTelemetry:
+    """Cumulative counters of the expert streamer (units in the names)."""
+
+    compute_ns: int = 0
+    flash_wait_ns: int = 0
+    cache_ns: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    bytes_read: int = 0
+
+
+@dataclass
+class LoadedModel:
+    """A loaded llama_cpp.Llama and its description; owned by the engine's worker thread."""
+
+    llama: Llama
+    info: ModelInfo
+    _closed: bool = field(default=False, repr=False)
+
+    def telemetry(self) -> StreamerTelemetry | None:
+        """The streamer's counters, or None for a resident model (nothing is streamed)."""
+        from server.streaming import StreamingLlama
+
+        if not isinstance(self.llama, StreamingLlama):
+            return None
+        s = self.llama.stats()
+        return StreamerTelemetry(
+            compute_ns=self.llama.compute_ns_total,
+            flash_wait_ns=s.wait_ns,
+            cache_ns=s.manage_ns,
+            cache_hits=s.hits,
+            cache_misses=s.misses,
+            bytes_read=s.bytes_read,
+        )
+
+    def close(self) -> None:
+        """Free the context and the model (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self.llama.close()
+
+
+def _model_id(settings: ModelSettings, path: Path) -> str:
+    if settings.alias:
+        return settings.alias
+    name = path.name.removesuffix(".gguf")
+    marker = name.rfind("-of-")
+    if marker > 6 and name[marker - 6] == "-":
+        name = name[: marker - 6]
+    return name
+
+
+def _fingerprint(path: Path, size: int) -> str:
+    digest = hashlib.sha256(str(size).encode())
+    with path.open("rb") as fh:
+        digest.update(fh.read(_FINGERPRINT_BYTES))
+    return f"fp_moeflash-{__version__}-{digest.hexdigest()[:12]}"
+
+
+def _check_file(path: Path) -> list[Path]:
+    files = split_files(path)
+    for part in files:
+        if not part.is_file():
+            raise ModelLoadError(f"model file not found: {part}")
+        with part.open("rb") as fh:
+            if fh.read(4) != GGUF_MAGIC:
+                raise ModelLoadError(f"not a GGUF file (bad magic): {part}")
+    return files
+
+
+def choose_mode(settings: ModelSettings, file_size: int) -> tuple[str, str]:
+    """("resident" | "streaming", why) for the configured mode and the model's size."""
+    if settings.mode != "auto":
+        return settings.mode, "chosen in the settings"
+    from server.budget import memory_limit
+
+    limit, source = memory_limit()
+    # resident needs the whole file in page cache plus KV and compute buffers: keep headroom
+    if file_size <= limit * 0.6:
+        return "resident", f"auto: the file ({file_size / 2**30:.1f} GiB) fits in {source}"
+    return "streaming", f"auto: the file ({file_size / 2**30:.1f} GiB) exceeds 60% of {source}"
+
+
+def load_model(settings: ModelSettings) -> LoadedModel:
+    """Load the model `settings` names; ModelLoadError/ConfigError when it cannot be."""
+    if settings.model is None:
+        raise ConfigError("no model given (--model PATH or MOEFLASH_MODEL)")
+    path = settings.model.expanduser().resolve()
+    files = _check_file(path)
+    file_size = sum(part.stat().st_size for part in files)
+    mode, why = choose_mode(settings, file_size)
+    logger.info("loading %s %s (%s)", path, mode, why)
+
+    import llama_cpp  # heavy import (loads libllama): only when a model is really loaded
+
+    kwargs: dict[str, Any] = {
+        "n_batch": settings.n_batch,
+        "n_ubatch": settings.n_batch,
+        "verbose": False,
+    }
+    if settings.threads is not None:
+        kwargs["n_threads"] = settings.threads
+        kwargs["n_threads_batch"] = settings.threads
+    budget_bytes: int | None = None
+    if mode == "streaming":
+        from server.streaming import StreamingOptions, load_streaming_llama
+
+        options = StreamingOptions(
+            budget_bytes=settings.budget_bytes(),
+            lanes=settings.lanes,
+            direct_io=settings.reader == "direct",
+            overlap=settings.overlap,
+            policy=settings.cache_policy,
+        )
+        streamed = load_streaming_llama(path, options, n_ctx=settings.ctx_size, **kwargs)
+        budget_bytes = streamed.budget.bytes
+        llama: Llama = streamed
+    else:
+        try:
+            llama = llama_cpp.Llama(
+                str(path),
+                n_ctx=settings.ctx_size,
+                load_mode=llama_cpp.LLAMA_LOAD_MODE_MMAP,
+                use_extra_bufts=False,
+                **kwargs,
+            )
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise ModelLoadError(f"llama.cpp could not load {path}: {exc}") from exc
+
+    metadata: dict[str, str] = dict(llama.metadata)
+    template = metadata.get("tokenizer.chat_template")
+    if settings.chat_template_file is not None:
+        try:
+            template = settings.chat_template_file.read_text(encoding="utf-8")
+        except OSError as exc:
+            llama.close()
+            raise ConfigError(f"cannot read the chat template {settings.chat_template_file}: {exc}") from exc
+    info = ModelInfo(
+        path=path,
+        id=_model_id(settings, path),
+        architecture=metadata.get("general.architecture", "unknown"),
+        file_size=file_size,
+        n_ctx=llama.n_ctx(),
+        n_ctx_train=llama._model.n_ctx_train(),
+        n_vocab=llama.n_vocab(),
+        chat_template=template,
+        mode=mode,
+        budget_bytes=budget_bytes,
+        fingerprint=_fingerprint(path, file_size),
+        created=int(os.stat(path).st_mtime),
+    )
+    return LoadedModel(llama=llama, info=info)

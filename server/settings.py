@@ -1,0 +1,266 @@
+"""Server and model settings: one source of truth for names, defaults and bounds.
+
+Each field is read, highest priority first, from a command-line flag (generated from the
+field by `add_arguments`), an environment variable (`MOEFLASH_<FIELD>`), a table of a TOML
+file (`[server]` / `[model]`, see configs/default.toml) and finally the default below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar, get_args, get_origin
+
+import tomllib
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+
+from server.errors import ConfigError
+
+ENV_PREFIX = "MOEFLASH_"
+
+_SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from `123`, `512M`, `4G`, `1.5GiB` (binary units: the budget is about RAM)."""
+    if isinstance(text, int):
+        return text
+    value = text.strip().upper().removesuffix("B").removesuffix("I")
+    suffix = value[-1:] if value[-1:] in _SIZE_SUFFIXES else ""
+    number = value[: len(value) - len(suffix)] if suffix else value
+    try:
+        size = float(number) * _SIZE_SUFFIXES[suffix]
+    except ValueError as exc:
+        raise ValueError(f"not a size: {text!r} (use e.g. 512M or 4G)") from exc
+    if size < 0:
+        raise ValueError(f"a size cannot be negative: {text!r}")
+    return int(size)
+
+
+class ServerSettings(BaseSettings):
+    """HTTP-side settings: binding, security, limits, queueing."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    host: str = Field("127.0.0.1", description="address to bind; 0.0.0.0 serves the LAN")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port (0 picks a free one)")
+    api_key: SecretStr | None = Field(
+        None, description="require 'Authorization: Bearer KEY' on every route but /health"
+    )
+    api_key_file: Path | None = Field(None, description="read the API key from this file")
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="allow browser requests from this origin (repeatable); CORS is off by default",
+        json_schema_extra={"flag": "--cors-origin"},
+    )
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="extra Host header names accepted while bound to loopback (repeatable)",
+        json_schema_extra={"flag": "--allowed-host"},
+    )
+    max_body_bytes: int = Field(
+        4 << 20, ge=1024, le=1 << 30, description="request body cap in bytes (413 above it)"
+    )
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="prompt-length cap in tokens (default: the context size)"
+    )
+    max_completion_tokens: int = Field(
+        8192, ge=1, le=1 << 20, description="cap on max_tokens / max_completion_tokens"
+    )
+    max_json_schema_bytes: int = Field(
+        65536, ge=256, le=16 << 20, description="cap on a response_format / tool JSON schema"
+    )
+    max_grammar_compile_ms: int = Field(
+        2000, ge=1, le=600_000, description="a grammar taking longer than this to compile is refused"
+    )
+    max_queue: int = Field(16, ge=0, le=10_000, description="requests waiting for the model")
+    queue_full_status: Literal[429, 503] = Field(
+        429, description="status when the queue is full (429 or 503)"
+    )
+    retry_after_s: int = Field(1, ge=0, le=3600, description="Retry-After seconds on 429/503")
+    keepalive_s: float = Field(10.0, gt=0, le=600, description="SSE ': ping' keep-alive interval in seconds")
+
+    @field_validator("cors_origins", "allowed_hosts", mode="before")
+    @classmethod
+    def _split_commas(cls, value: Any) -> Any:
+        # env vars and TOML strings arrive as "a,b"; lists pass through
+        if isinstance(value, str):
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value
+
+    @field_validator("queue_full_status", mode="before")
+    @classmethod
+    def _status_from_text(cls, value: Any) -> Any:
+        # flags and env vars are text; the Literal wants the int
+        return int(value) if isinstance(value, str) and value.strip().isdigit() else value
+
+    def resolved_api_key(self) -> str | None:
+        """The API key from --api-key or --api-key-file (the file wins; whitespace stripped)."""
+        if self.api_key_file is not None:
+            try:
+                key = self.api_key_file.read_text(encoding="utf-8").strip()
+            except OSError as exc:
+                raise ConfigError(f"cannot read the API key file {self.api_key_file}: {exc}") from exc
+            if not key:
+                raise ConfigError(f"the API key file {self.api_key_file} is empty")
+            return key
+        if self.api_key is not None and self.api_key.get_secret_value():
+            return self.api_key.get_secret_value()
+        return None
+
+    def is_loopback(self) -> bool:
+        """True when bound to a loopback address only (then the Host allow-list applies)."""
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+
+class ModelSettings(BaseSettings):
+    """Model-side settings: which file, how it is loaded, context size, threads."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    model: Path | None = Field(None, description="path of the GGUF model (first file of a split)")
+    alias: str | None = Field(
+        None, max_length=256, description="model id in the API (default: the file stem)"
+    )
+    ctx_size: int = Field(4096, ge=64, le=1 << 20, description="context window in tokens")
+    n_batch: int = Field(512, ge=1, le=1 << 16, description="prompt tokens per decode call")
+    threads: int | None = Field(None, ge=1, le=1024, description="CPU threads (default: all)")
+    mode: Literal["auto", "resident", "streaming"] = Field(
+        "auto",
+        description="resident: weights mapped from the file; streaming: experts from flash into a "
+        "bounded cache; auto: streaming when the file exceeds 0.6 x the memory this process may use",
+    )
+    budget: str | None = Field(None, description="RAM budget for streamed experts, e.g. 6G (streaming mode)")
+    # --- the expert streamer's options (streaming mode) ---------------------------------
+    lanes: int = Field(4, ge=1, le=16, description="parallel read lanes of the expert streamer")
+    reader: Literal["direct", "buffered"] = Field(
+        "direct", description="expert reads with O_DIRECT (falls back to buffered) or buffered"
+    )
+    overlap: bool = Field(True, description="overlap expert reads with the compute of ready experts")
+    cache_policy: Literal["layer", "lru", "none"] = Field("layer", description="expert cache eviction policy")
+    chat_template_file: Path | None = Field(
+        None, description="Jinja chat template overriding the one in the GGUF metadata"
+    )
+
+    @field_validator("budget")
+    @classmethod
+    def _check_budget(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_size(value)
+        return value
+
+    def budget_bytes(self) -> int | None:
+        """The expert budget in bytes, or None when unset."""
+        return None if self.budget is None else parse_size(self.budget)
+
+
+S = TypeVar("S", bound=BaseSettings)
+
+SETTINGS_CLASSES: tuple[type[BaseSettings], ...] = (ServerSettings, ModelSettings)
+
+
+class _TomlTable(PydanticBaseSettingsSource):
+    """One table of a TOML file as a settings source (below env vars, above defaults)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], values: dict[str, Any]) -> None:
+        super().__init__(settings_cls)
+        self._values = values
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self._values.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self._values)
+
+
+def _with_toml(cls: type[S], table: dict[str, Any]) -> type[S]:
+    # pydantic-settings picks sources per class; a subclass carries this file's table
+    class _FromToml(cls):  # type: ignore[valid-type,misc]
+        @classmethod
+        def settings_customise_sources(
+            cls_,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return (init_settings, env_settings, _TomlTable(settings_cls, table))
+
+    _FromToml.__name__ = cls.__name__
+    return _FromToml
+
+
+def _flag(name: str, field: FieldInfo) -> str:
+    extra = field.json_schema_extra
+    if isinstance(extra, dict) and isinstance(extra.get("flag"), str):
+        return str(extra["flag"])
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per settings field; unset flags stay None so lower sources still apply."""
+    parser.add_argument("--config", type=Path, default=None, help="TOML file with [server] and [model]")
+    for cls in SETTINGS_CLASSES:
+        group = parser.add_argument_group(cls.__name__.removesuffix("Settings").lower())
+        for name, field in cls.model_fields.items():
+            default = field.get_default(call_default_factory=True)
+            shown = "unset" if default in (None, []) else default
+            help_text = f"{field.description} (default: {shown}; env {ENV_PREFIX}{name.upper()})"
+            if field.annotation == list[str]:
+                group.add_argument(_flag(name, field), dest=name, action="append", help=help_text)
+            elif field.annotation is bool:
+                group.add_argument(
+                    _flag(name, field),
+                    dest=name,
+                    action=argparse.BooleanOptionalAction,
+                    default=None,
+                    help=help_text,
+                )
+            else:
+                choices = get_args(field.annotation) if get_origin(field.annotation) is Literal else ()
+                metavar = "{" + ",".join(str(c) for c in choices) + "}" if choices else None
+                group.add_argument(
+                    _flag(name, field), dest=name, default=None, metavar=metavar, help=help_text
+                )
+
+
+def _toml_tables(path: Path | None) -> dict[str, dict[str, Any]]:
+    if path is None:
+        return {}
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read the config file {path}: {exc}") from exc
+    unknown = set(data) - {"server", "model"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown tables {sorted(unknown)} (expected [server] and [model])")
+    return {key: dict(value) for key, value in data.items()}
+
+
+def load_settings(
+    cli: dict[str, Any] | None = None, config: Path | None = None
+) -> tuple[ServerSettings, ModelSettings]:
+    """Build both settings objects from CLI values (None = not given), env and a TOML file."""
+    tables = _toml_tables(config)
+    given = {key: value for key, value in (cli or {}).items() if value is not None}
+    try:
+        server = _with_toml(ServerSettings, tables.get("server", {}))(
+            **{k: v for k, v in given.items() if k in ServerSettings.model_fields}
+        )
+        model = _with_toml(ModelSettings, tables.get("model", {}))(
+            **{k: v for k, v in given.items() if k in ModelSettings.model_fields}
+        )
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors())
+        raise ConfigError(f"invalid settings: {problems}") from exc
+    return server, model

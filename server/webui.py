@@ -1,0 +1,15 @@
+"""GET /: a one-file chat page with live tok/s and the compute / flash-wait / cache bars.
+
+Plain HTML and JavaScript in server/static/index.html, no build step and no external assets
+(the phone may be offline). The bars read the opt-in timings extension; resident models show
+n/a there (nothing is streamed).
+"""
+
+from __future__ import annotations
+
+from importlib.resources import files
+
+
+def index_html() -> str:
+    """The page's HTML (read from the package, so it works from a wheel too)."""
+    return files("server").joinpath("static/index.html").read_text(encoding="utf-8")

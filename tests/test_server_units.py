@@ -1,0 +1,176 @@
+"""Fast tests of the server's pure logic: output splitting, tool-call parsing, settings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from server.errors import ConfigError
+from server.reasoning import HarmonySplitter, PlainSplitter, ThinkSplitter, make_splitter
+from server.settings import load_settings, parse_size
+from server.tools import ChatOutput, ToolCallArgs, ToolCallStart
+
+
+def _feed_in_pieces(splitter: object, text: str, size: int) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    for i in range(0, len(text), size):
+        out.extend(splitter.feed(text[i : i + size]))  # type: ignore[attr-defined]
+    out.extend(splitter.finish())  # type: ignore[attr-defined]
+    return out
+
+
+def _joined(pieces: list[tuple[str, str]]) -> dict[str, str]:
+    joined: dict[str, str] = {}
+    for kind, text in pieces:
+        joined[kind] = joined.get(kind, "") + text
+    return joined
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+def test_think_blocks_go_to_reasoning_whatever_the_delta_size(size: int) -> None:
+    text = "<think>step 1 < step 2</think>\n\nThe answer <is> 42."
+    assert _joined(_feed_in_pieces(ThinkSplitter(), text, size)) == {
+        "reasoning": "step 1 < step 2",
+        "content": "The answer <is> 42.",
+    }
+
+
+def test_a_think_block_opened_by_the_prompt() -> None:
+    splitter = make_splitter("think", "<|im_start|>assistant\n<think>\n")
+    assert _joined(_feed_in_pieces(splitter, "hmm</think>yes", 2)) == {"reasoning": "hmm", "content": "yes"}
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+def test_harmony_channels(size: int) -> None:
+    text = (
+        "<|channel|>analysis<|message|>think hard<|end|><|start|>assistant<|channel|>final<|message|>Hello!"
+    )
+    assert _joined(_feed_in_pieces(HarmonySplitter(), text, size)) == {
+        "reasoning": "think hard",
+        "content": "Hello!",
+    }
+
+
+def test_harmony_tool_call_goes_to_its_arguments() -> None:
+    text = (
+        "<|channel|>analysis<|message|>need weather<|end|><|start|>assistant to=functions.get_weather"
+        '<|channel|>commentary <|constrain|>json<|message|>{"unit": "c"}'
+    )
+    output = ChatOutput(HarmonySplitter())
+    pieces = [p for i in range(0, len(text), 4) for p in output.feed(text[i : i + 4])] + output.finish()
+    starts = [p for p in pieces if isinstance(p, ToolCallStart)]
+    args = "".join(p.text for p in pieces if isinstance(p, ToolCallArgs))
+    assert [s.name for s in starts] == ["get_weather"]
+    assert json.loads(args) == {"unit": "c"}
+    assert output.n_calls == 1
+
+
+def test_hermes_tool_calls_are_parsed_out_of_the_content() -> None:
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
+    )
+    output = ChatOutput(PlainSplitter(), parse_tools=True)
+    pieces = [p for i in range(0, len(text), 3) for p in output.feed(text[i : i + 3])] + output.finish()
+    content = "".join(p[1] for p in pieces if isinstance(p, tuple))
+    starts = [p for p in pieces if isinstance(p, ToolCallStart)]
+    assert content == "Let me check.\n"
+    assert [s.name for s in starts] == ["f", "g"] and [s.index for s in starts] == [0, 1]
+    args = {
+        s.index: "".join(p.text for p in pieces if isinstance(p, ToolCallArgs) and p.index == s.index)
+        for s in starts
+    }
+    assert json.loads(args[0]) == {"a": 1} and json.loads(args[1]) == {}
+
+
+def test_a_broken_tool_call_stays_content() -> None:
+    output = ChatOutput(PlainSplitter(), parse_tools=True)
+    pieces = output.feed("<tool_call>not json</tool_call>") + output.finish()
+    assert pieces == [("content", "<tool_call>not json</tool_call>")]
+    assert output.n_calls == 0
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_required_calls_stream_their_arguments(size: int, parallel: bool) -> None:
+    calls = [
+        {"name": "get_weather", "arguments": {"unit": "c", "note": 'a \\"}{[ b'}},
+        {"name": "get_time", "arguments": {"zone": {"nested": [1, {"x": "}"}]}}},
+    ]
+    text = json.dumps(calls if parallel else calls[0], indent=1)
+    output = ChatOutput(PlainSplitter(), mode="required", parallel=parallel)
+    chunks = [output.feed(text[i : i + size]) for i in range(0, len(text), size)] + [output.finish()]
+    pieces = [p for chunk in chunks for p in chunk]
+    starts = [p for p in pieces if isinstance(p, ToolCallStart)]
+    expected = calls if parallel else calls[:1]
+    assert [s.name for s in starts] == [c["name"] for c in expected]
+    assert output.n_calls == len(expected)
+    for start in starts:
+        args = "".join(p.text for p in pieces if isinstance(p, ToolCallArgs) and p.index == start.index)
+        assert json.loads(args) == expected[start.index]["arguments"]
+    if size == 1:  # the arguments really arrive piece by piece
+        assert sum(isinstance(p, ToolCallArgs) for p in pieces) > 2 * len(expected)
+    assert not any(isinstance(p, tuple) for p in pieces)  # no stray content
+
+
+def test_required_output_cut_short_keeps_what_streamed() -> None:
+    output = ChatOutput(PlainSplitter(), mode="required")
+    pieces = output.feed('{"name": "f", "arguments": {"a": ') + output.finish()
+    assert isinstance(pieces[0], ToolCallStart) and pieces[0].name == "f"
+    assert "".join(p.text for p in pieces if isinstance(p, ToolCallArgs)) == '{"a": '
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("123", 123), ("4k", 4096), ("512M", 512 << 20), ("1.5GiB", 3 << 29), ("2g", 2 << 30)],
+)
+def test_parse_size(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+def test_settings_precedence_cli_over_env_over_toml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "moeflash.toml"
+    config.write_text('[server]\nport = 9001\nhost = "0.0.0.0"\nmax_queue = 3\n[model]\nctx_size = 1024\n')
+    monkeypatch.setenv("MOEFLASH_PORT", "9002")
+    monkeypatch.setenv("MOEFLASH_CORS_ORIGINS", "http://a.example, http://b.example")
+    server, model = load_settings({"port": "9003", "max_queue": None}, config)
+    assert server.port == 9003  # CLI
+    assert server.cors_origins == ["http://a.example", "http://b.example"]  # env
+    assert server.host == "0.0.0.0" and server.max_queue == 3  # TOML
+    assert model.ctx_size == 1024
+    server, _ = load_settings({}, config)
+    assert server.port == 9002
+
+
+def test_shipped_config_file_is_valid() -> None:
+    config = Path(__file__).resolve().parents[1] / "configs" / "default.toml"
+    server, model = load_settings({}, config)
+    default_server, default_model = load_settings({})
+    assert server.model_dump() == default_server.model_dump()
+    assert model.model_dump() == default_model.model_dump()
+
+
+@pytest.mark.parametrize(
+    "cli",
+    [
+        pytest.param({"port": "70000"}, id="port"),
+        pytest.param({"ctx_size": "1"}, id="ctx"),
+        pytest.param({"budget": "lots"}, id="budget"),
+        pytest.param({"queue_full_status": "500"}, id="status"),
+    ],
+)
+def test_bad_settings_are_a_config_error(cli: dict[str, str]) -> None:
+    with pytest.raises(ConfigError):
+        load_settings(cli)
+
+
+def test_api_key_file(tmp_path: Path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    server, _ = load_settings({"api_key_file": key_file})
+    assert server.resolved_api_key() == "s3cret"
+    key_file.write_text("")
+    with pytest.raises(ConfigError):
+        server.resolved_api_key()
