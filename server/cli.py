@@ -19,6 +19,7 @@ EXIT_ERROR = 2
 def build_parser() -> argparse.ArgumentParser:
     """The full parser; each subcommand module adds itself through `register(subparsers)`."""
     from server import generate_command, serve_command
+    from server.bench import command as bench_command
     from server.modelgen import command as make_model_command
 
     parser = argparse.ArgumentParser(
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     make_model_command.register(subparsers)
     serve_command.register(subparsers)
     generate_command.register(subparsers)
+    bench_command.register(subparsers)
     return parser
 
 

@@ -23,7 +23,13 @@ import numpy as np
 
 from server.errors import ConfigError, ModelLoadError
 from server.settings import parse_size
-from server.streaming import DecodeTelemetry, StreamingLlama, StreamingOptions, load_streaming_llama
+from server.streaming import (
+    BUDGET_ALL,
+    DecodeTelemetry,
+    StreamingLlama,
+    StreamingOptions,
+    load_streaming_llama,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +68,8 @@ class GenerateReport:
     text: str
     tokens: list[int]
     peak_rss_bytes: int
+    major_faults: int = 0
+    storage_read_bytes: int = 0  # what this process read from storage (page faults included)
     budget_bytes: int | None = None
     budget_reason: str | None = None
     prompt_bytes_read: int | None = None
@@ -86,7 +94,11 @@ def register(subparsers: Any) -> None:
         "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
     )
     p.add_argument("--resident", action="store_true", help="load the model the stock way (no streaming)")
-    p.add_argument("--budget", default="auto", help="expert cache budget: bytes (4G, 512M) or auto (default)")
+    p.add_argument(
+        "--budget",
+        default="auto",
+        help="expert cache budget: bytes (4G, 512M), auto (default) or all (every expert)",
+    )
     p.add_argument("--lanes", type=int, default=4, help="reader threads (default 4)")
     p.add_argument("--no-direct-io", action="store_true", help="buffered reads instead of O_DIRECT")
     p.add_argument("--no-overlap", action="store_true", help="wait for a layer's reads before its matmuls")
@@ -139,7 +151,8 @@ def _load(args: argparse.Namespace) -> Any:
         except ValueError as exc:
             raise ModelLoadError(f"llama.cpp could not load {args.model} ({exc})") from exc
     try:
-        budget = None if args.budget == "auto" else parse_size(args.budget)
+        named: dict[str, int | None] = {"auto": None, "all": BUDGET_ALL}
+        budget = named[args.budget] if args.budget in named else parse_size(args.budget)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     options = StreamingOptions(
@@ -184,6 +197,17 @@ def _next_token(llm: Any, args: argparse.Namespace, rng: np.random.Generator) ->
     z = logits.astype(np.float64) / args.temp
     p = np.exp(z - z.max())
     return int(rng.choice(len(p), p=p / p.sum()))
+
+
+def _storage_read_bytes() -> int:
+    """Bytes this process caused to be read from storage (/proc/self/io read_bytes)."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def _record(token: int, seconds: float, t: DecodeTelemetry | None) -> TokenRecord:
@@ -266,6 +290,8 @@ def generate(llm: Any, args: argparse.Namespace, load_s: float) -> GenerateRepor
         text=llm.detokenize(out).decode(errors="replace"),
         tokens=out,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        major_faults=resource.getrusage(resource.RUSAGE_SELF).ru_majflt,
+        storage_read_bytes=_storage_read_bytes(),
         prompt_bytes_read=prompt_read,
         per_token=records,
     )

@@ -9,6 +9,7 @@ memory; experts are read on demand into a cache bounded by the budget.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -30,9 +31,13 @@ EXPERT_PATTERN = r"^blk\.\d+\.ffn_(gate|up|down|gate_up)_exps\.weight$"
 DENSE_PATTERN = r".*"
 
 
+# budget_bytes value meaning "every expert": the cache never evicts (the compute-bound reference)
+BUDGET_ALL = -1
+
+
 @dataclass(frozen=True)
 class StreamingOptions:
-    """The streamer's levers. budget: bytes, or None for automatic (see server/budget.py)."""
+    """The streamer's levers. budget: bytes, None for automatic (server/budget.py), BUDGET_ALL."""
 
     budget_bytes: int | None = None
     lanes: int = 4
@@ -171,6 +176,8 @@ def load_streaming_llama(
         raise ModelLoadError(str(exc)) from exc
     try:
         dense = streamer_dense_bytes(path, streamer.expert_bytes)
+        if options.budget_bytes == BUDGET_ALL:
+            options = dataclasses.replace(options, budget_bytes=streamer.expert_bytes)
         if options.budget_bytes is not None:
             # an explicit budget is checked before anything is loaded
             choice = choose_budget(

@@ -1,0 +1,197 @@
+"""`moeflash bench`: moeflash against stock mmap and the disk's ceiling, side by side.
+
+One invocation measures, on the same file: the disk ceiling (O_DIRECT random reads of one
+expert's size at 1/2/4 readers, and sequential), the uncapped references (resident; streaming
+with every expert cached), and under each memory cap the stock mmap load and moeflash (best
+settings, then each lever alone). Capped systems are interleaved cap by cap, each in its own
+process, with the page cache dropped before it where that is permitted. The ratios of
+../shared/BENCH.md are computed from those figures (server/bench/ratios.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from server.bench.cgroup import MemoryCgroup, drop_page_cache, probe
+from server.bench.disk import CeilingResult, random_reads, sequential_read
+from server.bench.systems import System, SystemSet
+
+logger = logging.getLogger(__name__)
+
+PROMPT_20 = (
+    "Write a short story about a lighthouse keeper who discovers that the fog carries messages from the sea."
+)
+
+
+@dataclass
+class Run:
+    """One system's measurement (figures from its `generate --json` report and its cgroup)."""
+
+    system: str
+    cap_bytes: int | None
+    ok: bool
+    error: str | None = None
+    wall_s: float = 0.0
+    report: dict[str, Any] = field(default_factory=dict)
+    cgroup_peak_bytes: int | None = None
+    cgroup_stat: dict[str, int] = field(default_factory=dict)
+    page_cache_dropped: bool = False
+    note: str = ""
+
+
+@dataclass
+class BenchConfig:
+    """What to measure."""
+
+    model: Path
+    caps: list[int]  # bytes
+    decode_tokens: int = 32
+    ctx_size: int = 1024
+    ceiling_seconds: float = 8.0
+    timeout_s: float = 1800.0
+    expert_bytes_per_read: int = 0  # one expert slice; from the model when 0
+
+
+def _environment() -> dict[str, Any]:
+    import llama_cpp
+
+    env: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "llama_cpp_python": llama_cpp.__version__,
+    }
+    try:
+        env["mem_total_bytes"] = (
+            int(
+                next(
+                    ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal")
+                ).split()[1]
+            )
+            * 1024
+        )
+        env["cpu_model"] = next(
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        pass
+    for dev in Path("/sys/block").iterdir() if Path("/sys/block").exists() else []:
+        ra = dev / "queue" / "read_ahead_kb"
+        if ra.exists() and not dev.name.startswith(("loop", "ram")):
+            env.setdefault("read_ahead_kb", {})[dev.name] = int(ra.read_text())
+    return env
+
+
+def run_system(system: System, cfg: BenchConfig, cap: int | None, progress: Callable[[str], None]) -> Run:
+    """One `moeflash generate --json` process, capped or not."""
+    argv = system.argv(str(cfg.model), PROMPT_20, cfg.decode_tokens, cfg.ctx_size)
+    dropped = drop_page_cache() is None
+    run = Run(system.name, cap, ok=False, page_cache_dropped=dropped)
+    progress(f"{system.name}{'' if cap is None else f' @ {cap / 2**30:.2f} GiB'}")
+    t0 = time.monotonic()
+    try:
+        if cap is None:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=cfg.timeout_s, check=False)
+        else:
+            with MemoryCgroup(cap) as cg:
+                proc = cg.run(argv, timeout=cfg.timeout_s)
+                run.cgroup_peak_bytes = cg.peak_bytes()
+                run.cgroup_stat = cg.stat()
+    except subprocess.TimeoutExpired:
+        run.error = f"timed out after {cfg.timeout_s:.0f} s"
+        return run
+    run.wall_s = time.monotonic() - t0
+    if proc.returncode != 0:
+        run.error = (proc.stderr or proc.stdout)[-2000:].strip() or f"exit status {proc.returncode}"
+        return run
+    run.report = json.loads(proc.stdout.strip().splitlines()[-1])
+    run.ok = True
+    return run
+
+
+def measure_ceiling(
+    cfg: BenchConfig, slice_bytes: int, progress: Callable[[str], None]
+) -> list[CeilingResult]:
+    """O_DIRECT random reads of one expert slice at 1/2/4 readers, and sequential."""
+    out = []
+    for readers in (1, 2, 4):
+        progress(f"disk ceiling: random {slice_bytes / 2**20:.1f} MiB reads, {readers} reader(s)")
+        drop_page_cache()
+        out.append(random_reads(cfg.model, slice_bytes, readers, cfg.ceiling_seconds, seed=readers))
+    progress("disk ceiling: sequential")
+    drop_page_cache()
+    out.append(sequential_read(cfg.model, cfg.ceiling_seconds))
+    return out
+
+
+@dataclass
+class BenchResult:
+    """Everything one `moeflash bench` run measured."""
+
+    model: dict[str, Any]
+    environment: dict[str, Any]
+    cgroup: str
+    page_cache: str
+    ceiling: list[dict[str, Any]]
+    runs: list[Run]
+    ratios: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "environment": self.environment,
+            "cgroup": self.cgroup,
+            "page_cache": self.page_cache,
+            "ceiling": self.ceiling,
+            "runs": [asdict(r) for r in self.runs],
+            "ratios": self.ratios,
+        }
+
+
+def run_bench(
+    cfg: BenchConfig, systems: SystemSet, model_info: dict[str, Any], progress: Callable[[str], None]
+) -> BenchResult:
+    """Measure everything; refuses to report capped figures when no cgroup could cap."""
+    support = probe()
+    if cfg.caps and support.version is None:
+        raise OSError(f"cannot cap memory here ({support.reason}): capped figures would be meaningless")
+    cache_note = drop_page_cache()
+    ceiling = measure_ceiling(cfg, int(model_info["bytes_per_expert_slice"]), progress)
+    runs: list[Run] = []
+    for system in systems.uncapped:
+        runs.append(run_system(system, cfg, None, progress))
+    for cap in cfg.caps:
+        for system in systems.capped:
+            runs.append(run_system(system, cfg, cap, progress))
+    result = BenchResult(
+        model=model_info,
+        environment=_environment(),
+        cgroup=support.reason,
+        page_cache="dropped before every run" if cache_note is None else f"NOT dropped: {cache_note}",
+        ceiling=[{**asdict(c), "bytes_per_s": c.bytes_per_s} for c in ceiling],
+        runs=runs,
+    )
+    from server.bench.ratios import compute_ratios
+
+    result.ratios = compute_ratios(result)
+    return result
+
+
+def disk_room_ok(path: Path, need: int) -> tuple[bool, int]:
+    """Whether `need` bytes plus the 15 GB the machine must keep free fit next to `path`."""
+    free = shutil.disk_usage(path).free
+    return free >= need + 15 * 10**9, free

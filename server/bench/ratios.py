@@ -1,0 +1,111 @@
+"""The ratios of ../shared/BENCH.md, computed from one benchmark's figures.
+
+Each ratio says what it divides; None where a figure it needs is missing (a run failed or was
+not part of this benchmark). Decode figures come from the per-token records (prompt excluded).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from server.bench.harness import BenchResult, Run
+
+
+def _decode(run: Run) -> dict[str, float] | None:
+    """Per-token means of a run's decode steps (seconds, bytes, hits)."""
+    if not run.ok:
+        return None
+    toks = run.report.get("per_token") or []
+    if not toks:
+        return None
+    n = len(toks)
+
+    def mean(key: str) -> float:
+        return sum(float(t.get(key) or 0) for t in toks) / n
+
+    hits, misses = mean("hits"), mean("misses")
+    return {
+        "tok_s_median": 1.0 / statistics.median(float(t["seconds"]) for t in toks),
+        "tok_s_mean": n / sum(float(t["seconds"]) for t in toks),
+        "seconds": mean("seconds"),
+        "compute_s": mean("compute_s"),
+        "flash_wait_s": mean("flash_wait_s"),
+        "cache_s": mean("cache_s"),
+        "bytes_read": mean("bytes_read"),
+        "miss_rate": misses / (hits + misses) if hits + misses else 0.0,
+    }
+
+
+def _by_name(result: BenchResult, name: str, cap: int | None) -> Run | None:
+    return next((r for r in result.runs if r.system == name and r.cap_bytes == cap), None)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def compute_ratios(result: BenchResult) -> dict[str, Any]:
+    """Every BENCH.md ratio, per cap where it depends on one."""
+    ceiling = max((c["bytes_per_s"] for c in result.ceiling if c["pattern"] == "random"), default=None)
+    routed = float(result.model["routed_bytes_per_token"])
+    resident = _by_name(result, "resident", None)
+    cached = _by_name(result, "streaming-all-cached", None)
+    res_d = _decode(resident) if resident else None
+    cached_d = _decode(cached) if cached else None
+    compute_bound = cached_d["tok_s_median"] if cached_d else None
+    out: dict[str, Any] = {
+        "disk_ceiling_bytes_per_s": ceiling,
+        "compute_bound_tok_s": compute_bound,
+        "residency_overhead": _ratio(compute_bound, res_d["tok_s_median"] if res_d else None),
+        "per_cap": {},
+    }
+    for cap in sorted({r.cap_bytes for r in result.runs if r.cap_bytes is not None}):
+        stream = _by_name(result, "streaming", cap)
+        mmap = _by_name(result, "mmap-capped", cap)
+        serial = _by_name(result, "lever-no-overlap", cap)
+        sd = _decode(stream) if stream else None
+        md = _decode(mmap) if mmap else None
+        serial_d = _decode(serial) if serial else None
+        io_bound = ceiling / (routed * sd["miss_rate"]) if sd and ceiling and sd["miss_rate"] > 0 else None
+        bound = (
+            min(x for x in (compute_bound, io_bound) if x is not None)
+            if (compute_bound or io_bound)
+            else None
+        )
+        memory = None
+        if stream and stream.ok and stream.cgroup_peak_bytes:
+            rep = stream.report
+            accounted = rep["budget_bytes"] + rep["totals"]["dense_bytes"] + result.model.get("kv_bytes", 0)
+            memory = stream.cgroup_peak_bytes / accounted
+        ideal = None
+        if sd and ceiling and compute_bound:
+            ideal = max(1.0 / compute_bound, sd["bytes_read"] / ceiling)
+        out["per_cap"][str(cap)] = {
+            "cap_bytes": cap,
+            "streaming_tok_s": sd["tok_s_median"] if sd else None,
+            "mmap_tok_s": md["tok_s_mean"] if md else None,
+            "io_bound_tok_s": io_bound,
+            "roofline_efficiency": _ratio(sd["tok_s_median"] if sd else None, bound),
+            "speedup_vs_mmap": _ratio(sd["tok_s_median"] if sd else None, md["tok_s_mean"] if md else None),
+            "io_efficiency_serial": _ratio(
+                serial_d["bytes_read"] / serial_d["flash_wait_s"]
+                if serial_d and serial_d["flash_wait_s"]
+                else None,
+                ceiling,
+            ),
+            "io_efficiency": _ratio(
+                sd["bytes_read"] / sd["flash_wait_s"] if sd and sd["flash_wait_s"] else None, ceiling
+            ),
+            "overlap_efficiency": _ratio(ideal, sd["seconds"] if sd else None),
+            "memory_discipline": memory,
+            "hit_rate": 1.0 - sd["miss_rate"] if sd else None,
+            "per_token_split_s": {k: sd[k] for k in ("compute_s", "flash_wait_s", "cache_s")} if sd else None,
+            "mmap_bytes_read_per_token": (
+                mmap.report.get("storage_read_bytes", 0) / max(1, len(mmap.report.get("per_token") or [1]))
+                if mmap and mmap.ok
+                else None
+            ),
+        }
+    return out

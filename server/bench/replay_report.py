@@ -1,0 +1,158 @@
+"""`moeflash bench --replay`: cache-policy curves on real routing traces, with the checks.
+
+For each trace: hit rates of the streamer's policies (LAYER, the default, and LRU; the C code
+itself) next to LFU, random and Belady's optimum at budgets from 250 MiB to 8 GiB; the published
+curves beside the trace (<name>-curve.csv) are reproduced as a check (LRU's decode hit rate must
+match); and the default policy's targets: never below LRU, no 0% cliff, and its share of
+Belady's hit rate.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from server.bench.replay import BUDGETS_MIB, ReplayResult, load_trace, replay_all
+
+
+def _published(trace_path: Path) -> dict[tuple[int, str], dict[str, float]]:
+    curve = trace_path.with_name(trace_path.name.split(".")[0] + "-curve.csv")
+    if not curve.exists():
+        return {}
+    with curve.open() as fh:
+        return {
+            (int(r["budget_mib"]), r["policy"]): {k: float(v) for k, v in r.items() if k not in ("policy",)}
+            for r in csv.DictReader(fh)
+        }
+
+
+def summarize(
+    results: list[ReplayResult], published: dict[tuple[int, str], dict[str, float]]
+) -> dict[str, Any]:
+    """The checks: default vs LRU and Belady per budget; published LRU reproduced."""
+    by = {(r.budget_mib, r.policy): r for r in results}
+    budgets = sorted({r.budget_mib for r in results})
+    rows = []
+    for b in budgets:
+        layer, lru, belady = by[(b, "layer")], by[(b, "lru")], by[(b, "belady")]
+        pub = published.get((b, "lru"))
+        rows.append(
+            {
+                "budget_mib": b,
+                "default_decode": layer.hit_pct_decode,
+                "lru_decode": lru.hit_pct_decode,
+                "belady_decode": belady.hit_pct_decode,
+                "default_over_belady": layer.hit_pct_decode / belady.hit_pct_decode
+                if belady.hit_pct_decode
+                else None,
+                "default_minus_lru": layer.hit_pct_decode - lru.hit_pct_decode,
+                "published_lru_decode": pub["hit_pct_decode"] if pub else None,
+                "lru_reproduced": abs(pub["hit_pct_decode"] - lru.hit_pct_decode) < 0.5 if pub else None,
+            }
+        )
+    layer_rows = [by[(b, "layer")] for b in budgets]
+    lru_rows = [by[(b, "lru")] for b in budgets]
+    return {
+        "never_below_lru": all(
+            a.hit_pct_decode >= b.hit_pct_decode - 1e-9 for a, b in zip(layer_rows, lru_rows, strict=True)
+        ),
+        "no_zero_cliff": all(r.hit_pct_decode > 0 for r in layer_rows),
+        "share_of_belady_at_2000": next(
+            (r["default_over_belady"] for r in rows if r["budget_mib"] == 2000), None
+        ),
+        "published_lru_reproduced": all(r["lru_reproduced"] is not False for r in rows),
+        "rows": rows,
+    }
+
+
+def _markdown(name: str, results: list[ReplayResult], summary: dict[str, Any], command: str) -> str:
+    policies = ["layer", "lru", "lfu", "random", "belady"]
+    by = {(r.budget_mib, r.policy): r for r in results}
+    lines = [
+        f"## {name}",
+        "",
+        "Decode hit rate % (cumulative incl. prompt in brackets); `layer` is the streamer's default policy.",
+        "",
+        "| budget MiB | " + " | ".join(policies) + " | layer / belady | published lru |",
+        "|---" * (len(policies) + 3) + "|",
+    ]
+    for row in summary["rows"]:
+        b = row["budget_mib"]
+        cells = [f"{by[(b, p)].hit_pct_decode:.1f} ({by[(b, p)].hit_pct_cum:.1f})" for p in policies]
+        pub = row["published_lru_decode"]
+        lines.append(
+            f"| {b} | "
+            + " | ".join(cells)
+            + f" | {row['default_over_belady']:.2f} | "
+            + ("n/a" if pub is None else f"{pub:.1f}")
+            + " |"
+        )
+    lines += [
+        "",
+        f"- default never below LRU: {summary['never_below_lru']}; no 0% cliff: {summary['no_zero_cliff']}; "
+        f"share of Belady at 2000 MiB: {summary['share_of_belady_at_2000']:.2f}; "
+        f"published LRU decode curve reproduced (within 0.5 points): {summary['published_lru_reproduced']}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _chart(curves: dict[str, list[ReplayResult]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4.5), squeeze=False)
+    for ax, (name, results) in zip(axes[0], curves.items(), strict=True):
+        for policy, style in (
+            ("layer", "-o"),
+            ("lru", "-s"),
+            ("lfu", "--"),
+            ("random", ":"),
+            ("belady", "-^"),
+        ):
+            pts = sorted((r.budget_mib, r.hit_pct_decode) for r in results if r.policy == policy)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=policy)
+        ax.set_xscale("log")
+        ax.set_xlabel("budget (MiB)")
+        ax.set_ylabel("decode hit rate (%)")
+        ax.set_title(name)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_replay(traces: list[Path], out: Path | None, command: str, progress: Callable[[str], None]) -> int:
+    """Replay every trace; write <out>.json/.md/.png (default bench/reports/trace-replay)."""
+    out = out or Path("bench/reports/trace-replay")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    curves: dict[str, list[ReplayResult]] = {}
+    data: dict[str, Any] = {"command": command, "budgets_mib": list(BUDGETS_MIB), "traces": {}}
+    md = [f"# Trace replay\n\nProduced by `{command}`.\n"]
+    for path in traces:
+        progress(f"replaying {path}")
+        trace = load_trace(path)
+        results = replay_all(trace)
+        summary = summarize(results, _published(path))
+        curves[trace.name] = results
+        data["traces"][trace.name] = {
+            "path": str(path),
+            "n_layer": trace.n_layer,
+            "n_expert": trace.n_expert,
+            "routes": len(trace.routes),
+            "results": [asdict(r) for r in results],
+            "summary": summary,
+        }
+        md.append(_markdown(trace.name, results, summary, command))
+    out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
+    out.with_suffix(".md").write_text("\n".join(md))
+    _chart(curves, out.with_suffix(".png"))
+    for suffix in (".json", ".md", ".png"):
+        print(out.with_suffix(suffix))
+    return 0

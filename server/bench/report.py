@@ -1,0 +1,149 @@
+"""Writing a benchmark's report: JSON (every figure), Markdown (tables) and a PNG chart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from server.bench.harness import BenchResult, Run
+from server.bench.ratios import _decode
+
+_MIB = 2**20
+
+
+def _fmt(value: float | None, spec: str = ".2f", unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{unit}"
+
+
+def _cap(run: Run) -> str:
+    return "none" if run.cap_bytes is None else f"{run.cap_bytes / 2**30:.2f} GiB"
+
+
+def markdown(result: BenchResult, command: str) -> str:
+    """The report as Markdown: model, environment, ceiling, one row per run, the ratios."""
+    m = result.model
+    lines = [
+        f"# moeflash bench: {m['name']}",
+        "",
+        f"Produced by `{command}`.",
+        "",
+        f"Model: {m['path']} ({m['file_bytes'] / 1e9:.2f} GB; "
+        f"{m['bytes_per_expert'] / _MIB:.2f} MiB per expert, "
+        f"{m['routed_bytes_per_token'] / _MIB:.0f} MiB routed per token, "
+        f"dense {m['dense_bytes'] / _MIB:.0f} MiB; sha256 {m.get('sha256', 'n/a')}).",
+        f"Machine: {result.environment.get('cpu_model', '?')}, {result.environment.get('cpus')} cores, "
+        f"{result.environment.get('mem_total_bytes', 0) / 2**30:.1f} GiB; read_ahead_kb "
+        f"{result.environment.get('read_ahead_kb')}; {result.cgroup}; page cache {result.page_cache}.",
+        "",
+        "## Disk ceiling (same file)",
+        "",
+        "| pattern | readers | read size | MB/s | O_DIRECT |",
+        "|---|---|---|---|---|",
+    ]
+    for c in result.ceiling:
+        lines.append(
+            f"| {c['pattern']} | {c['readers']} | {c['read_bytes'] / _MIB:.2f} MiB | "
+            f"{c['bytes_per_s'] / 1e6:.0f} | {'yes' if c['direct_io'] else 'no'} |"
+        )
+    lines += [
+        "",
+        "## Systems",
+        "",
+        "| system | cap | load s | TTFT s | prompt tok/s | decode tok/s (median / mean) | "
+        "peak RSS MiB | cgroup peak MiB | major faults | read MB/token | hit rate | "
+        "compute / flash wait / cache ms per token |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in result.runs:
+        if not run.ok:
+            lines.append(
+                f"| {run.system} | {_cap(run)} | failed: {(run.error or '').splitlines()[-1][:120]} |"
+            )
+            continue
+        r = run.report
+        d = _decode(run)
+        n_dec = max(1, r.get("decode_tokens", 1))
+        read_per_tok = (
+            d["bytes_read"] / 1e6
+            if d and r.get("mode") == "streaming"
+            else r.get("storage_read_bytes", 0) / (r["prompt_tokens"] + n_dec) / 1e6
+        )
+        cgroup_peak = _fmt(run.cgroup_peak_bytes / _MIB if run.cgroup_peak_bytes else None, ".0f")
+        split = (
+            f"{d['compute_s'] * 1e3:.0f} / {d['flash_wait_s'] * 1e3:.0f} / {d['cache_s'] * 1e3:.0f}"
+            if d and r.get("mode") == "streaming"
+            else "n/a"
+        )
+        lines.append(
+            f"| {run.system} | {_cap(run)} | {r['load_s']:.2f} | {r['ttft_s']:.2f} | "
+            f"{r['prompt_tokens'] / r['prompt_s'] if r['prompt_s'] else 0:.1f} | "
+            f"{_fmt(d['tok_s_median'] if d else None)} / {_fmt(d['tok_s_mean'] if d else None)} | "
+            f"{r['peak_rss_bytes'] / _MIB:.0f} | {cgroup_peak} | "
+            f"{r.get('major_faults', 'n/a')} | {read_per_tok:.1f} | "
+            f"{_fmt(1 - d['miss_rate'] if d and r.get('mode') == 'streaming' else None, '.1%')} | {split} |"
+        )
+    ra = result.ratios
+    ceiling_mb = ra["disk_ceiling_bytes_per_s"] / 1e6 if ra.get("disk_ceiling_bytes_per_s") else None
+    lines += [
+        "",
+        "## Ratios (BENCH.md)",
+        "",
+        f"- disk ceiling (best O_DIRECT random-read rate): {_fmt(ceiling_mb, '.0f')} MB/s",
+        f"- compute-bound tok/s (streaming, every expert cached): {_fmt(ra.get('compute_bound_tok_s'))}",
+        f"- residency overhead (all-cached / resident): {_fmt(ra.get('residency_overhead'), '.3f')}",
+        "",
+        "| cap | streaming tok/s | mmap tok/s | speedup | I/O-bound tok/s | roofline eff. | "
+        "I/O eff. (serial) | I/O eff. (overlap) | overlap eff. | memory discipline | hit rate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for cap in ra.get("per_cap", {}).values():
+        lines.append(
+            f"| {cap['cap_bytes'] / 2**30:.2f} GiB | {_fmt(cap['streaming_tok_s'])} | "
+            f"{_fmt(cap['mmap_tok_s'], '.3f')} | "
+            f"{_fmt(cap['speedup_vs_mmap'], '.1f', 'x')} | {_fmt(cap['io_bound_tok_s'])} | "
+            f"{_fmt(cap['roofline_efficiency'], '.2f')} | {_fmt(cap['io_efficiency_serial'], '.2f')} | "
+            f"{_fmt(cap['io_efficiency'], '.2f')} | {_fmt(cap['overlap_efficiency'], '.2f')} | "
+            f"{_fmt(cap['memory_discipline'], '.2f')} | {_fmt(cap['hit_rate'], '.1%')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def chart(result: BenchResult, path: Path) -> None:
+    """tok/s per system and the per-token time split as stacked bars (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in result.runs if r.ok and _decode(r)]
+    labels = [f"{r.system}\n{_cap(r)}" for r in runs]
+    decoded = [_decode(r) for r in runs]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8, len(runs) * 0.9), 9))
+    ax1.bar(range(len(runs)), [d["tok_s_median"] if d else 0 for d in decoded], color="#3b7dd8")
+    ax1.set_ylabel("decode tok/s (median)")
+    ax1.set_yscale("log")
+    ax1.set_xticks(range(len(runs)), labels, rotation=60, ha="right", fontsize=7)
+    ax1.set_title(f"moeflash bench: {result.model['name']}")
+    bottom = [0.0] * len(runs)
+    for key, color in (("compute_s", "#4caf50"), ("flash_wait_s", "#f44336"), ("cache_s", "#ff9800")):
+        values = [(d[key] if d else 0.0) * 1e3 for d in decoded]
+        ax2.bar(range(len(runs)), values, bottom=bottom, color=color, label=key.removesuffix("_s"))
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax2.set_ylabel("ms per token")
+    ax2.set_xticks(range(len(runs)), labels, rotation=60, ha="right", fontsize=7)
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_reports(result: BenchResult, out: Path, command: str) -> list[Path]:
+    """<out>.json, <out>.md and <out>.png; returns their paths."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    paths = [out.with_suffix(".json"), out.with_suffix(".md"), out.with_suffix(".png")]
+    data: dict[str, Any] = {"command": command, **result.to_json()}
+    paths[0].write_text(json.dumps(data, indent=1) + "\n")
+    paths[1].write_text(markdown(result, command))
+    chart(result, paths[2])
+    return paths

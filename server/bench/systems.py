@@ -1,0 +1,87 @@
+"""The systems a benchmark compares, each one `moeflash generate --json` invocation.
+
+Every system runs in its own process (so its memory and reads are its own), under a memory
+cgroup when it is capped, on the same file. Options are those of `moeflash generate`.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class System:
+    """One configuration to measure."""
+
+    name: str
+    capped: bool  # run under the memory cap (False: uncapped reference)
+    args: tuple[str, ...] = ()  # extra `moeflash generate` options
+    decode_tokens: int | None = None  # None: the run's default
+    description: str = ""
+    lever: str | None = None  # the streamer lever this variant isolates, if any
+
+    def argv(
+        self, model: str, prompt: str, n_predict: int, ctx_size: int, extra: tuple[str, ...] = ()
+    ) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "--log-level",
+            "WARNING",
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            prompt,
+            "-n",
+            str(self.decode_tokens or n_predict),
+            "--ignore-eos",
+            "--ctx-size",
+            str(ctx_size),
+            "--json",
+            *self.args,
+            *extra,
+        ]
+
+
+@dataclass(frozen=True)
+class SystemSet:
+    """The systems of one run: references, the best streaming setting and each lever alone."""
+
+    uncapped: list[System] = field(default_factory=list)
+    capped: list[System] = field(default_factory=list)
+
+
+def default_systems(mmap_tokens: int, levers: bool = True) -> SystemSet:
+    """resident + all-cached streaming (uncapped); stock mmap, streaming best and levers (capped)."""
+    uncapped = [
+        System("resident", False, ("--resident",), description="stock llama.cpp, model fully in RAM"),
+        System(
+            "streaming-all-cached",
+            False,
+            ("--budget", "all"),
+            description="moeflash with every expert cached (compute-bound reference)",
+        ),
+    ]
+    capped = [
+        System(
+            "mmap-capped",
+            True,
+            ("--resident",),
+            decode_tokens=mmap_tokens,
+            description="stock llama.cpp load_mode MMAP (use_extra_bufts off) under the cap",
+        ),
+        System("streaming", True, (), description="moeflash, default (best) settings, budget auto"),
+    ]
+    if levers:
+        capped += [
+            System("lever-no-cache", True, ("--policy", "none"), lever="cache off"),
+            System("lever-lru", True, ("--policy", "lru"), lever="LRU policy"),
+            System("lever-lanes-1", True, ("--lanes", "1"), lever="1 lane"),
+            System("lever-lanes-2", True, ("--lanes", "2"), lever="2 lanes"),
+            System("lever-buffered", True, ("--no-direct-io",), lever="O_DIRECT off"),
+            System("lever-no-overlap", True, ("--no-overlap",), lever="overlap off"),
+        ]
+    return SystemSet(uncapped, capped)

@@ -1,0 +1,104 @@
+"""The benchmark harness end to end on a tiny model, and the trace replay on the real traces.
+
+No timing assertions: these check that every system ran, the report's schema, and the replay's
+reproduction of the published LRU curve."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from server.bench.cgroup import probe
+from server.bench.systems import default_systems
+
+REPO = Path(__file__).resolve().parents[1]
+TRACES = REPO.parent / "shared" / "data" / "route-traces"
+
+
+def moeflash(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", "--log-level", "WARNING", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+
+
+def test_bench_runs_every_system_on_a_tiny_model(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    support = probe()
+    if support.version is None:
+        pytest.skip(f"memory cgroups unavailable: {support.reason}")
+    out = tmp_path / "report"
+    proc = moeflash(
+        "bench",
+        "--model",
+        str(tiny_model("tiny-qwen3moe")),
+        "--caps",
+        "400M",
+        "--tokens",
+        "4",
+        "--mmap-tokens",
+        "2",
+        "--ceiling-seconds",
+        "0.2",
+        "--out",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert {"command", "model", "environment", "cgroup", "page_cache", "ceiling", "runs", "ratios"} <= set(
+        data
+    )
+    expected = default_systems(2)
+    names = [s.name for s in expected.uncapped] + [s.name for s in expected.capped]
+    assert sorted(r["system"] for r in data["runs"]) == sorted(names)
+    failed = {r["system"]: r["error"] for r in data["runs"] if not r["ok"]}
+    assert not failed, failed
+    for run in data["runs"]:
+        report = run["report"]
+        assert {"load_s", "ttft_s", "prompt_tokens", "decode_tok_s", "peak_rss_bytes", "per_token"} <= set(
+            report
+        )
+        if run["cap_bytes"] is not None:
+            assert run["cgroup_peak_bytes"] > 0
+    assert {c["pattern"] for c in data["ceiling"]} == {"random", "sequential"}
+    cap = next(iter(data["ratios"]["per_cap"].values()))
+    for key in ("roofline_efficiency", "speedup_vs_mmap", "memory_discipline", "hit_rate"):
+        assert cap[key] is not None, key
+    assert data["ratios"]["residency_overhead"] is not None
+    assert out.with_suffix(".md").read_text().startswith("# moeflash bench")
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_bench_refuses_a_missing_model(tmp_path: Path) -> None:
+    proc = moeflash("bench", "--model", str(tmp_path / "nope.gguf"))
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/data/route-traces is not beside the checkout")
+def test_replay_reproduces_the_published_lru_curve(tmp_path: Path) -> None:
+    out = tmp_path / "replay"
+    proc = moeflash(
+        "bench",
+        "--replay",
+        str(TRACES / "qwen.route.csv"),
+        str(TRACES / "gemma.route.csv"),
+        "--out",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.with_suffix(".json").read_text())
+    for name in ("qwen", "gemma"):
+        summary = data["traces"][name]["summary"]
+        assert summary["published_lru_reproduced"] is True
+        assert summary["never_below_lru"] is True and summary["no_zero_cliff"] is True
+        policies = {r["policy"] for r in data["traces"][name]["results"]}
+        assert policies == {"layer", "lru", "lfu", "random", "belady"}
+    assert out.with_suffix(".png").stat().st_size > 0
