@@ -89,6 +89,9 @@ def register(subparsers: Any) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", "-p", default="Once upon a time", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    p.add_argument(
+        "--prompt-tokens", type=int, help="use exactly this many prompt tokens (the prompt repeated and cut)"
+    )
     p.add_argument("--n-predict", "-n", type=int, default=32, help="tokens to generate (default 32)")
     p.add_argument(
         "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
@@ -118,6 +121,8 @@ def register(subparsers: Any) -> None:
 def _check_args(args: argparse.Namespace) -> None:
     if args.n_predict < 1:
         raise ConfigError("--n-predict must be at least 1")
+    if args.prompt_tokens is not None and args.prompt_tokens < 1:
+        raise ConfigError("--prompt-tokens must be at least 1")
     if args.ctx_size < 16:
         raise ConfigError("--ctx-size must be at least 16")
     if args.threads is not None and args.threads < 1:
@@ -181,6 +186,9 @@ def _prompt_tokens(llm: Any, args: argparse.Namespace) -> list[int]:
     tokens: list[int] = llm.tokenize(text.encode(), add_bos=not args.chat, special=True)
     if not tokens:
         raise ConfigError("the prompt is empty")
+    if args.prompt_tokens:
+        # a prompt of an exact length (benchmarks): the text's tokens repeated, then cut
+        tokens = (tokens * (args.prompt_tokens // len(tokens) + 1))[: args.prompt_tokens]
     if len(tokens) + args.n_predict > llm.n_ctx():
         raise ConfigError(
             f"prompt ({len(tokens)} tokens) + --n-predict {args.n_predict} exceed --ctx-size {llm.n_ctx()}"

@@ -82,8 +82,20 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
         ideal = None
         if sd and ceiling and compute_bound:
             ideal = max(1.0 / compute_bound, sd["bytes_read"] / ceiling)
+        prefill = _by_name(result, "streaming-prefill-512", cap)
+        prefill_tok_s = prefill_bound = None
+        if prefill and prefill.ok and prefill.report.get("prompt_s"):
+            rep = prefill.report
+            prefill_tok_s = rep["prompt_tokens"] / rep["prompt_s"]
+            if ceiling and rep.get("prompt_bytes_read"):
+                prefill_bound = rep["prompt_tokens"] * ceiling / rep["prompt_bytes_read"]
         out["per_cap"][str(cap)] = {
             "cap_bytes": cap,
+            "ttft_20_s": stream.report.get("ttft_s") if stream and stream.ok else None,
+            "mmap_ttft_20_s": mmap.report.get("ttft_s") if mmap and mmap.ok else None,
+            "prefill_512_tok_s": prefill_tok_s,
+            "prefill_512_io_bound_tok_s": prefill_bound,
+            "prefill_512_efficiency": _ratio(prefill_tok_s, prefill_bound),
             "streaming_tok_s": sd["tok_s_median"] if sd else None,
             "mmap_tok_s": md["tok_s_mean"] if md else None,
             "io_bound_tok_s": io_bound,

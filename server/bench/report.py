@@ -94,8 +94,9 @@ def markdown(result: BenchResult, command: str) -> str:
         f"- residency overhead (all-cached / resident): {_fmt(ra.get('residency_overhead'), '.3f')}",
         "",
         "| cap | streaming tok/s | mmap tok/s | speedup | I/O-bound tok/s | roofline eff. | "
-        "I/O eff. (serial) | I/O eff. (overlap) | overlap eff. | memory discipline | hit rate |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "I/O eff. (serial) | I/O eff. (overlap) | overlap eff. | memory discipline | hit rate | "
+        "TTFT 20 tok (mmap) s | prefill 512 tok/s (eff.) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cap in ra.get("per_cap", {}).values():
         lines.append(
@@ -104,7 +105,9 @@ def markdown(result: BenchResult, command: str) -> str:
             f"{_fmt(cap['speedup_vs_mmap'], '.1f', 'x')} | {_fmt(cap['io_bound_tok_s'])} | "
             f"{_fmt(cap['roofline_efficiency'], '.2f')} | {_fmt(cap['io_efficiency_serial'], '.2f')} | "
             f"{_fmt(cap['io_efficiency'], '.2f')} | {_fmt(cap['overlap_efficiency'], '.2f')} | "
-            f"{_fmt(cap['memory_discipline'], '.2f')} | {_fmt(cap['hit_rate'], '.1%')} |"
+            f"{_fmt(cap['memory_discipline'], '.2f')} | {_fmt(cap['hit_rate'], '.1%')} | "
+            f"{_fmt(cap['ttft_20_s'], '.1f')} ({_fmt(cap['mmap_ttft_20_s'], '.1f')}) | "
+            f"{_fmt(cap['prefill_512_tok_s'], '.1f')} ({_fmt(cap['prefill_512_efficiency'], '.2f')}) |"
         )
     return "\n".join(lines) + "\n"
 

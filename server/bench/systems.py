@@ -61,7 +61,8 @@ def default_systems(mmap_tokens: int, levers: bool = True) -> SystemSet:
         System(
             "streaming-all-cached",
             False,
-            ("--budget", "all"),
+            # a 512-token prompt routes to nearly every expert: the cache is warm when decode starts
+            ("--budget", "all", "--prompt-tokens", "512"),
             description="moeflash with every expert cached (compute-bound reference)",
         ),
     ]
@@ -74,6 +75,13 @@ def default_systems(mmap_tokens: int, levers: bool = True) -> SystemSet:
             description="stock llama.cpp load_mode MMAP (use_extra_bufts off) under the cap",
         ),
         System("streaming", True, (), description="moeflash, default (best) settings, budget auto"),
+        System(
+            "streaming-prefill-512",
+            True,
+            ("--prompt-tokens", "512"),
+            decode_tokens=4,
+            description="moeflash, a 512-token prompt (prefill rate and time to first token)",
+        ),
     ]
     if levers:
         capped += [

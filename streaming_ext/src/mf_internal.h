@@ -107,6 +107,7 @@ typedef struct mf_layer {
 typedef struct mf_job {
     mf_xtensor * xt;
     int32_t      expert;
+    bool         release;  // return the slice's pages instead of reading it
 } mf_job;
 
 struct mf_streamer {

@@ -247,8 +247,18 @@ static void * lane_main(void * arg) {
         s->q_len--;
         pthread_mutex_unlock(&s->mu);
 
+        if (job.release) {
+            slice_release(job.xt, job.expert);
+            pthread_mutex_lock(&s->mu);
+            s->outstanding--;
+            pthread_cond_broadcast(&s->done_cv);
+            continue;
+        }
         const uint64_t t0 = mf_now_ns();
-        const int      rc = read_slice(s, job.xt, job.expert);
+        int            rc = slice_make_rw(job.xt, job.expert);
+        if (rc == 0) {
+            rc = read_slice(s, job.xt, job.expert);
+        }
         ADD(s->st_read_ns, mf_now_ns() - t0);
         ADD(s->st_reads, 1);
 
@@ -314,7 +324,8 @@ static void reap_failures(mf_streamer * s) {
 }
 
 // ---------------------------------------------------------------- routing
-static void evict_listed(mf_streamer * s) {
+// the cache's evictions, done right here (drop_cache; the routing path queues them to the lanes)
+static void evict_listed_now(mf_streamer * s) {
     for (int32_t i = 0; i < s->cache->n_evict; i++) {
         const int32_t l = s->cache->evict[i] / s->n_expert;
         const int32_t e = s->cache->evict[i] % s->n_expert;
@@ -330,30 +341,58 @@ static void evict_listed(mf_streamer * s) {
     ADD(s->st_evictions, s->cache->n_evict);
 }
 
-// queues the listed loads of layer il in consumption order; returns 0 or -errno
-static int queue_loads(mf_streamer * s, int32_t il) {
+static void push_job_locked(mf_streamer * s, mf_xtensor * xt, int32_t e, bool release) {
+    s->queue[(s->q_head + s->q_len) % s->queue_cap] = (mf_job){ .xt = xt, .expert = e, .release = release };
+    s->q_len++;
+    s->outstanding++;
+}
+
+// Hands a route's evictions and loads to the lanes. Every state changes first (evicted slices
+// ABSENT, loads LOADING), so a release never returns a page that a slice of this route shares;
+// releases are queued ahead of the reads so memory is freed before it is refilled. The decode
+// thread itself makes no system call here.
+static int queue_route(mf_streamer * s, int32_t il) {
+    mf_cache *   c    = s->cache;
+    const size_t need = (size_t) (c->n_evict + c->n_load) * MF_MAX_XT;
+    if (need > s->queue_cap) {
+        // the queue is empty here (route waited for every job): growing it is safe
+        mf_job * q = realloc(s->queue, need * sizeof *q);
+        if (!q) {
+            return -ENOMEM;
+        }
+        s->queue     = q;
+        s->queue_cap = need;
+        s->q_head    = 0;
+    }
+    for (int32_t i = 0; i < c->n_evict; i++) {
+        mf_layer * L = &s->layers[c->evict[i] / s->n_expert];
+        for (int32_t j = 0; j < L->n_xt; j++) {
+            atomic_store_explicit(&L->xt[j]->state[c->evict[i] % s->n_expert], MF_SLICE_ABSENT, memory_order_release);
+        }
+        atomic_fetch_sub(&s->st_resident_bytes, L->entry_bytes);
+    }
     mf_layer * L = &s->layers[il];
     for (int32_t j = 0; j < L->n_xt; j++) {
-        for (int32_t i = 0; i < s->cache->n_load; i++) {
-            const int rc = slice_make_rw(L->xt[j], s->cache->load[i]);
-            if (rc != 0) {
-                return rc;
-            }
+        for (int32_t i = 0; i < c->n_load; i++) {
+            atomic_store_explicit(&L->xt[j]->state[c->load[i]], MF_SLICE_LOADING, memory_order_release);
         }
     }
     pthread_mutex_lock(&s->mu);
+    for (int32_t i = 0; i < c->n_evict; i++) {
+        mf_layer * E = &s->layers[c->evict[i] / s->n_expert];
+        for (int32_t j = 0; j < E->n_xt; j++) {
+            push_job_locked(s, E->xt[j], c->evict[i] % s->n_expert, true);
+        }
+    }
     for (int32_t j = 0; j < L->n_xt; j++) {
-        for (int32_t i = 0; i < s->cache->n_load; i++) {
-            const int32_t e = s->cache->load[i];
-            atomic_store_explicit(&L->xt[j]->state[e], MF_SLICE_LOADING, memory_order_release);
-            s->queue[(s->q_head + s->q_len) % s->queue_cap] = (mf_job){ .xt = L->xt[j], .expert = e };
-            s->q_len++;
-            s->outstanding++;
+        for (int32_t i = 0; i < c->n_load; i++) {
+            push_job_locked(s, L->xt[j], c->load[i], false);
         }
     }
     pthread_cond_broadcast(&s->work_cv);
     pthread_mutex_unlock(&s->mu);
-    ADD(s->st_resident_bytes, (uint64_t) s->cache->n_load * L->entry_bytes);
+    ADD(s->st_evictions, c->n_evict);
+    ADD(s->st_resident_bytes, (uint64_t) c->n_load * L->entry_bytes);
     return 0;
 }
 
@@ -390,10 +429,9 @@ static bool route(mf_streamer * s, int32_t il, const struct ggml_tensor * ids) {
                          (unsigned long long) s->cfg.budget_bytes);
         return false;
     }
-    evict_listed(s);
-    const int qrc = queue_loads(s, il);
+    const int qrc = queue_route(s, il);
     if (qrc != 0) {
-        mf_streamer_fail(s, qrc, "cannot map expert memory of layer %d: %s", (int) il, strerror(-qrc));
+        mf_streamer_fail(s, qrc, "cannot queue the reads of layer %d: %s", (int) il, strerror(-qrc));
         return false;
     }
     int32_t k = 0;
@@ -406,9 +444,8 @@ static bool route(mf_streamer * s, int32_t il, const struct ggml_tensor * ids) {
 
     if (!s->cfg.overlap) {
         const uint64_t t1 = mf_now_ns();
-        waited += wait_all(s);
         ADD(s->st_manage_ns, t1 - t0 - (waited > t1 - t0 ? t1 - t0 : waited));
-        ADD(s->st_wait_ns, waited);
+        ADD(s->st_wait_ns, waited + wait_all(s));
         return !has_error(s);
     }
     const uint64_t t1 = mf_now_ns();
@@ -756,7 +793,7 @@ void mf_streamer_drop_cache(mf_streamer * s) {
     wait_all(s);
     reap_failures(s);
     mf_cache_evict_all(s->cache);
-    evict_listed(s);
+    evict_listed_now(s);
 }
 
 uint64_t mf_streamer_layer_bytes(const mf_streamer * s) {
