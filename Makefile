@@ -26,7 +26,7 @@ EXT_LIB := streaming_ext/lib/libmoeflash_stream.so
 EXT_ASAN_LIB := streaming_ext/lib/libmoeflash_stream_asan.so
 CTEST_BIN := tests/c/build/test_ready_hook
 
-.PHONY: setup setup-dev llama ext serve serve-container require-api-key demo-model test lint clean distclean
+.PHONY: setup setup-dev llama ext serve serve-container require-api-key demo-model test lint bench-small bench replay clean distclean
 
 setup: $(VENV)/.deps-stamp llama ext $(VENV)/.install-stamp
 
@@ -96,6 +96,21 @@ require-api-key:
 
 test: setup-dev
 	$(VPY) -m pytest $(PYTEST_ARGS)
+
+# A smaller version of bench/reports/qwen30b-shape.*: a 3 GB model (generated once into models/),
+# caps at 25% and 50% of it, every system and lever; a few minutes. Reports in bench/reports/small.*
+bench-small: setup-dev
+	$(VENV)/bin/moeflash bench --shape qwen30b-8l-shape --caps 0.25,0.5 --tokens 16 --mmap-tokens 3 \
+		--out bench/reports/small
+
+# The full report (an 18 GB model, ~20 minutes) and the trace replay.
+bench: setup-dev
+	$(VENV)/bin/moeflash bench --shape qwen30b-shape --caps 0.25,0.5 --tokens 32 --mmap-tokens 6 \
+		--out bench/reports/qwen30b-shape
+
+replay: setup-dev
+	$(VENV)/bin/moeflash bench --replay ../shared/data/route-traces/qwen.route.csv \
+		../shared/data/route-traces/gemma.route.csv --out bench/reports/trace-replay
 
 lint: setup-dev
 	$(VENV)/bin/ruff check server streaming_ext tests

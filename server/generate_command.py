@@ -104,7 +104,12 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--lanes", type=int, default=4, help="reader threads (default 4)")
     p.add_argument("--no-direct-io", action="store_true", help="buffered reads instead of O_DIRECT")
-    p.add_argument("--no-overlap", action="store_true", help="wait for a layer's reads before its matmuls")
+    p.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="overlap a layer's reads with the matmuls of its experts already read (default: off)",
+    )
     p.add_argument("--policy", default="layer", choices=["layer", "lru", "none"], help="cache policy")
     p.add_argument("--ctx-size", "-c", type=int, default=4096, help="context size in tokens")
     p.add_argument("--batch-size", type=int, default=512, help="logical batch size (n_batch)")
@@ -164,7 +169,7 @@ def _load(args: argparse.Namespace) -> Any:
         budget_bytes=budget,
         lanes=args.lanes,
         direct_io=not args.no_direct_io,
-        overlap=not args.no_overlap,
+        overlap=args.overlap,
         policy=args.policy,
     )
     n_ctx = common.pop("n_ctx")

@@ -144,7 +144,11 @@ class ModelSettings(BaseSettings):
     reader: Literal["direct", "buffered"] = Field(
         "direct", description="expert reads with O_DIRECT (falls back to buffered) or buffered"
     )
-    overlap: bool = Field(True, description="overlap expert reads with the compute of ready experts")
+    overlap: bool = Field(
+        False,
+        description="overlap expert reads with the compute of ready experts (off by default: on 2 cores the "
+        "compute threads spin while they wait, bench/reports/qwen30b-shape.md)",
+    )
     cache_policy: Literal["layer", "lru", "none"] = Field("layer", description="expert cache eviction policy")
     chat_template_file: Path | None = Field(
         None, description="Jinja chat template overriding the one in the GGUF metadata"

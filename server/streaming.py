@@ -42,7 +42,7 @@ class StreamingOptions:
     budget_bytes: int | None = None
     lanes: int = 4
     direct_io: bool = True
-    overlap: bool = True
+    overlap: bool = False  # measured slower on 2 cores (bench/reports/qwen30b-shape.md)
     policy: str = "layer"  # "layer" | "lru" | "none"
     # fault injection (tests): expert reads fail with this errno after this many bytes
     fault_errno: int = 0

@@ -6,6 +6,7 @@
 - `greedy(llm, prompt_tokens, n)`: greedy decoding that returns the tokens and a sha256 of every
   logits row it looked at: the fingerprint two runs must share to count as identical.
 - `RouteRecorder`: a cb_eval that records the experts each layer routed each token to.
+- `expert_layer_bytes(path)`: one layer's experts, the smallest streaming budget.
 
 The session fixtures that make the models live in conftest.py (`tiny_model`, `llama_factory`).
 """
@@ -96,3 +97,14 @@ class RouteRecorder:
         for j in range(n_tokens):
             rows.append(tuple(self._get(tensor, i, j, 0, 0) for i in range(self.k)))
         return True
+
+
+def expert_layer_bytes(path: Path | str) -> int:
+    """Bytes of one layer's experts (the smallest streaming budget, which makes every route evict)."""
+    from streaming_ext import Streamer, StreamerConfig
+
+    probe = Streamer(path, StreamerConfig())
+    try:
+        return probe.layer_bytes
+    finally:
+        probe.close()

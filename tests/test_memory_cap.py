@@ -11,13 +11,13 @@ import dataclasses
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from server.bench.cgroup import MemoryCgroup, drop_page_cache, probe
+from server.bench.systems import System
 from server.modelgen import estimate_size, generate_model, preset
 
 N_TOKENS = 64
@@ -25,30 +25,9 @@ CAP_FRACTION = 0.40
 
 
 def generate_cmd(model: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "server.cli",
-        "--log-level",
-        "WARNING",
-        "generate",
-        "--model",
-        str(model),
-        "--prompt",
-        "The quick brown fox jumps over the lazy dog",
-        "-n",
-        str(N_TOKENS),
-        "--ignore-eos",
-        "--ctx-size",
-        "256",
-        # llama.cpp reserves compute buffers for a full micro-batch; the prompt is ~10 tokens
-        "--batch-size",
-        "32",
-        "--ubatch-size",
-        "32",
-        "--json",
-        *extra,
-    ]
+    # llama.cpp reserves compute buffers for a full micro-batch; the prompt is ~10 tokens
+    system = System("memory-cap", True, ("--batch-size", "32", "--ubatch-size", "32", *extra))
+    return system.argv(str(model), "The quick brown fox jumps over the lazy dog", N_TOKENS, 256)
 
 
 def report(proc: Any) -> dict[str, Any]:

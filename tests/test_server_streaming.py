@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from streaming_ext import Streamer, StreamerConfig
+from tests.models import expert_layer_bytes
 from tests.test_server_support import running_server
 
 BODY: dict[str, Any] = {
@@ -21,14 +21,6 @@ BODY: dict[str, Any] = {
     "temperature": 0,
     "seed": 7,
 }
-
-
-def layer_bytes(path: Path) -> int:
-    probe = Streamer(path, StreamerConfig())
-    try:
-        return probe.layer_bytes
-    finally:
-        probe.close()
 
 
 def chat(base_url: str, model_id: str, **extra: Any) -> httpx.Response:
@@ -41,7 +33,7 @@ def test_streamed_server_answers_like_the_resident_one(tiny_model: Callable[...,
     path = tiny_model("tiny-qwen3moe")
     with running_server(path, ctx_size=512, mode="resident") as server:
         expected = chat(server.base_url, server.model_id).json()["choices"][0]["message"]["content"]
-    budget = str(layer_bytes(path))
+    budget = str(expert_layer_bytes(path))
     with running_server(path, ctx_size=512, mode="streaming", budget=budget) as server:
         assert server.model.info.mode == "streaming"
         assert server.model.info.budget_bytes == int(budget)

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from server.streaming import StreamingLlama, StreamingOptions, load_streaming_llama
-from streaming_ext import Streamer, StreamerConfig, StreamerStats
-from tests.models import LLAMA_DEFAULTS, greedy, last_logits, load_llama
+from streaming_ext import StreamerStats
+from tests.models import LLAMA_DEFAULTS, expert_layer_bytes, greedy, last_logits, load_llama
 
 PROMPT = [(7 * i + 40) % 300 for i in range(24)]
 N_TOKENS = 10
@@ -32,15 +32,6 @@ def streamed(path: Path, options: StreamingOptions, **kw: Any) -> StreamingLlama
     settings.pop("use_extra_bufts")
     n_ctx = settings.pop("n_ctx")
     return load_streaming_llama(path, options, n_ctx=n_ctx, **settings)
-
-
-def layer_bytes(path: Path) -> int:
-    """One layer's experts: the smallest budget, which makes every route evict."""
-    probe = Streamer(path, StreamerConfig())
-    try:
-        return probe.layer_bytes
-    finally:
-        probe.close()
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +88,7 @@ def test_gate_no_cache(qwen: Path, reference: Callable[..., Result]) -> None:
 def test_gate_cache_that_evicts_every_layer(
     qwen: Path, reference: Callable[..., Result], policy: str
 ) -> None:
-    options = StreamingOptions(budget_bytes=layer_bytes(qwen), policy=policy)
+    options = StreamingOptions(budget_bytes=expert_layer_bytes(qwen), policy=policy)
     stats = gate(qwen, options, reference)
     assert stats.evictions > 0 and stats.misses > 0
 
@@ -117,7 +108,7 @@ def test_gate_reader_modes(
 ) -> None:
     # a small cache keeps the reader busy on every token
     options = StreamingOptions(
-        budget_bytes=layer_bytes(qwen), direct_io=direct_io, lanes=lanes, overlap=overlap
+        budget_bytes=expert_layer_bytes(qwen), direct_io=direct_io, lanes=lanes, overlap=overlap
     )
     stats = gate(qwen, options, reference)
     assert stats.bytes_read > 0
@@ -128,7 +119,7 @@ def test_gate_reader_modes(
 @pytest.mark.parametrize("n_ubatch", [1, 8, 512])
 def test_gate_micro_batches_long_prompt(qwen: Path, reference: Callable[..., Result], n_ubatch: int) -> None:
     prompt = [(13 * i + 5) % 300 for i in range(600)]  # longer than one 512-token micro-batch
-    options = StreamingOptions(budget_bytes=layer_bytes(qwen))
+    options = StreamingOptions(budget_bytes=expert_layer_bytes(qwen))
     gate(qwen, options, reference, prompt=prompt, n_ctx=1024, n_batch=512, n_ubatch=n_ubatch)
 
 
@@ -154,7 +145,7 @@ def test_gate_multi_turn_kv_reuse(qwen: Path) -> None:
         expected = conversation(resident)
     finally:
         resident.close()
-    llm = streamed(qwen, StreamingOptions(budget_bytes=layer_bytes(qwen)))
+    llm = streamed(qwen, StreamingOptions(budget_bytes=expert_layer_bytes(qwen)))
     try:
         assert conversation(llm) == expected
     finally:
@@ -167,7 +158,7 @@ def test_gate_every_architecture(
     tiny_model: Callable[..., Path], reference: Callable[..., Result], preset: str
 ) -> None:
     path = tiny_model(preset)
-    gate(path, StreamingOptions(budget_bytes=layer_bytes(path)), reference)
+    gate(path, StreamingOptions(budget_bytes=expert_layer_bytes(path)), reference)
     gate(path, StreamingOptions(), reference)
 
 
@@ -177,7 +168,7 @@ def test_gate_split_gguf(tiny_model: Callable[..., Path], reference: Callable[..
     assert "-00001-of-" in first.name
     expected = reference(whole)
     assert reference(first) == expected, "the split twin must decode like the whole file"
-    gate(first, StreamingOptions(budget_bytes=layer_bytes(first)), reference)
+    gate(first, StreamingOptions(budget_bytes=expert_layer_bytes(first)), reference)
 
 
 # ------------------------------------------------------------------------------------ negative control

@@ -94,7 +94,7 @@ def markdown(result: BenchResult, command: str) -> str:
         f"- residency overhead (all-cached / resident): {_fmt(ra.get('residency_overhead'), '.3f')}",
         "",
         "| cap | streaming tok/s | mmap tok/s | speedup | I/O-bound tok/s | roofline eff. | "
-        "I/O eff. (serial) | I/O eff. (overlap) | overlap eff. | memory discipline | hit rate | "
+        "I/O eff. | overlap lever tok/s (I/O eff.) | overlap eff. | memory discipline | hit rate | "
         "TTFT 20 tok (mmap) s | prefill 512 tok/s (eff.) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -103,8 +103,9 @@ def markdown(result: BenchResult, command: str) -> str:
             f"| {cap['cap_bytes'] / 2**30:.2f} GiB | {_fmt(cap['streaming_tok_s'])} | "
             f"{_fmt(cap['mmap_tok_s'], '.3f')} | "
             f"{_fmt(cap['speedup_vs_mmap'], '.1f', 'x')} | {_fmt(cap['io_bound_tok_s'])} | "
-            f"{_fmt(cap['roofline_efficiency'], '.2f')} | {_fmt(cap['io_efficiency_serial'], '.2f')} | "
-            f"{_fmt(cap['io_efficiency'], '.2f')} | {_fmt(cap['overlap_efficiency'], '.2f')} | "
+            f"{_fmt(cap['roofline_efficiency'], '.2f')} | {_fmt(cap['io_efficiency'], '.2f')} | "
+            f"{_fmt(cap['overlap_lever_tok_s'])} ({_fmt(cap['io_efficiency_overlap_lever'], '.2f')}) | "
+            f"{_fmt(cap['overlap_efficiency'], '.2f')} | "
             f"{_fmt(cap['memory_discipline'], '.2f')} | {_fmt(cap['hit_rate'], '.1%')} | "
             f"{_fmt(cap['ttft_20_s'], '.1f')} ({_fmt(cap['mmap_ttft_20_s'], '.1f')}) | "
             f"{_fmt(cap['prefill_512_tok_s'], '.1f')} ({_fmt(cap['prefill_512_efficiency'], '.2f')}) |"

@@ -90,6 +90,6 @@ def default_systems(mmap_tokens: int, levers: bool = True) -> SystemSet:
             System("lever-lanes-1", True, ("--lanes", "1"), lever="1 lane"),
             System("lever-lanes-2", True, ("--lanes", "2"), lever="2 lanes"),
             System("lever-buffered", True, ("--no-direct-io",), lever="O_DIRECT off"),
-            System("lever-no-overlap", True, ("--no-overlap",), lever="overlap off"),
+            System("lever-overlap", True, ("--overlap",), lever="overlap on"),
         ]
     return SystemSet(uncapped, capped)

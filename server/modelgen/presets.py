@@ -71,6 +71,22 @@ def _gptoss(n_layer: int, n_expert: int, name: str) -> ModelSpec:
 
 def _all() -> tuple[Preset, ...]:
     gptoss_120b = _gptoss(36, 128, "gptoss-120b-shape")
+    qwen30b = ModelSpec(
+        arch="qwen3moe",
+        n_layer=48,
+        n_embd=2048,
+        n_head=32,
+        n_head_kv=4,
+        head_dim=128,
+        n_expert=128,
+        n_expert_used=8,
+        n_ff_exp=768,
+        n_vocab=151936,
+        n_ctx=40960,
+        expert_qtype=QType.Q4_0,
+        dense_qtype=QType.Q8_0,
+        name="qwen30b-shape",
+    )
     return (
         Preset(
             "tiny-qwen3moe",
@@ -127,22 +143,12 @@ def _all() -> tuple[Preset, ...]:
         Preset(
             "qwen30b-shape",
             "Qwen3-30B-A3B's shape: qwen3moe, 48 layers, 128 experts (8 used), Q4_0 experts, Q8_0 dense",
-            ModelSpec(
-                arch="qwen3moe",
-                n_layer=48,
-                n_embd=2048,
-                n_head=32,
-                n_head_kv=4,
-                head_dim=128,
-                n_expert=128,
-                n_expert_used=8,
-                n_ff_exp=768,
-                n_vocab=151936,
-                n_ctx=40960,
-                expert_qtype=QType.Q4_0,
-                dense_qtype=QType.Q8_0,
-                name="qwen30b-shape",
-            ),
+            qwen30b,
+        ),
+        Preset(
+            "qwen30b-8l-shape",
+            "qwen30b-shape, 8 layers, 32k vocabulary (~3 GB): the quick benchmark (make bench-small)",
+            dataclasses.replace(qwen30b, n_layer=8, n_vocab=32000, name="qwen30b-8l-shape"),
         ),
         Preset(
             "gptoss-120b-shape",
