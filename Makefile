@@ -79,10 +79,12 @@ $(DEMO_MODEL): | setup
 
 demo-model: $(DEMO_MODEL)
 
-# Runs the server on MODEL (default: the built-in demo model, generated on first use)
+# Runs the server on MODEL (default: the built-in demo model, generated on first use and served
+# with its experts streamed, so the web page shows the streamer's telemetry)
 serve: setup
 	@if [ -z "$(MODEL)" ]; then $(MAKE) --no-print-directory demo-model; fi
-	$(VENV)/bin/moeflash serve --model "$(if $(MODEL),$(MODEL),$(DEMO_MODEL))" --host $(HOST) --port $(PORT)
+	$(VENV)/bin/moeflash serve --model "$(if $(MODEL),$(MODEL),$(DEMO_MODEL))" --host $(HOST) --port $(PORT) \
+		$(if $(MODEL),,--mode streaming)
 
 # The container's entry point (Dockerfile CMD): it listens on the LAN, so an API key is required.
 serve-container: require-api-key
