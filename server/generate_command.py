@@ -102,6 +102,7 @@ def register(subparsers: Any) -> None:
         default="auto",
         help="expert cache budget: bytes (4G, 512M), auto (default) or all (every expert)",
     )
+    p.add_argument("--preload", action="store_true", help="read every expert at load (needs --budget all)")
     p.add_argument("--lanes", type=int, default=4, help="reader threads (default 4)")
     p.add_argument("--no-direct-io", action="store_true", help="buffered reads instead of O_DIRECT")
     p.add_argument(
@@ -171,6 +172,7 @@ def _load(args: argparse.Namespace) -> Any:
         direct_io=not args.no_direct_io,
         overlap=args.overlap,
         policy=args.policy,
+        preload=args.preload,
     )
     n_ctx = common.pop("n_ctx")
     return load_streaming_llama(args.model, options, n_ctx=n_ctx, **common)

@@ -49,6 +49,8 @@ class StreamingOptions:
     fault_after_bytes: int = 0
     # negative control (tests): expert (skip_expert - 1) is never read, left zero-filled
     skip_expert: int = 0
+    # read every expert at load (needs a budget holding them all, e.g. BUDGET_ALL)
+    preload: bool = False
 
 
 @dataclass(frozen=True)
@@ -223,6 +225,8 @@ def load_streaming_llama(
                 )
             streamer.set_budget(choice.bytes)
             streamer.check_loaded()
+            if options.preload:
+                streamer.preload()
         except (StreamerError, ModelLoadError, ConfigError) as exc:
             llm.close()
             if isinstance(exc, StreamerError):

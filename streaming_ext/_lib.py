@@ -115,6 +115,7 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "mf_streamer_take_error": ([vp, ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int),
         "mf_streamer_last_error": ([vp], ctypes.c_char_p),
         "mf_streamer_drop_cache": ([vp], None),
+        "mf_streamer_preload": ([vp], ctypes.c_int),
         "mf_streamer_layer_bytes": ([vp], u64),
         "mf_streamer_expert_bytes": ([vp], u64),
         "mf_streamer_n_moe_layers": ([vp], i32),

@@ -178,6 +178,12 @@ class Streamer:
         self.lib.cdll.mf_streamer_get_stats(self.handle, ctypes.byref(raw))
         return StreamerStats(**{name: int(getattr(raw, name)) for name in STAT_FIELDS})
 
+    def preload(self) -> None:
+        """Read every expert now (the budget must hold them all)."""
+        rc = self.lib.cdll.mf_streamer_preload(self.handle)
+        if rc != 0:
+            raise StreamerError(self.last_error() or os.strerror(-rc), -rc)
+
     def drop_cache(self) -> None:
         """Evict every expert (a cold cache for tests and benchmarks)."""
         self.lib.cdll.mf_streamer_drop_cache(self.handle)

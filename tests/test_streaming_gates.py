@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from server.streaming import StreamingLlama, StreamingOptions, load_streaming_llama
+from server.errors import ModelLoadError
+from server.streaming import BUDGET_ALL, StreamingLlama, StreamingOptions, load_streaming_llama
 from streaming_ext import StreamerStats
 from tests.models import LLAMA_DEFAULTS, expert_layer_bytes, greedy, last_logits, load_llama
 
@@ -184,3 +185,24 @@ def test_negative_control_unloaded_expert_fails_the_gate(
     finally:
         llm.close()
     assert got != expected
+
+
+def test_gate_preloaded_experts(qwen: Path, reference: Callable[..., Result]) -> None:
+    """--preload reads every expert at load; decoding then never misses."""
+    expected = reference(qwen)
+    llm = streamed(qwen, StreamingOptions(budget_bytes=BUDGET_ALL, preload=True))
+    try:
+        loaded = llm.stats()
+        assert loaded.bytes_read == loaded.resident_bytes == llm.streamer.expert_bytes
+        got = greedy(llm, PROMPT, N_TOKENS)
+        after = llm.stats()
+    finally:
+        llm.close()
+    assert got == expected
+    assert after.misses == 0 and after.evictions == 0 and after.hits > 0
+    assert after.bytes_read == loaded.bytes_read, "nothing is read after the preload"
+
+
+def test_preload_needs_a_budget_for_every_expert(qwen: Path) -> None:
+    with pytest.raises(ModelLoadError, match="preload needs a budget"):
+        streamed(qwen, StreamingOptions(budget_bytes=expert_layer_bytes(qwen), preload=True))

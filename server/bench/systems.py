@@ -61,8 +61,8 @@ def default_systems(mmap_tokens: int, levers: bool = True) -> SystemSet:
         System(
             "streaming-all-cached",
             False,
-            # a 512-token prompt routes to nearly every expert: the cache is warm when decode starts
-            ("--budget", "all", "--prompt-tokens", "512"),
+            # every expert read at load: decode then measures compute alone
+            ("--budget", "all", "--preload"),
             description="moeflash with every expert cached (compute-bound reference)",
         ),
     ]

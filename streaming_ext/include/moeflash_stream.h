@@ -127,6 +127,10 @@ MF_API int mf_streamer_take_error(mf_streamer * s, char * msg, size_t msg_size);
 // The message of the last failure of a call on this streamer. Valid until the next call.
 MF_API const char * mf_streamer_last_error(const mf_streamer * s);
 
+// Reads every expert before the first token (a budget holding them all is required): the model
+// then runs like a resident one. Returns 0 or -errno (message in last_error). Decode thread only.
+MF_API int mf_streamer_preload(mf_streamer * s);
+
 // Evicts every unpinned expert entry (tests and benchmarks: a cold cache). Decode thread only.
 MF_API void mf_streamer_drop_cache(mf_streamer * s);
 

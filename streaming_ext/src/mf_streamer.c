@@ -786,6 +786,43 @@ void mf_streamer_get_stats(const mf_streamer * s, mf_stats * out) {
 #undef LOAD
 }
 
+int mf_streamer_preload(mf_streamer * s) {
+    if (!s->cache) {
+        snprintf(s->last_error, sizeof s->last_error, "preload before mf_streamer_check_loaded");
+        return -EINVAL;
+    }
+    if (s->cfg.budget_bytes < s->expert_bytes) {
+        snprintf(s->last_error, sizeof s->last_error,
+                 "preload needs a budget holding every expert (%llu bytes), not %llu",
+                 (unsigned long long) s->expert_bytes, (unsigned long long) s->cfg.budget_bytes);
+        return -ENOSPC;
+    }
+    // every layer routes to all its experts once: the lanes read them at full depth
+    for (int32_t l = 0; l < s->n_layers; l++) {
+        if (s->layers[l].n_xt == 0) {
+            continue;
+        }
+        wait_all(s);
+        memset(s->want, 1, (size_t) s->n_expert);
+        int rc = mf_cache_route(s->cache, l, s->want);
+        if (rc >= 0) {
+            rc = queue_route(s, l);
+        }
+        if (rc < 0) {
+            snprintf(s->last_error, sizeof s->last_error, "preload of layer %d failed: %s", (int) l, strerror(-rc));
+            return rc;
+        }
+    }
+    wait_all(s);
+    reap_failures(s);
+    char msg[MF_ERR_LEN];
+    const int rc = mf_streamer_take_error(s, msg, sizeof msg);
+    if (rc != 0) {
+        snprintf(s->last_error, sizeof s->last_error, "%s", msg);
+    }
+    return rc;
+}
+
 void mf_streamer_drop_cache(mf_streamer * s) {
     if (!s->cache) {
         return;
