@@ -105,8 +105,7 @@ static enum ggml_status xbuf_init_tensor(ggml_backend_buffer_t buffer, struct gg
         free(xt);
         return GGML_STATUS_FAILED;
     }
-    b->xt       = xt;
-    loc->placed = true;
+    b->xt = xt;
     return GGML_STATUS_SUCCESS;
 }
 
@@ -224,7 +223,6 @@ static void dbuf_set_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * t
         memset(t->data, 0, size);
         return;
     }
-    loc->placed = true;
 }
 
 static void dbuf_get_tensor(ggml_backend_buffer_t buffer, const struct ggml_tensor * t, void * data, size_t offset,

@@ -60,7 +60,6 @@ typedef struct mf_loc {
     int32_t  file;
     uint64_t offset;  // absolute offset of the tensor's data in its file
     uint64_t size;    // bytes
-    bool     placed;  // seen by a buffer of the streamer while loading
 } mf_loc;
 
 typedef struct mf_index {
