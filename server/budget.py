@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from server.errors import ConfigError
+from server.memcg import own_memory_cgroup
 from server.model_files import split_files
 
 logger = logging.getLogger(__name__)
@@ -38,29 +39,15 @@ def streamer_dense_bytes(path: Path, expert_bytes: int) -> int:
 
 
 def _cgroup_limit() -> tuple[int, str] | None:
+    cg = own_memory_cgroup()
+    if cg is None:
+        return None
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        raw = cg.limit_file.read_text().strip()
     except OSError:
         return None
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, rel = parts
-        if controllers == "":  # cgroup v2
-            f = Path("/sys/fs/cgroup") / rel.lstrip("/") / "memory.max"
-            name = "cgroup v2 memory.max"
-        elif "memory" in controllers.split(","):
-            f = Path("/sys/fs/cgroup/memory") / rel.lstrip("/") / "memory.limit_in_bytes"
-            name = "cgroup v1 memory.limit_in_bytes"
-        else:
-            continue
-        try:
-            raw = f.read_text().strip()
-        except OSError:
-            continue
-        if raw != "max" and raw.isdigit() and int(raw) < _UNLIMITED:
-            return int(raw), f"{name} ({f})"
+    if raw != "max" and raw.isdigit() and int(raw) < _UNLIMITED:
+        return int(raw), f"cgroup v{cg.version} {cg.limit_file.name} ({cg.limit_file})"
     return None
 
 

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from server.chat_template import ChatTemplate
 from server.decode import GenerationRequest, GenerationStats, TextDelta, TokenLogprob
-from server.engine import Engine, Failed, Job
+from server.engine import Engine, Failed, Finished, Job
 from server.errors import ContextLengthExceeded, InvalidRequest, NotFound, ServiceUnavailable
 from server.http_errors import describe
 from server.metrics import Metrics
@@ -184,6 +184,33 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
             return
 
 
+async def _collect(
+    ctx: ServeContext, request: Request, job: Job, on_text: Callable[[TextDelta], None]
+) -> Finished:
+    """Run a non-streamed job to its end (cancelled if the client leaves); its Finished event.
+
+    Failures are raised; a job cancelled while the client is still connected means the server
+    is stopping. Metrics observe every finished job.
+    """
+    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    try:
+        async for ev in job.events():
+            if isinstance(ev, TextDelta):
+                on_text(ev)
+            elif isinstance(ev, Failed):
+                raise ev.error
+            else:
+                finished = ev
+    finally:
+        watcher.cancel()
+        job.cancel()
+    if finished.stats.finish_reason == "cancelled":
+        # the client is still here (else nobody reads this): the server is stopping
+        raise _SHUTDOWN
+    ctx.metrics.observe(finished.stats)
+    return finished
+
+
 def _finish_reason(stats: GenerationStats, n_calls: int) -> str:
     # a call cut short by max_tokens is "length", like OpenAI: its arguments are incomplete
     if stats.finish_reason == "length":
@@ -308,27 +335,16 @@ def _apply(pieces: list[OutPiece], acc: dict[str, Any]) -> None:
 
 async def _chat_whole(ctx: ServeContext, plan: _ChatPlan, request: Request) -> Response:
     job = plan.job
-    watcher = asyncio.create_task(_watch_disconnect(request, job))
     acc: dict[str, Any] = {"calls": []}
     logprobs: list[TokenLogprob] = []
-    try:
-        async for ev in job.events():
-            if isinstance(ev, TextDelta):
-                _apply(plan.output.feed(ev.text), acc)
-                logprobs.extend(ev.logprobs)
-            elif isinstance(ev, Failed):
-                raise ev.error
-            else:
-                _apply(plan.output.finish(), acc)
-                finished = ev
-    finally:
-        watcher.cancel()
-        job.cancel()
+
+    def on_text(ev: TextDelta) -> None:
+        _apply(plan.output.feed(ev.text), acc)
+        logprobs.extend(ev.logprobs)
+
+    finished = await _collect(ctx, request, job, on_text)
     stats = finished.stats
-    if stats.finish_reason == "cancelled":
-        # the client is still here (else nobody reads this): the server is stopping
-        raise _SHUTDOWN
-    ctx.metrics.observe(stats)
+    _apply(plan.output.finish(), acc)
     message: dict[str, Any] = {
         "role": "assistant",
         "content": acc.get("content", "" if not acc["calls"] else None),
@@ -475,24 +491,16 @@ async def create_completion(ctx: ServeContext, body: CompletionRequest, request:
         stream = _completion_stream(ctx, job, head, echo, timings, include_usage, shutdown)
         return sse_response(stream, ctx.settings.keepalive_s, shutdown)
 
-    watcher = asyncio.create_task(_watch_disconnect(request, job))
-    text, lps = echo, []
-    try:
-        async for ev in job.events():
-            if isinstance(ev, TextDelta):
-                text += ev.text
-                lps.extend(ev.logprobs)
-            elif isinstance(ev, Failed):
-                raise ev.error
-            else:
-                finished = ev
-    finally:
-        watcher.cancel()
-        job.cancel()
+    pieces: list[str] = [echo]
+    lps: list[TokenLogprob] = []
+
+    def on_text(ev: TextDelta) -> None:
+        pieces.append(ev.text)
+        lps.extend(ev.logprobs)
+
+    finished = await _collect(ctx, request, job, on_text)
     stats = finished.stats
-    if stats.finish_reason == "cancelled":
-        raise _SHUTDOWN
-    ctx.metrics.observe(stats)
+    text = "".join(pieces)
     result: dict[str, Any] = {
         **head,
         "choices": [

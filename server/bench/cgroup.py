@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-logger = logging.getLogger(__name__)
+from server.memcg import own_memory_cgroup
 
-_V1_ROOT = Path("/sys/fs/cgroup/memory")
-_V2_ROOT = Path("/sys/fs/cgroup")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,24 +35,18 @@ class CgroupSupport:
 
 def probe() -> CgroupSupport:
     """Find a memory cgroup this process may create children in."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError as exc:
-        return CgroupSupport(None, None, f"cannot read /proc/self/cgroup: {exc}")
-    v1 = next((ln.split(":", 2)[2] for ln in lines if "memory" in ln.split(":", 2)[1].split(",")), None)
-    if v1 is not None and _V1_ROOT.is_dir():
-        parent = _V1_ROOT / v1.lstrip("/")
-        if os.access(parent, os.W_OK) and (parent / "memory.limit_in_bytes").exists():
-            return CgroupSupport(1, parent, f"cgroup v1 memory controller at {parent}")
-        return CgroupSupport(None, None, f"cgroup v1 memory controller at {parent} is not writable")
-    v2 = next((ln.split(":", 2)[2] for ln in lines if ln.startswith("0::")), None)
-    if v2 is not None and (_V2_ROOT / "cgroup.controllers").exists():
-        parent = _V2_ROOT / v2.lstrip("/")
-        controllers = (parent / "cgroup.subtree_control").read_text() if parent.exists() else ""
-        if "memory" in controllers.split() and os.access(parent, os.W_OK):
-            return CgroupSupport(2, parent, f"cgroup v2 at {parent}")
-        return CgroupSupport(None, None, f"cgroup v2 at {parent}: memory not delegated to children")
-    return CgroupSupport(None, None, "no cgroup memory controller is mounted")
+    cg = own_memory_cgroup()
+    if cg is None:
+        return CgroupSupport(None, None, "no cgroup memory controller is mounted")
+    if cg.version == 1:
+        if os.access(cg.path, os.W_OK) and cg.limit_file.exists():
+            return CgroupSupport(1, cg.path, f"cgroup v1 memory controller at {cg.path}")
+        return CgroupSupport(None, None, f"cgroup v1 memory controller at {cg.path} is not writable")
+    subtree = cg.path / "cgroup.subtree_control"
+    controllers = subtree.read_text() if subtree.exists() else ""
+    if "memory" in controllers.split() and os.access(cg.path, os.W_OK):
+        return CgroupSupport(2, cg.path, f"cgroup v2 at {cg.path}")
+    return CgroupSupport(None, None, f"cgroup v2 at {cg.path}: memory not delegated to children")
 
 
 class MemoryCgroup:

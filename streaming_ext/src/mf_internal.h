@@ -147,6 +147,7 @@ struct mf_streamer {
     size_t          outstanding;  // queued + in flight
     bool            stop;
     int32_t         n_waiting;    // compute threads blocked in the ready hook
+    uint64_t        n_failed;     // slices marked FAILED since the last reap_failures
     uint64_t        wait_start_ns;
 
     // first error since the last mf_streamer_take_error (under mu)

@@ -274,6 +274,7 @@ static void * lane_main(void * arg) {
             record_error_locked(s, rc, msg);
             ADD(s->st_errors, 1);
             atomic_store_explicit(&job.xt->state[job.expert], MF_SLICE_FAILED, memory_order_release);
+            s->n_failed++;
         }
         s->outstanding--;
         pthread_cond_broadcast(&s->done_cv);
@@ -297,8 +298,16 @@ static uint64_t wait_all(mf_streamer * s) {
     return waited;
 }
 
-// forgets entries whose reads failed so that their next use reads them again (decode thread)
+// forgets entries whose reads failed so that their next use reads them again (decode thread,
+// no read in flight); the scan runs only when a lane has marked a slice FAILED since the last one
 static void reap_failures(mf_streamer * s) {
+    pthread_mutex_lock(&s->mu);
+    const bool any = s->n_failed != 0;
+    s->n_failed    = 0;
+    pthread_mutex_unlock(&s->mu);
+    if (!any) {
+        return;
+    }
     for (int32_t l = 0; l < s->n_layers; l++) {
         mf_layer * L = &s->layers[l];
         for (int32_t e = 0; e < s->n_expert && L->n_xt; e++) {
