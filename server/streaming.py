@@ -51,6 +51,8 @@ class StreamingOptions:
     skip_expert: int = 0
     # read every expert at load (needs a budget holding them all, e.g. BUDGET_ALL)
     preload: bool = False
+    # recycle evicted slices' pages into loaded ones (userfaultfd) where the kernel allows
+    move_pages: bool = True
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,7 @@ def _streamer_config(options: StreamingOptions) -> StreamerConfig:
         fault_errno=options.fault_errno,
         fault_after_bytes=options.fault_after_bytes,
         skip_expert=options.skip_expert,
+        move_pages=options.move_pages,
     )
 
 
@@ -234,6 +237,7 @@ def load_streaming_llama(
             raise
         llm.budget = choice
         logger.info("expert budget %.1f MiB: %s", choice.bytes / 2**20, choice.reason)
+        logger.info("expert pages: %s", streamer.page_path())
         return llm
     except BaseException:
         streamer.close()  # idempotent; the model (if any) was freed first

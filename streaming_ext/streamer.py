@@ -60,6 +60,9 @@ class StreamerConfig:
     fault_after_bytes: int = 0
     # negative control for tests: never read expert (skip_expert - 1), leave it zero-filled
     skip_expert: int = 0
+    # move evicted slices' pages into loaded ones (userfaultfd, Linux 6.8+) instead of releasing
+    # them and faulting fresh zeroed pages in; off or unavailable: the plain path
+    move_pages: bool = True
 
 
 @dataclass(frozen=True)
@@ -80,11 +83,13 @@ class StreamerStats:
     violations: int
     errors: int
     direct_io: int
+    page_moves: int
+    pages_moved: int
 
     def __sub__(self, other: StreamerStats) -> StreamerStats:
         a, b = asdict(self), asdict(other)
         # gauges stay as they are now; counters become deltas
-        gauges = {"resident_bytes", "direct_io", "dense_bytes"}
+        gauges = {"resident_bytes", "direct_io", "dense_bytes", "page_moves"}
         return StreamerStats(**{k: a[k] if k in gauges else a[k] - b[k] for k in a})
 
     @property
@@ -113,6 +118,7 @@ class Streamer:
             fault_errno=config.fault_errno,
             fault_after_bytes=config.fault_after_bytes,
             skip_expert=config.skip_expert,
+            no_page_moves=0 if config.move_pages else 1,
         )
         handle = ctypes.c_void_p()
         err = ctypes.create_string_buffer(_ERR_LEN)
@@ -158,6 +164,11 @@ class Streamer:
         rc = self.lib.cdll.mf_streamer_check_loaded(self.handle)
         if rc != 0:
             raise StreamerError(self.last_error() or os.strerror(-rc), -rc)
+
+    def page_path(self) -> str:
+        """How evicted slices' pages reach loaded ones: moved (userfaultfd), or why not."""
+        raw: bytes = self.lib.cdll.mf_streamer_page_path(self.handle)
+        return raw.decode(errors="replace")
 
     def last_error(self) -> str:
         """Message of the last failed call."""

@@ -116,6 +116,42 @@ def test_gate_reader_modes(
     assert stats.direct_io == int(direct_io)
 
 
+# ------------------------------------------------------------------------------------ pages
+@pytest.mark.parametrize(
+    ("move_pages", "n_ff_exp", "overlap"),
+    [
+        pytest.param(True, 128, False, id="moved-4.5-page-slices"),
+        pytest.param(True, 512, True, id="moved-18-page-slices-overlap"),
+        pytest.param(False, 128, False, id="released-4.5-page-slices"),
+        pytest.param(False, 512, True, id="released-18-page-slices-overlap"),
+    ],
+)
+def test_gate_page_recycling(
+    tiny_model: Callable[..., Path],
+    reference: Callable[..., Result],
+    move_pages: bool,
+    n_ff_exp: int,
+    overlap: bool,
+) -> None:
+    # slices whose first and last pages are shared with their neighbours (the model's expert data
+    # is 32-byte aligned in the file), with four lanes filling neighbours at the same time
+    path = tiny_model("tiny-qwen3moe", n_ff_exp=n_ff_exp)
+    options = StreamingOptions(
+        budget_bytes=expert_layer_bytes(path), move_pages=move_pages, overlap=overlap, lanes=4
+    )
+    llm = streamed(path, options)
+    try:
+        moving, page_path = llm.stats().page_moves, llm.streamer.page_path()
+    finally:
+        llm.close()
+    if move_pages and not moving:
+        pytest.skip(f"this kernel cannot move pages: {page_path}")
+    stats = gate(path, options, reference)
+    assert stats.evictions > 0
+    assert stats.page_moves == int(move_pages)
+    assert (stats.pages_moved > 0) == move_pages
+
+
 # ------------------------------------------------------------------------------------ batch sizes
 @pytest.mark.parametrize("n_ubatch", [1, 8, 512])
 def test_gate_micro_batches_long_prompt(qwen: Path, reference: Callable[..., Result], n_ubatch: int) -> None:

@@ -70,6 +70,9 @@ typedef struct mf_config {
     // negative control for tests: when > 0, expert (skip_expert - 1) is never read but still
     // marked ready, leaving its slices zero-filled; a byte-identity gate must then fail
     int32_t      skip_expert;
+    // non-zero: never move pages between slices (userfaultfd); evictions release pages and loads
+    // fault fresh zeroed ones in, as on kernels without UFFDIO_MOVE
+    int32_t      no_page_moves;
 } mf_config;
 
 #define MF_MAX_LANES 16
@@ -90,6 +93,8 @@ typedef struct mf_stats {
     uint64_t violations;     // expert matmuls that found a routed slice absent (must stay 0)
     uint64_t errors;         // failed reads
     uint64_t direct_io;      // 1 when O_DIRECT is in use, 0 when reads are buffered
+    uint64_t page_moves;     // 1 when evicted slices' pages are moved to loaded ones (userfaultfd)
+    uint64_t pages_moved;    // pages moved from evicted slices into loaded ones
 } mf_stats;
 
 // Creates a streamer for cfg->model_path: indexes the GGUF (all splits), checks sizes and
@@ -140,6 +145,8 @@ MF_API uint64_t mf_streamer_layer_bytes(const mf_streamer * s);
 MF_API uint64_t mf_streamer_expert_bytes(const mf_streamer * s);
 MF_API int32_t  mf_streamer_n_moe_layers(const mf_streamer * s);
 MF_API int32_t  mf_streamer_n_expert(const mf_streamer * s);
+// How evicted slices' pages reach loaded ones: moved (userfaultfd), or why not.
+MF_API const char * mf_streamer_page_path(const mf_streamer * s);
 
 // ---------------------------------------------------------------------------------------------
 // The cache policy on its own, for trace replay (the same code the streamer runs).

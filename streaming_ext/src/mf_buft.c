@@ -2,8 +2,9 @@
 //
 // DESIGN
 // MF_EXPERTS holds the expert tensors (blk.N.ffn_*_exps.weight). Its max buffer size is 1 byte, so
-// ggml gives every expert tensor a buffer of its own, and each buffer is a PROT_NONE,
-// MAP_NORESERVE reservation: no memory until a slice is read. init_tensor moves the tensor's data
+// ggml gives every expert tensor a buffer of its own, and each buffer is a MAP_NORESERVE
+// reservation: no memory until a slice is read (PROT_NONE, or read-write and registered with the
+// page mover's userfaultfd: mf_pages.c; either way a touch of an absent slice faults). init_tensor moves the tensor's data
 // pointer inside its reservation so that it is congruent to the tensor's file offset modulo the
 // page size: then a page-aligned O_DIRECT read of a slice lands straight in place (the edge bytes
 // it also brings belong to the neighbouring slices and are their correct bytes: weights are
@@ -167,14 +168,19 @@ static ggml_backend_buffer_t xbuft_alloc(ggml_backend_buffer_type_t buft, size_t
     mf_streamer * s = buft_streamer(buft);
     // one page in front and the alloc-size padding behind keep page-aligned reads inside
     const size_t  reserve_size = ((size + MF_PAGE - 1) & ~(size_t) (MF_PAGE - 1)) + 2 * MF_PAGE;
-    void *        p = mmap(NULL, reserve_size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    // moving pages needs a writable range (absent pages then fault through userfaultfd's SIGBUS);
+    // without moves, PROT_NONE until a slice is loaded
+    const bool    moving = mf_pages_moving(&s->pages);
+    void *        p = mmap(NULL, reserve_size, moving ? PROT_READ | PROT_WRITE : PROT_NONE,
+                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     mf_buf *      b = calloc(1, sizeof *b);
-    if (p == MAP_FAILED || !b) {
+    int           rc = p == MAP_FAILED || !b ? -ENOMEM : (moving ? mf_pages_register(&s->pages, p, reserve_size) : 0);
+    if (rc != 0) {
         if (p != MAP_FAILED) {
             munmap(p, reserve_size);
         }
         free(b);
-        mf_streamer_fail(s, -ENOMEM, "cannot reserve %zu bytes of address space for experts", reserve_size);
+        mf_streamer_fail(s, rc, "cannot reserve %zu bytes of address space for experts: %s", reserve_size, strerror(-rc));
         return NULL;
     }
     b->s            = s;

@@ -90,7 +90,7 @@ typedef struct mf_xtensor {
     int32_t              layer;
     int32_t              n_expert;
     uint64_t             nb2;      // bytes of one expert's slice
-    char *               reserve;  // the whole reservation (PROT_NONE when not resident)
+    char *               reserve;  // the whole reservation (absent slices fault: PROT_NONE or SIGBUS)
     size_t               reserve_size;
     char *               data;     // t->data: congruent to loc->offset modulo MF_PAGE
     atomic_int *         state;    // [n_expert] enum mf_slice_state
@@ -101,6 +101,34 @@ typedef struct mf_layer {
     int32_t      n_xt;
     uint64_t     entry_bytes;    // one expert of this layer, all its tensors
 } mf_layer;
+
+// ---------------------------------------------------------------- page recycling (mf_pages.c)
+typedef struct mf_pages {
+    int                  uffd;      // userfaultfd with UFFDIO_MOVE, or -1: plain page release/fault
+    pthread_mutex_t      mu;        // guards the pool ring
+    char *               pool;      // ring of parked pages (MAP_NORESERVE, registered)
+    size_t               pool_cap;  // ring size, pages
+    size_t               pool_lo;   // oldest parked page
+    size_t               pool_n;    // parked pages
+    atomic_uint_fast64_t moved;     // pages moved from the pool into slices
+} mf_pages;
+
+// Opens userfaultfd when `want` and the kernel has UFFDIO_MOVE; else stays off. Never fails:
+// `why` says which path is in use.
+int  mf_pages_open(mf_pages * pg, bool want, char * why, size_t why_size);
+bool mf_pages_moving(const mf_pages * pg);
+// registers an expert reservation (read-write, MAP_NORESERVE) while moving; 0 or -errno
+int  mf_pages_register(mf_pages * pg, void * addr, size_t len);
+// creates the pool ring (once, when the budget is known); 0 or -errno
+int  mf_pages_pool(mf_pages * pg, size_t bytes);
+// makes page range [a, b) present: pooled pages first, then the zero page; pages already present
+// (shared with a live neighbour) are kept. 0 or -errno. No-op when not moving.
+int  mf_pages_fill(mf_pages * pg, char * a, char * b);
+// gives up page range [a, b) (whole pages no live slice shares): into the pool, else released
+void mf_pages_drop(mf_pages * pg, char * a, char * b);
+// returns the pooled pages to the kernel
+void mf_pages_trim(mf_pages * pg);
+void mf_pages_close(mf_pages * pg);
 
 // ---------------------------------------------------------------- the streamer (mf_streamer.c)
 typedef struct mf_job {
@@ -129,6 +157,9 @@ struct mf_streamer {
     uint64_t      expert_bytes;
     mf_cache *    cache;
     uint8_t *     want;  // [n_expert] scratch for routing
+
+    mf_pages      pages;  // physical pages of slices (recycled through userfaultfd when available)
+    char          pages_note[160];
 
     // dense reads at load: an aligned bounce buffer for O_DIRECT
     void *        bounce;

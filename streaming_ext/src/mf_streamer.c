@@ -10,9 +10,11 @@
 // compute threads wait per slice in the mul_mat_id ready hook (mf_ready_hook), so the matmuls of
 // ready experts run while the rest are still being read. Jobs are queued in the order the graph
 // consumes them (gate or gate_up, then up, then down; experts ascending).
-// Memory. A slice is readable only while its state is LOADING or READY; eviction returns its
-// pages (MADV_DONTNEED) and protects them again, except pages shared with a neighbouring slice
-// that is still resident. A computation that touches a slice nobody loaded faults.
+// Memory. A slice is readable only while its state is LOADING or READY; eviction gives up its
+// pages, except pages shared with a neighbouring slice that is still resident: into a pool that
+// the next loads take them from (userfaultfd moves, mf_pages.c), or, where the kernel cannot move
+// pages, back to the kernel (MADV_DONTNEED) behind PROT_NONE. A computation that touches a slice
+// nobody loaded faults (SIGBUS or SIGSEGV).
 // Errors. Nothing here aborts. A failed read marks its slice FAILED, records the first error, and
 // makes the next callback return false (which stops the graph); mf_streamer_take_error hands the
 // error to Python, which fails that request. Failed entries are forgotten by the cache and
@@ -142,9 +144,13 @@ static void slice_span(const mf_xtensor * xt, int32_t e, char ** p0, char ** p1)
     *p1       = pg_up(m0 + xt->nb2);
 }
 
+// gives slice e pages to read into: recycled ones (mf_pages.c), or access to fault fresh ones in
 static int slice_make_rw(mf_xtensor * xt, int32_t e) {
     char *p0, *p1;
     slice_span(xt, e, &p0, &p1);
+    if (mf_pages_moving(&xt->s->pages)) {
+        return mf_pages_fill(&xt->s->pages, p0, p1);
+    }
     return mprotect(p0, (size_t) (p1 - p0), PROT_READ | PROT_WRITE) == 0 ? 0 : -errno;
 }
 
@@ -153,12 +159,17 @@ static bool slice_live(const mf_xtensor * xt, int64_t e) {
     return st == MF_SLICE_LOADING || st == MF_SLICE_READY;
 }
 
-static void release_run(char * a, char * b) {
-    if (a && b > a) {
-        // errors here are not fatal: the pages stay readable with correct bytes, only memory is lost
-        madvise(a, (size_t) (b - a), MADV_DONTNEED);
-        mprotect(a, (size_t) (b - a), PROT_NONE);
+static void release_run(mf_pages * pg, char * a, char * b) {
+    if (!a || b <= a) {
+        return;
     }
+    if (mf_pages_moving(pg)) {
+        mf_pages_drop(pg, a, b);  // into the pool for the next load
+        return;
+    }
+    // errors here are not fatal: the pages stay readable with correct bytes, only memory is lost
+    madvise(a, (size_t) (b - a), MADV_DONTNEED);
+    mprotect(a, (size_t) (b - a), PROT_NONE);
 }
 
 // returns slice e's pages, keeping those shared with a live neighbour (state must be non-live)
@@ -182,7 +193,7 @@ static void slice_release(mf_xtensor * xt, int32_t e) {
         }
         if (shared) {
             if (run) {
-                release_run(run, p);
+                release_run(&xt->s->pages, run, p);
                 run = NULL;
             }
         } else if (!run) {
@@ -190,7 +201,7 @@ static void slice_release(mf_xtensor * xt, int32_t e) {
         }
     }
     if (run) {
-        release_run(run, p1);
+        release_run(&xt->s->pages, run, p1);
     }
 }
 
@@ -619,6 +630,12 @@ int mf_streamer_check_loaded(mf_streamer * s) {
     for (int32_t l = 0; l < n_layers; l++) {
         entry_bytes[l] = s->layers[l].entry_bytes;
     }
+    // the pool holds what evictions give up until loads take it: at most the budget, plus the
+    // pages a route evicts before its loads take them back
+    if (mf_pages_pool(&s->pages, (size_t) s->cfg.budget_bytes + 2 * (size_t) s->layer_bytes_max) != 0) {
+        snprintf(s->last_error, sizeof s->last_error, "cannot reserve the page pool: %s", strerror(errno));
+        return -ENOMEM;
+    }
     mf_cache_free(s->cache);
     s->cache = NULL;
     int rc   = mf_cache_new(n_layers, s->n_expert, entry_bytes, s->cfg.budget_bytes, s->cfg.policy, &s->cache);
@@ -707,6 +724,7 @@ int mf_streamer_new(const mf_config * cfg, mf_streamer ** out, char * last_error
     if (s->direct && posix_memalign(&s->bounce, MF_PAGE, MF_BOUNCE_SIZE) != 0) {
         s->bounce = NULL;
     }
+    mf_pages_open(&s->pages, !cfg->no_page_moves, s->pages_note, sizeof s->pages_note);
     mf_buft_init(s);
     for (int32_t i = 0; i < cfg->n_lanes; i++) {
         rc = pthread_create(&s->lanes[i], NULL, lane_main, s);
@@ -745,6 +763,7 @@ void mf_streamer_free(mf_streamer * s) {
     free(s->want);
     free(s->bounce);
     mf_cache_free(s->cache);
+    mf_pages_close(&s->pages);
     mf_index_close(&s->ix);
     free(s->model_path);
     pthread_cond_destroy(&s->work_cv);
@@ -792,6 +811,8 @@ void mf_streamer_get_stats(const mf_streamer * s, mf_stats * out) {
     out->violations     = LOAD(st_violations);
     out->errors         = LOAD(st_errors);
     out->direct_io      = s->direct ? 1 : 0;
+    out->page_moves     = mf_pages_moving(&s->pages) ? 1 : 0;
+    out->pages_moved    = atomic_load_explicit(&s->pages.moved, memory_order_relaxed);
 #undef LOAD
 }
 
@@ -840,6 +861,7 @@ void mf_streamer_drop_cache(mf_streamer * s) {
     reap_failures(s);
     mf_cache_evict_all(s->cache);
     evict_listed_now(s);
+    mf_pages_trim(&s->pages);  // a cold cache holds no memory
 }
 
 uint64_t mf_streamer_layer_bytes(const mf_streamer * s) {
@@ -856,6 +878,10 @@ int32_t mf_streamer_n_moe_layers(const mf_streamer * s) {
         n += s->layers[l].n_xt > 0;
     }
     return n;
+}
+
+const char * mf_streamer_page_path(const mf_streamer * s) {
+    return s->pages_note;
 }
 
 int32_t mf_streamer_n_expert(const mf_streamer * s) {
