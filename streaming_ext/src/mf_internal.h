@@ -21,17 +21,28 @@ struct mf_cache {
     int32_t    n_layer;
     int32_t    n_expert;
     int32_t    policy;
-    int32_t    k_seen;        // largest routed-set size seen (the frequency prior is k / n_expert)
+    int32_t    k_seen;        // largest routed-set size seen (the hazard prior is k / n_expert)
     uint64_t   budget;
     uint64_t   used;          // bytes of resident entries
     uint64_t * entry_bytes;   // [n_layer]
     uint8_t *  resident;      // [n_layer * n_expert]
     uint64_t * last_use;      // [n_layer * n_expert] route clock of the last use (LRU)
-    float *    freq;          // [n_layer * n_expert] decayed count of routes that picked the entry
-    float *    weight;        // [n_layer] decayed count of routes of the layer
     uint64_t   clock;
     int32_t    pinned_layer;  // the running layer; its routed entries cannot be evicted
     uint8_t *  pinned;        // [n_expert]
+    // LAYER policy: a reuse model learned online (see the DESIGN comment of mf_cache.c)
+    uint32_t * visits;        // [n_layer] routes of the layer so far
+    uint32_t * last_visit;    // [n_layer * n_expert] the layer's visit that last routed it, 0: never
+    uint32_t * uses;          // [n_layer * n_expert] routes that picked it (halved every window)
+    float *    obs;           // [MF_AGES * MF_CLASSES] decayed count of (age, class) observations
+    float *    obs_hit;       // [MF_AGES * MF_CLASSES] of them, how many were routed
+    float      obs_total;
+    float *    keep;          // [MF_AGES * MF_CLASSES * n_layer] keep value by (age, class, distance)
+    int32_t    keep_age;      // routes since `keep` was computed; -1: never
+    int32_t *  res_list;      // resident entries, unordered (the victim scan walks only these)
+    int32_t *  res_pos;       // [n_layer * n_expert] position in res_list
+    int32_t    n_res;
+    float *    score;         // [n_layer * n_expert] scratch: keep value per byte of res_list[i]
     // results of the last mf_cache_route: experts of `layer` to load, entries (l*n_expert+e) evicted
     int32_t *  load;
     int32_t    n_load;
