@@ -46,8 +46,8 @@ typedef struct mf_streamer mf_streamer;
 
 enum mf_policy {
     MF_POLICY_LRU    = 0,  // least recently used (layer, expert) entry first
-    MF_POLICY_LAYER  = 1,  // evict what is needed furthest in the future, estimated from the
-                           // layer cycle and each entry's decayed use frequency (the default)
+    MF_POLICY_LAYER  = 1,  // evict the fewest expected hits per byte and layer step held, from
+                           // the layer cycle and a reuse model learned online (the default)
     MF_POLICY_NONE   = 2,  // no cache: only the running layer's experts are kept
 };
 
