@@ -21,7 +21,7 @@ EXT_SRC := $(wildcard streaming_ext/src/*.c)
 EXT_HDR := $(wildcard streaming_ext/include/*.h)
 EXT_CFLAGS := -std=c11 -O2 -g -fPIC -fvisibility=hidden -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes \
 	-D_GNU_SOURCE -Istreaming_ext/include -I$(LLAMA_SRC)/ggml/include -I$(LLAMA_SRC)/ggml/src -I$(LLAMA_SRC)/include
-EXT_LDFLAGS = -shared -L$(SITE)/llama_cpp/lib -Wl,-rpath,$(SITE)/llama_cpp/lib -lllama -lggml -lggml-base -lggml-cpu -lpthread
+EXT_LDFLAGS = -shared -L$(SITE)/llama_cpp/lib -Wl,-rpath,$(SITE)/llama_cpp/lib -lllama -lggml -lggml-base -lggml-cpu -lpthread -lm
 EXT_LIB := streaming_ext/lib/libmoeflash_stream.so
 EXT_ASAN_LIB := streaming_ext/lib/libmoeflash_stream_asan.so
 CTEST_BIN := tests/c/build/test_ready_hook
@@ -71,7 +71,7 @@ $(EXT_ASAN_LIB): $(EXT_SRC) $(EXT_HDR) $(LLAMA_STAMP) Makefile
 $(CTEST_BIN): tests/c/test_ready_hook.c $(LLAMA_STAMP) Makefile
 	@mkdir -p $(dir $@)
 	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -D_GNU_SOURCE -I$(LLAMA_SRC)/ggml/include -I$(LLAMA_SRC)/include \
-		$< -o $@ -L$(SITE)/llama_cpp/lib -Wl,-rpath,$(SITE)/llama_cpp/lib -lllama -lggml -lggml-base -lggml-cpu -lpthread
+		$< -o $@ -L$(SITE)/llama_cpp/lib -Wl,-rpath,$(SITE)/llama_cpp/lib -lllama -lggml -lggml-base -lggml-cpu -lpthread -lm
 
 $(DEMO_MODEL): | setup
 	@mkdir -p $(dir $@)

@@ -111,6 +111,11 @@ def register(subparsers: Any) -> None:
         help="release evicted slices' pages and fault fresh ones in, instead of moving them (userfaultfd)",
     )
     p.add_argument(
+        "--no-prefetch",
+        action="store_true",
+        help="do not read the next layer's predicted experts while this layer computes",
+    )
+    p.add_argument(
         "--overlap",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -176,6 +181,7 @@ def _load(args: argparse.Namespace) -> Any:
         lanes=args.lanes,
         direct_io=not args.no_direct_io,
         move_pages=not args.no_page_moves,
+        prefetch=not args.no_prefetch,
         overlap=args.overlap,
         policy=args.policy,
         preload=args.preload,

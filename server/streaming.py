@@ -53,6 +53,8 @@ class StreamingOptions:
     preload: bool = False
     # recycle evicted slices' pages into loaded ones (userfaultfd) where the kernel allows
     move_pages: bool = True
+    # read the next layer's predicted experts while this layer computes (streaming_ext/src/mf_predict.c)
+    prefetch: bool = True
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,7 @@ def _streamer_config(options: StreamingOptions) -> StreamerConfig:
         fault_after_bytes=options.fault_after_bytes,
         skip_expert=options.skip_expert,
         move_pages=options.move_pages,
+        prefetch=options.prefetch,
     )
 
 

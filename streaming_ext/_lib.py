@@ -32,6 +32,7 @@ class MfConfig(ctypes.Structure):
         ("fault_after_bytes", ctypes.c_uint64),
         ("skip_expert", ctypes.c_int32),
         ("no_page_moves", ctypes.c_int32),
+        ("no_prefetch", ctypes.c_int32),
     ]
 
 
@@ -52,6 +53,8 @@ STAT_FIELDS = (
     "direct_io",
     "page_moves",
     "pages_moved",
+    "prefetched",
+    "prefetch_used",
 )
 
 

@@ -63,6 +63,8 @@ class StreamerConfig:
     # move evicted slices' pages into loaded ones (userfaultfd, Linux 6.8+) instead of releasing
     # them and faulting fresh zeroed pages in; off or unavailable: the plain path
     move_pages: bool = True
+    # read the next layer's predicted experts while this layer computes
+    prefetch: bool = True
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,8 @@ class StreamerStats:
     direct_io: int
     page_moves: int
     pages_moved: int
+    prefetched: int
+    prefetch_used: int
 
     def __sub__(self, other: StreamerStats) -> StreamerStats:
         a, b = asdict(self), asdict(other)
@@ -119,6 +123,7 @@ class Streamer:
             fault_after_bytes=config.fault_after_bytes,
             skip_expert=config.skip_expert,
             no_page_moves=0 if config.move_pages else 1,
+            no_prefetch=0 if config.prefetch else 1,
         )
         handle = ctypes.c_void_p()
         err = ctypes.create_string_buffer(_ERR_LEN)

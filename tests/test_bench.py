@@ -6,6 +6,7 @@ reproduction of the published LRU curve."""
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from server.bench.cgroup import probe
+from server.bench.replay import Route, Trace
 from server.bench.systems import default_systems
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,16 +106,16 @@ def test_replay_reproduces_the_published_lru_curve(tmp_path: Path) -> None:
     assert out.with_suffix(".png").stat().st_size > 0
 
 
-def _synthetic_trace(kind: str, seed: int = 1, n_layer: int = 16, n_expert: int = 64, k: int = 8, tokens: int = 120):
+def _synthetic_trace(
+    kind: str, seed: int = 1, n_layer: int = 16, n_expert: int = 64, k: int = 8, tokens: int = 120
+) -> Trace:
     """Uniform routing, or Zipf-skewed routing whose popularity ranks drift every 10 tokens."""
-    import random
-
-    from server.bench.replay import Route, Trace
+    rng = random.Random(seed)
 
     rng = random.Random(seed)
     perm = [rng.sample(range(n_expert), n_expert) for _ in range(n_layer)]
     weights = [1.0 / (r + 1) for r in range(n_expert)]
-    routes = []
+    routes: list[Route] = []
     for t in range(tokens):
         if kind == "zipf" and t and t % 10 == 0:
             for p in perm:

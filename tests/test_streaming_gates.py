@@ -81,8 +81,37 @@ def test_gate_large_cache(qwen: Path, reference: Callable[..., Result]) -> None:
 
 
 def test_gate_no_cache(qwen: Path, reference: Callable[..., Result]) -> None:
-    stats = gate(qwen, StreamingOptions(policy="none"), reference)
+    stats = gate(qwen, StreamingOptions(policy="none", prefetch=False), reference)
     assert stats.hits == 0 and stats.evictions > 0
+
+
+# ------------------------------------------------------------------------------------ prefetch
+@pytest.mark.parametrize(
+    ("policy", "overlap", "prefetch"),
+    [
+        pytest.param("layer", False, True, id="layer-serial"),
+        pytest.param("layer", True, True, id="layer-overlap"),
+        pytest.param("lru", False, True, id="lru-serial"),
+        pytest.param("none", True, True, id="none-overlap"),
+        pytest.param("layer", False, False, id="off"),
+    ],
+)
+def test_gate_prefetch(
+    qwen: Path, reference: Callable[..., Result], policy: str, overlap: bool, prefetch: bool
+) -> None:
+    # the smallest budget: every prefetch must evict, and the running layer's experts stay pinned
+    options = StreamingOptions(
+        budget_bytes=expert_layer_bytes(qwen), policy=policy, overlap=overlap, prefetch=prefetch
+    )
+    stats = gate(qwen, options, reference)
+    if not prefetch:
+        assert stats.prefetched == 0 and stats.prefetch_used == 0
+        return
+    # the next layer's router on this layer's input guesses most experts of a random-weight model
+    assert stats.prefetched > 0 and stats.prefetch_used > stats.prefetched // 2
+    if policy == "none":
+        # nothing is cached: every hit is a prefetched expert
+        assert stats.hits == stats.prefetch_used
 
 
 @pytest.mark.parametrize("policy", ["layer", "lru"])

@@ -92,5 +92,6 @@ def default_systems(mmap_tokens: int, levers: bool = True) -> SystemSet:
             System("lever-buffered", True, ("--no-direct-io",), lever="O_DIRECT off"),
             System("lever-overlap", True, ("--overlap",), lever="overlap on"),
             System("lever-no-page-moves", True, ("--no-page-moves",), lever="page moves off"),
+            System("lever-no-prefetch", True, ("--no-prefetch",), lever="prefetch off"),
         ]
     return SystemSet(uncapped, capped)

@@ -73,6 +73,8 @@ typedef struct mf_config {
     // non-zero: never move pages between slices (userfaultfd); evictions release pages and loads
     // fault fresh zeroed ones in, as on kernels without UFFDIO_MOVE
     int32_t      no_page_moves;
+    // non-zero: never read the next layer's predicted experts ahead of its routing
+    int32_t      no_prefetch;
 } mf_config;
 
 #define MF_MAX_LANES 16
@@ -95,6 +97,8 @@ typedef struct mf_stats {
     uint64_t direct_io;      // 1 when O_DIRECT is in use, 0 when reads are buffered
     uint64_t page_moves;     // 1 when evicted slices' pages are moved to loaded ones (userfaultfd)
     uint64_t pages_moved;    // pages moved from evicted slices into loaded ones
+    uint64_t prefetched;     // entries read ahead of their layer's routing (predicted)
+    uint64_t prefetch_used;  // of them, routed by the layer they were read for
 } mf_stats;
 
 // Creates a streamer for cfg->model_path: indexes the GGUF (all splits), checks sizes and
@@ -125,8 +129,9 @@ MF_API bool mf_streamer_eval_cb(struct ggml_tensor * t, bool ask, void * user_da
 // Copies the counters. Thread-safe, lock-free.
 MF_API void mf_streamer_get_stats(const mf_streamer * s, mf_stats * out);
 
-// Takes the first error recorded since the last call: returns its -errno (0 if none) and copies
-// its message. Thread contract: between llama_decode calls, on the decode thread.
+// Waits for reads still in flight (prefetches of a graph that stopped), then takes the first error
+// recorded since the last call: returns its -errno (0 if none) and copies its message.
+// Thread contract: between llama_decode calls, on the decode thread.
 MF_API int mf_streamer_take_error(mf_streamer * s, char * msg, size_t msg_size);
 
 // The message of the last failure of a call on this streamer. Valid until the next call.

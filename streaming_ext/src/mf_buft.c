@@ -229,6 +229,9 @@ static void dbuf_set_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * t
         memset(t->data, 0, size);
         return;
     }
+    // routers and norms, for predicting the next layer's experts (an optimisation: without
+    // memory for the note, that layer is simply not predicted)
+    (void) mf_predict_note(b->s, t);
 }
 
 static void dbuf_get_tensor(ggml_backend_buffer_t buffer, const struct ggml_tensor * t, void * data, size_t offset,

@@ -40,6 +40,9 @@
 //     to 8 GiB; the remaining gap is what age and frequency cannot predict.
 // - NONE: keep only the running layer's experts.
 // The running layer's routed entries are pinned until the next call.
+// Prefetch (mf_cache_prefetch): the streamer may admit the next layer's predicted experts before
+// that layer routes. Such admissions evict like a route does, but never a pinned entry, and they
+// teach the reuse model nothing: only real routing is evidence.
 #include "mf_internal.h"
 
 #include <errno.h>
@@ -410,6 +413,41 @@ int mf_cache_route(mf_cache * c, int32_t layer, const uint8_t * want) {
         c->used += bytes;
         c->load[c->n_load++] = e;
         c->misses++;
+    }
+    return c->n_load;
+}
+
+int32_t mf_cache_prefetch(mf_cache * c, int32_t layer, const uint8_t * want) {
+    c->n_load  = 0;
+    c->n_evict = 0;
+    if (layer < 0 || layer >= c->n_layer || layer == c->pinned_layer) {
+        return 0;
+    }
+    const size_t   row   = (size_t) layer * (size_t) c->n_expert;
+    const uint64_t bytes = c->entry_bytes[layer];
+    if (c->policy == MF_POLICY_LAYER) {
+        // scored before any admission: admissions enter with FLT_MAX and stay out of reach
+        score_residents(c, c->pinned_layer >= 0 ? c->pinned_layer : layer);
+    }
+    for (int32_t e = 0; e < c->n_expert; e++) {
+        const size_t i = row + (size_t) e;
+        if (!want[e] || c->resident[i]) {
+            continue;
+        }
+        while (c->used + bytes > c->budget) {
+            const int64_t v = pick_victim(c);
+            // never the running layer's routed entries (pinned) nor this call's admissions
+            // (score FLT_MAX in LAYER; the newest clock in LRU, so only chosen when nothing else is)
+            if (v < 0 || (c->policy != MF_POLICY_LAYER && c->last_use[v] == c->clock + 1)) {
+                return c->n_load;
+            }
+            evict_entry(c, (size_t) v);
+        }
+        res_add(c, i);
+        // one tick newer than the running route: an LRU victim only when nothing else is left
+        c->last_use[i] = c->clock + 1;
+        c->used += bytes;
+        c->load[c->n_load++] = e;
     }
     return c->n_load;
 }

@@ -53,6 +53,10 @@ struct mf_cache {
     uint64_t   evictions;
 };
 
+// admits predicted entries of `layer` ahead of its routing: like mf_cache_route (same lists), but
+// nothing is pinned, counted or learned, and it stops rather than evict the running layer's
+// routed entries or its own admissions. Returns the number of entries to load.
+int32_t mf_cache_prefetch(mf_cache * c, int32_t layer, const uint8_t * want);
 // forgets a resident entry whose read failed (it is not resident after all)
 void mf_cache_forget(mf_cache * c, int32_t layer, int32_t expert);
 // evicts every entry (the list is left in c->evict); returns how many
@@ -107,10 +111,23 @@ typedef struct mf_xtensor {
     atomic_int *         state;    // [n_expert] enum mf_slice_state
 } mf_xtensor;
 
+#define MF_MAX_NORMS 6
+
+// a layer's router weights (dense, F32), for predicting its experts one layer ahead (mf_predict.c)
+typedef struct mf_router {
+    const struct ggml_tensor * gate;     // blk.N.ffn_gate_inp.weight [n_embd, n_expert]
+    const struct ggml_tensor * bias;     // blk.N.ffn_gate_inp.bias, or NULL
+    const struct ggml_tensor * probs_b;  // blk.N.exp_probs_b.bias (sigmoid selection bias), or NULL
+    const struct ggml_tensor * norms[MF_MAX_NORMS];  // blk.N.*norm.weight
+    int32_t                    n_norms;
+    bool                       usable;
+} mf_router;
+
 typedef struct mf_layer {
     mf_xtensor * xt[MF_MAX_XT];  // in consumption order
     int32_t      n_xt;
     uint64_t     entry_bytes;    // one expert of this layer, all its tensors
+    mf_router    router;
 } mf_layer;
 
 // ---------------------------------------------------------------- page recycling (mf_pages.c)
@@ -146,6 +163,7 @@ typedef struct mf_job {
     mf_xtensor * xt;
     int32_t      expert;
     bool         release;  // return the slice's pages instead of reading it
+    bool         demand;   // a read the running layer waits for (not a prefetch)
 } mf_job;
 
 struct mf_streamer {
@@ -169,6 +187,16 @@ struct mf_streamer {
     mf_cache *    cache;
     uint8_t *     want;  // [n_expert] scratch for routing
 
+    // prediction of the next layer's experts (mf_predict.c)
+    const struct ggml_tensor ** noted;  // dense router and norm tensors seen while loading
+    int32_t                     n_noted;
+    int32_t                     cap_noted;
+    float *                     pred_v;       // [n_embd max] scratch
+    float *                     pred_scores;  // [n_expert] scratch
+    uint8_t *                   want_next;    // [n_expert] the prediction
+    uint8_t *                   pf_mark;      // [n_expert] experts prefetched for layer pf_layer
+    int32_t                     pf_layer;
+
     mf_pages      pages;  // physical pages of slices (recycled through userfaultfd when available)
     char          pages_note[160];
 
@@ -180,6 +208,7 @@ struct mf_streamer {
     pthread_t       lanes[MF_MAX_LANES];
     int32_t         n_lanes_started;
     pthread_mutex_t mu;
+    pthread_mutex_t page_mu;  // slice states turning LOADING vs. release decisions (see slice_release)
     pthread_cond_t  work_cv;  // jobs queued or stop
     pthread_cond_t  done_cv;  // a job finished
     mf_job *        queue;
@@ -187,6 +216,7 @@ struct mf_streamer {
     size_t          q_head;
     size_t          q_len;
     size_t          outstanding;  // queued + in flight
+    size_t          demand_left;  // demand reads queued + in flight (prefetches not counted)
     bool            stop;
     int32_t         n_waiting;    // compute threads blocked in the ready hook
     uint64_t        n_failed;     // slices marked FAILED since the last reap_failures
@@ -199,7 +229,8 @@ struct mf_streamer {
 
     // counters (relaxed atomics: read without locks)
     atomic_uint_fast64_t st_routes, st_hits, st_misses, st_evictions, st_bytes_read, st_reads, st_wait_ns,
-        st_manage_ns, st_read_ns, st_dense_bytes, st_resident_bytes, st_violations, st_errors;
+        st_manage_ns, st_read_ns, st_dense_bytes, st_resident_bytes, st_violations, st_errors, st_prefetched,
+        st_prefetch_used;
     atomic_uint_fast64_t expert_bytes_read_total;  // for fault injection
 };
 
@@ -212,6 +243,12 @@ mf_xtensor * mf_buffer_xtensor(ggml_backend_buffer_t buffer);  // the tensor of 
 int      mf_streamer_register_xt(mf_streamer * s, mf_xtensor * xt);
 void     mf_streamer_fail(mf_streamer * s, int code, const char * fmt, ...) __attribute__((format(printf, 3, 4)));
 int      mf_read_dense(mf_streamer * s, const mf_loc * loc, void * dst);
+
+// next-layer expert prediction (mf_predict.c)
+int     mf_predict_note(mf_streamer * s, const struct ggml_tensor * t);  // while loading: 0 or -ENOMEM
+void    mf_predict_resolve(mf_streamer * s);                             // once layers exist
+// marks in want[] the experts layer il + 1 is predicted to route; returns how many (0: no guess)
+int32_t mf_predict_next(mf_streamer * s, int32_t il, const struct ggml_tensor * topk, uint8_t * want);
 uint64_t mf_now_ns(void);
 
 // the mul_mat_id ready hook (mf_streamer.c); dispatches on the tensor's buffer type

@@ -81,7 +81,12 @@ static bool has_error(mf_streamer * s) {
     return e;
 }
 
+static uint64_t wait_all(mf_streamer * s);
+
 int mf_streamer_take_error(mf_streamer * s, char * msg, size_t msg_size) {
+    // a graph stopped by an error leaves prefetches in flight: their outcome belongs to this
+    // request, not to the next one
+    wait_all(s);
     pthread_mutex_lock(&s->mu);
     const int code = s->err_code;
     if (msg && msg_size) {
@@ -172,8 +177,24 @@ static void release_run(mf_pages * pg, char * a, char * b) {
     mprotect(a, (size_t) (b - a), PROT_NONE);
 }
 
-// returns slice e's pages, keeping those shared with a live neighbour (state must be non-live)
+// returns slice e's pages, keeping those shared with a live neighbour (nothing when e is live).
+// Under page_mu, like every state change to LOADING: a neighbour seen absent here cannot start
+// loading before its shared page is gone (its fill then brings the page back), and one seen live
+// keeps the page.
+static void slice_release_locked(mf_xtensor * xt, int32_t e);
+
 static void slice_release(mf_xtensor * xt, int32_t e) {
+    pthread_mutex_lock(&xt->s->page_mu);
+    slice_release_locked(xt, e);
+    pthread_mutex_unlock(&xt->s->page_mu);
+}
+
+static void slice_release_locked(mf_xtensor * xt, int32_t e) {
+    if (slice_live(xt, e)) {
+        // evicted by a route, then admitted again by that route's prefetch before this release
+        // ran: its pages are wanted (the queued read overwrites them)
+        return;
+    }
     char *p0, *p1;
     slice_span(xt, e, &p0, &p1);
     const int64_t nb2 = (int64_t) xt->nb2;
@@ -288,6 +309,7 @@ static void * lane_main(void * arg) {
             s->n_failed++;
         }
         s->outstanding--;
+        s->demand_left -= job.demand ? 1 : 0;
         pthread_cond_broadcast(&s->done_cv);
     }
     pthread_mutex_unlock(&s->mu);
@@ -301,6 +323,21 @@ static uint64_t wait_all(mf_streamer * s) {
     if (s->outstanding) {
         const uint64_t t0 = mf_now_ns();
         while (s->outstanding) {
+            pthread_cond_wait(&s->done_cv, &s->mu);
+        }
+        waited = mf_now_ns() - t0;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return waited;
+}
+
+// waits until the running layer's own reads have finished (prefetches may still be in flight)
+static uint64_t wait_demand(mf_streamer * s) {
+    pthread_mutex_lock(&s->mu);
+    uint64_t waited = 0;
+    if (s->demand_left) {
+        const uint64_t t0 = mf_now_ns();
+        while (s->demand_left) {
             pthread_cond_wait(&s->done_cv, &s->mu);
         }
         waited = mf_now_ns() - t0;
@@ -361,29 +398,51 @@ static void evict_listed_now(mf_streamer * s) {
     ADD(s->st_evictions, s->cache->n_evict);
 }
 
-static void push_job_locked(mf_streamer * s, mf_xtensor * xt, int32_t e, bool release) {
-    s->queue[(s->q_head + s->q_len) % s->queue_cap] = (mf_job){ .xt = xt, .expert = e, .release = release };
+static void push_job_locked(mf_streamer * s, mf_xtensor * xt, int32_t e, bool release, bool demand) {
+    s->queue[(s->q_head + s->q_len) % s->queue_cap] =
+        (mf_job){ .xt = xt, .expert = e, .release = release, .demand = demand && !release };
     s->q_len++;
     s->outstanding++;
+    s->demand_left += demand && !release ? 1 : 0;
 }
 
-// Hands a route's evictions and loads to the lanes. Every state changes first (evicted slices
-// ABSENT, loads LOADING), so a release never returns a page that a slice of this route shares;
-// releases are queued ahead of the reads so memory is freed before it is refilled. The decode
-// thread itself makes no system call here.
-static int queue_route(mf_streamer * s, int32_t il) {
+// makes room for `need` more jobs; lanes may be popping (called with mu held)
+static int reserve_jobs_locked(mf_streamer * s, size_t need) {
+    if (s->q_len + need <= s->queue_cap) {
+        return 0;
+    }
+    const size_t cap = 2 * (s->q_len + need);
+    mf_job *     q   = malloc(cap * sizeof *q);
+    if (!q) {
+        return -ENOMEM;
+    }
+    for (size_t i = 0; i < s->q_len; i++) {
+        q[i] = s->queue[(s->q_head + i) % s->queue_cap];
+    }
+    free(s->queue);
+    s->queue     = q;
+    s->queue_cap = cap;
+    s->q_head    = 0;
+    return 0;
+}
+
+// Hands the cache's last evictions and loads (of layer il) to the lanes. Every state changes
+// first (evicted slices ABSENT, loads LOADING), so a release never returns a page that a slice of
+// this route shares; releases are queued ahead of the reads so memory is freed before it is
+// refilled. `demand`: the running layer's reads (waited for), else a prefetch. The decode thread
+// itself makes no system call here.
+static int queue_route(mf_streamer * s, int32_t il, bool demand) {
     mf_cache *   c    = s->cache;
     const size_t need = (size_t) (c->n_evict + c->n_load) * MF_MAX_XT;
-    if (need > s->queue_cap) {
-        // the queue is empty here (route waited for every job): growing it is safe
-        mf_job * q = realloc(s->queue, need * sizeof *q);
-        if (!q) {
-            return -ENOMEM;
-        }
-        s->queue     = q;
-        s->queue_cap = need;
-        s->q_head    = 0;
+    pthread_mutex_lock(&s->mu);
+    const int grown = reserve_jobs_locked(s, need);
+    pthread_mutex_unlock(&s->mu);
+    if (grown != 0) {
+        return grown;  // nothing changed yet: the caller fails the route
     }
+    // lanes may be releasing slices of an earlier route right now (a prefetch queues while the
+    // running layer's jobs are in flight): state changes and release decisions take turns
+    pthread_mutex_lock(&s->page_mu);
     for (int32_t i = 0; i < c->n_evict; i++) {
         mf_layer * L = &s->layers[c->evict[i] / s->n_expert];
         for (int32_t j = 0; j < L->n_xt; j++) {
@@ -397,16 +456,17 @@ static int queue_route(mf_streamer * s, int32_t il) {
             atomic_store_explicit(&L->xt[j]->state[c->load[i]], MF_SLICE_LOADING, memory_order_release);
         }
     }
+    pthread_mutex_unlock(&s->page_mu);
     pthread_mutex_lock(&s->mu);
     for (int32_t i = 0; i < c->n_evict; i++) {
         mf_layer * E = &s->layers[c->evict[i] / s->n_expert];
         for (int32_t j = 0; j < E->n_xt; j++) {
-            push_job_locked(s, E->xt[j], c->evict[i] % s->n_expert, true);
+            push_job_locked(s, E->xt[j], c->evict[i] % s->n_expert, true, demand);
         }
     }
     for (int32_t j = 0; j < L->n_xt; j++) {
         for (int32_t i = 0; i < c->n_load; i++) {
-            push_job_locked(s, L->xt[j], c->load[i], false);
+            push_job_locked(s, L->xt[j], c->load[i], false, demand);
         }
     }
     pthread_cond_broadcast(&s->work_cv);
@@ -414,6 +474,31 @@ static int queue_route(mf_streamer * s, int32_t il) {
     ADD(s->st_evictions, c->n_evict);
     ADD(s->st_resident_bytes, (uint64_t) c->n_load * L->entry_bytes);
     return 0;
+}
+
+// reads layer il + 1's predicted experts behind layer il's own reads (see mf_predict.c); a route
+// that cannot be predicted or admitted is simply not prefetched
+static void prefetch_next(mf_streamer * s, int32_t il, const struct ggml_tensor * ids) {
+    if (mf_predict_next(s, il, ids, s->want_next) == 0 || mf_cache_prefetch(s->cache, il + 1, s->want_next) < 0) {
+        return;
+    }
+    if (s->cache->n_load == 0 && s->cache->n_evict == 0) {
+        return;
+    }
+    if (queue_route(s, il + 1, false) != 0) {
+        // out of memory for the queue: the admitted entries must not look resident
+        for (int32_t i = 0; i < s->cache->n_load; i++) {
+            mf_cache_forget(s->cache, il + 1, s->cache->load[i]);
+        }
+        evict_listed_now(s);
+        return;
+    }
+    memset(s->pf_mark, 0, (size_t) s->n_expert);
+    for (int32_t i = 0; i < s->cache->n_load; i++) {
+        s->pf_mark[s->cache->load[i]] = 1;
+    }
+    s->pf_layer = il + 1;
+    ADD(s->st_prefetched, s->cache->n_load);
 }
 
 static bool route(mf_streamer * s, int32_t il, const struct ggml_tensor * ids) {
@@ -449,27 +534,31 @@ static bool route(mf_streamer * s, int32_t il, const struct ggml_tensor * ids) {
                          (unsigned long long) s->cfg.budget_bytes);
         return false;
     }
-    const int qrc = queue_route(s, il);
+    const int qrc = queue_route(s, il, true);
     if (qrc != 0) {
         mf_streamer_fail(s, qrc, "cannot queue the reads of layer %d: %s", (int) il, strerror(-qrc));
         return false;
     }
-    int32_t k = 0;
+    int32_t k = 0, used = 0;
     for (int32_t e = 0; e < s->n_expert; e++) {
         k += s->want[e];
+        used += s->pf_layer == il && s->want[e] && s->pf_mark[e];
     }
+    s->pf_layer = -1;
     ADD(s->st_routes, 1);
     ADD(s->st_hits, k - s->cache->n_load);
     ADD(s->st_misses, s->cache->n_load);
-
-    if (!s->cfg.overlap) {
-        const uint64_t t1 = mf_now_ns();
-        ADD(s->st_manage_ns, t1 - t0 - (waited > t1 - t0 ? t1 - t0 : waited));
-        ADD(s->st_wait_ns, waited + wait_all(s));
-        return !has_error(s);
+    ADD(s->st_prefetch_used, used);
+    if (!s->cfg.no_prefetch) {
+        prefetch_next(s, il, ids);
     }
+
     const uint64_t t1 = mf_now_ns();
     ADD(s->st_manage_ns, t1 - t0 - (waited > t1 - t0 ? t1 - t0 : waited));
+    if (!s->cfg.overlap) {
+        ADD(s->st_wait_ns, waited + wait_demand(s));
+        return !has_error(s);
+    }
     ADD(s->st_wait_ns, waited);
     return true;
 }
@@ -646,6 +735,24 @@ int mf_streamer_check_loaded(mf_streamer * s) {
     }
     free(s->want);
     s->want = calloc((size_t) s->n_expert, 1);
+    mf_predict_resolve(s);
+    int64_t n_embd = 1;
+    for (int32_t l = 0; l < n_layers; l++) {
+        const struct ggml_tensor * g = s->layers[l].router.gate;
+        n_embd                       = g && g->ne[0] > n_embd ? g->ne[0] : n_embd;
+    }
+    free(s->pred_v);
+    free(s->pred_scores);
+    free(s->want_next);
+    free(s->pf_mark);
+    s->pred_v      = calloc((size_t) n_embd, sizeof *s->pred_v);
+    s->pred_scores = calloc((size_t) s->n_expert, sizeof *s->pred_scores);
+    s->want_next   = calloc((size_t) s->n_expert, 1);
+    s->pf_mark     = calloc((size_t) s->n_expert, 1);
+    s->pf_layer    = -1;
+    if (!s->pred_v || !s->pred_scores || !s->want_next || !s->pf_mark) {
+        return -ENOMEM;
+    }
     // the largest route: every expert of a layer, all its tensors
     free(s->queue);
     s->queue_cap = (size_t) s->n_expert * MF_MAX_XT * 2;
@@ -674,6 +781,7 @@ int mf_streamer_new(const mf_config * cfg, mf_streamer ** out, char * last_error
         return -ENOMEM;
     }
     pthread_mutex_init(&s->mu, NULL);
+    pthread_mutex_init(&s->page_mu, NULL);
     pthread_cond_init(&s->work_cv, NULL);
     pthread_cond_init(&s->done_cv, NULL);
     s->cfg = *cfg;
@@ -761,6 +869,11 @@ void mf_streamer_free(mf_streamer * s) {
     free(s->layers);
     free(s->queue);
     free(s->want);
+    free(s->noted);
+    free(s->pred_v);
+    free(s->pred_scores);
+    free(s->want_next);
+    free(s->pf_mark);
     free(s->bounce);
     mf_cache_free(s->cache);
     mf_pages_close(&s->pages);
@@ -769,6 +882,7 @@ void mf_streamer_free(mf_streamer * s) {
     pthread_cond_destroy(&s->work_cv);
     pthread_cond_destroy(&s->done_cv);
     pthread_mutex_destroy(&s->mu);
+    pthread_mutex_destroy(&s->page_mu);
     free(s);
 }
 
@@ -813,6 +927,8 @@ void mf_streamer_get_stats(const mf_streamer * s, mf_stats * out) {
     out->direct_io      = s->direct ? 1 : 0;
     out->page_moves     = mf_pages_moving(&s->pages) ? 1 : 0;
     out->pages_moved    = atomic_load_explicit(&s->pages.moved, memory_order_relaxed);
+    out->prefetched     = LOAD(st_prefetched);
+    out->prefetch_used  = LOAD(st_prefetch_used);
 #undef LOAD
 }
 
@@ -836,7 +952,7 @@ int mf_streamer_preload(mf_streamer * s) {
         memset(s->want, 1, (size_t) s->n_expert);
         int rc = mf_cache_route(s->cache, l, s->want);
         if (rc >= 0) {
-            rc = queue_route(s, l);
+            rc = queue_route(s, l, true);
         }
         if (rc < 0) {
             snprintf(s->last_error, sizeof s->last_error, "preload of layer %d failed: %s", (int) l, strerror(-rc));
@@ -861,6 +977,7 @@ void mf_streamer_drop_cache(mf_streamer * s) {
     reap_failures(s);
     mf_cache_evict_all(s->cache);
     evict_listed_now(s);
+    s->pf_layer = -1;
     mf_pages_trim(&s->pages);  // a cold cache holds no memory
 }
 
