@@ -146,8 +146,18 @@ class ModelSettings(BaseSettings):
     )
     overlap: bool = Field(
         False,
-        description="overlap expert reads with the compute of ready experts (off by default: on 2 cores the "
-        "compute threads spin while they wait, bench/reports/qwen30b-shape.md)",
+        description="let the matmuls of experts already read run while the rest are read (off by default: "
+        "no faster on 2 cores, bench/reports/qwen30b-shape.md)",
+    )
+    prefetch: bool = Field(
+        True,
+        description="read the next layer's predicted experts (its router on this layer's input) while "
+        "this layer computes",
+    )
+    page_moves: bool = Field(
+        True,
+        description="move evicted experts' memory pages to the ones being read (userfaultfd, Linux 6.8+) "
+        "instead of freeing them and faulting in fresh zeroed pages",
     )
     cache_policy: Literal["layer", "lru", "none"] = Field("layer", description="expert cache eviction policy")
     chat_template_file: Path | None = Field(

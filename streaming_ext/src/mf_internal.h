@@ -139,7 +139,10 @@ typedef struct mf_pages {
     size_t               pool_lo;   // oldest parked page
     size_t               pool_n;    // parked pages
     atomic_uint_fast64_t moved;     // pages moved from the pool into slices
+    char *               zero_src;  // MF_PAGES_ZERO_SRC bytes never written: reads as zeros
 } mf_pages;
+
+#define MF_PAGES_ZERO_SRC (2u << 20)
 
 // Opens userfaultfd when `want` and the kernel has UFFDIO_MOVE; else stays off. Never fails:
 // `why` says which path is in use.
@@ -154,8 +157,9 @@ int  mf_pages_pool(mf_pages * pg, size_t bytes);
 int  mf_pages_fill(mf_pages * pg, char * a, char * b);
 // gives up page range [a, b) (whole pages no live slice shares): into the pool, else released
 void mf_pages_drop(mf_pages * pg, char * a, char * b);
-// returns the pooled pages to the kernel
+// returns the pooled pages to the kernel: all of them, or the oldest beyond keep_pages
 void mf_pages_trim(mf_pages * pg);
+void mf_pages_trim_to(mf_pages * pg, size_t keep_pages);
 void mf_pages_close(mf_pages * pg);
 
 // ---------------------------------------------------------------- the streamer (mf_streamer.c)
@@ -183,6 +187,7 @@ struct mf_streamer {
     int32_t       n_layers;  // layers slots (max layer index + 1 of expert tensors in the file)
     int32_t       n_expert;
     uint64_t      layer_bytes_max;
+    uint64_t      entry_bytes_max;  // one expert of the largest layer, all its tensors
     uint64_t      expert_bytes;
     mf_cache *    cache;
     uint8_t *     want;  // [n_expert] scratch for routing
@@ -243,6 +248,20 @@ mf_xtensor * mf_buffer_xtensor(ggml_backend_buffer_t buffer);  // the tensor of 
 int      mf_streamer_register_xt(mf_streamer * s, mf_xtensor * xt);
 void     mf_streamer_fail(mf_streamer * s, int code, const char * fmt, ...) __attribute__((format(printf, 3, 4)));
 int      mf_read_dense(mf_streamer * s, const mf_loc * loc, void * dst);
+
+#define ADD(counter, v) atomic_fetch_add_explicit(&(counter), (uint64_t) (v), memory_order_relaxed)
+
+// errors (mf_streamer.c): records the first one (call with s->mu held)
+void mf_record_error_locked(mf_streamer * s, int code, const char * msg);
+
+// lanes and slice memory (mf_lanes.c)
+void *   mf_lane_main(void * arg);                 // a reader lane's thread
+bool     mf_slice_live(const mf_xtensor * xt, int64_t e);  // LOADING or READY
+uint64_t mf_wait_all(mf_streamer * s);             // every queued job done; returns ns waited
+uint64_t mf_wait_demand(mf_streamer * s);          // the running layer's reads done; ns waited
+void     mf_reap_failures(mf_streamer * s);        // forget entries whose reads failed (no job in flight)
+void     mf_evict_listed_now(mf_streamer * s);     // the cache's last evictions, on this thread
+int      mf_queue_route(mf_streamer * s, int32_t il, bool demand);  // the cache's last lists, to the lanes
 
 // next-layer expert prediction (mf_predict.c)
 int     mf_predict_note(mf_streamer * s, const struct ggml_tensor * t);  // while loading: 0 or -ENOMEM

@@ -13,9 +13,9 @@
 // - A move needs a hole at the destination and a page at the source. Pages shared by two
 //   neighbouring slices (at most one at each end of a slice) may already be present: the move or
 //   zero-fill stops there (EEXIST), skips that page and goes on. When the pool runs dry, the rest
-//   is filled with the zero page (UFFDIO_ZEROPAGE); the read breaks it into real pages.
+//   gets fresh zeroed pages (UFFDIO_COPY from a range that reads as zeros).
 // - Anything unexpected (no userfaultfd, no UFFD_FEATURE_MOVE, a failed move) falls back to the
-//   plain path: releases drop pages, loads fill holes with the zero page. No error is fatal.
+//   plain path: releases drop pages, loads fill holes with fresh pages. No error is fatal.
 // The pool is a ring of pages in a MAP_NORESERVE range (oldest taken first, new ones appended),
 // guarded by its own mutex: moves are short (tens of microseconds per slice) next to the reads
 // they precede. A move proceeds in address order, so a partial one keeps the ring contiguous.
@@ -70,6 +70,14 @@ int mf_pages_open(mf_pages * pg, bool want, char * why, size_t why_size) {
         close(fd);
         return 0;
     }
+    // the source of fresh pages: never written, so it reads as zeros without using memory
+    pg->zero_src = mmap(NULL, MF_PAGES_ZERO_SRC, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (pg->zero_src == MAP_FAILED) {
+        pg->zero_src = NULL;
+        snprintf(why, why_size, "no address space for the page mover: %s", strerror(errno));
+        close(fd);
+        return 0;
+    }
     pg->uffd = fd;
     snprintf(why, why_size, "pages move between slices (userfaultfd)");
     return 0;
@@ -109,17 +117,26 @@ int mf_pages_pool(mf_pages * pg, size_t bytes) {
     return 0;
 }
 
-// fills holes of [a, b) with the zero page, skipping pages already present
+// fills holes of [a, b) with fresh zeroed pages, skipping pages already present. UFFDIO_COPY
+// (from a never-touched source that reads as zeros) installs new pages into empty page-table
+// slots. Not UFFDIO_ZEROPAGE: the read would then break each shared zero page copy-on-write, and
+// every such break flushes the TLB of all CPUs (an IPI per page: measured, a 46-token prompt took
+// twice as long).
 static int zero_fill(mf_pages * pg, char * a, char * b) {
     while (a < b) {
-        struct uffdio_zeropage z = { .range = { .start = (uintptr_t) a, .len = (size_t) (b - a) },
-                                     .mode  = UFFDIO_ZEROPAGE_MODE_DONTWAKE };
-        if (ioctl(pg->uffd, UFFDIO_ZEROPAGE, &z) == 0) {
-            return 0;
+        size_t len = (size_t) (b - a);
+        len        = len < MF_PAGES_ZERO_SRC ? len : MF_PAGES_ZERO_SRC;
+        struct uffdio_copy cp = { .dst  = (uintptr_t) a,
+                                  .src  = (uintptr_t) pg->zero_src,
+                                  .len  = len,
+                                  .mode = UFFDIO_COPY_MODE_DONTWAKE };
+        if (ioctl(pg->uffd, UFFDIO_COPY, &cp) == 0) {
+            a += len;
+            continue;
         }
         const int err = errno;
-        if (z.zeropage > 0) {
-            a += z.zeropage;
+        if (cp.copy > 0) {
+            a += cp.copy;
         }
         if (err == EEXIST) {
             a += MF_PAGE;  // a page shared with a live neighbour
@@ -194,6 +211,22 @@ void mf_pages_drop(mf_pages * pg, char * a, char * b) {
     }
 }
 
+void mf_pages_trim_to(mf_pages * pg, size_t keep_pages) {
+    if (pg->uffd < 0) {
+        return;
+    }
+    pthread_mutex_lock(&pg->mu);
+    while (pg->pool_n > keep_pages) {
+        // the oldest first, up to the end of the ring
+        size_t n = pg->pool_n - keep_pages;
+        n        = n < pg->pool_cap - pg->pool_lo ? n : pg->pool_cap - pg->pool_lo;
+        madvise(pg->pool + pg->pool_lo * MF_PAGE, n * MF_PAGE, MADV_DONTNEED);
+        pg->pool_lo = (pg->pool_lo + n) % pg->pool_cap;
+        pg->pool_n -= n;
+    }
+    pthread_mutex_unlock(&pg->mu);
+}
+
 void mf_pages_trim(mf_pages * pg) {
     if (pg->uffd < 0) {
         return;
@@ -210,6 +243,9 @@ void mf_pages_trim(mf_pages * pg) {
 void mf_pages_close(mf_pages * pg) {
     if (pg->pool) {
         munmap(pg->pool, pg->pool_cap * MF_PAGE);
+    }
+    if (pg->zero_src) {
+        munmap(pg->zero_src, MF_PAGES_ZERO_SRC);
     }
     if (pg->uffd >= 0) {
         close(pg->uffd);

@@ -1,15 +1,16 @@
-// The expert streamer: routing callback, reader lanes, residency of expert slices.
+// The expert streamer: routing callback, prefetch, ready hook, life cycle and counters.
 //
 // DESIGN
 // Threads. The decode thread (the one calling llama_decode) runs mf_streamer_eval_cb: on each
 // ffn_moe_topk-<il> node it reads the routed ids, asks the cache (mf_cache.c) what to load and
-// evict, releases evicted slices' pages, makes the slices to load writable and queues one job per
-// slice. N reader lanes pop jobs (one mutex + condition variable, FIFO), read unlocked, and mark
-// each slice READY (or FAILED) under the mutex, broadcasting done_cv. Without overlap the decode
-// thread waits for the layer's jobs before returning; with overlap it returns at once and the
-// compute threads wait per slice in the mul_mat_id ready hook (mf_ready_hook), so the matmuls of
-// ready experts run while the rest are still being read. Jobs are queued in the order the graph
-// consumes them (gate or gate_up, then up, then down; experts ascending).
+// evict and hands that to the reader lanes (mf_lanes.c), which release and read slices. It then
+// predicts layer il + 1's experts (mf_predict.c) and queues their reads behind layer il's, so
+// the disk keeps reading while layer il computes. Without overlap the decode thread waits for
+// layer il's own reads before returning; with overlap it returns at once and the compute threads
+// wait per slice in the mul_mat_id ready hook (mf_ready_hook), so the matmuls of ready experts
+// run while the rest are still being read. Jobs are queued in the order the graph consumes them
+// (gate or gate_up, then up, then down; experts ascending). A route first waits for every job
+// of the previous one, so no read is in flight while it changes the cache.
 // Memory. A slice is readable only while its state is LOADING or READY; eviction gives up its
 // pages, except pages shared with a neighbouring slice that is still resident: into a pool that
 // the next loads take them from (userfaultfd moves, mf_pages.c), or, where the kernel cannot move
@@ -36,6 +37,8 @@
 #include "ggml-cpu.h"
 
 #define MF_BOUNCE_SIZE (8u << 20)
+// pages a route may leave in the page pool for the next one, in entries of the largest layer
+#define MF_POOL_SPARE_ENTRIES 8u
 
 uint64_t mf_now_ns(void) {
     struct timespec ts;
@@ -43,18 +46,8 @@ uint64_t mf_now_ns(void) {
     return (uint64_t) ts.tv_sec * 1000000000u + (uint64_t) ts.tv_nsec;
 }
 
-static inline char * pg_down(char * p) {
-    return (char *) ((uintptr_t) p & ~(uintptr_t) (MF_PAGE - 1));
-}
-
-static inline char * pg_up(char * p) {
-    return (char *) (((uintptr_t) p + MF_PAGE - 1) & ~(uintptr_t) (MF_PAGE - 1));
-}
-
-#define ADD(counter, v) atomic_fetch_add_explicit(&(counter), (uint64_t) (v), memory_order_relaxed)
-
 // ---------------------------------------------------------------- errors
-static void record_error_locked(mf_streamer * s, int code, const char * msg) {
+void mf_record_error_locked(mf_streamer * s, int code, const char * msg) {
     if (s->err_code == 0) {
         s->err_code = code ? code : -EIO;
         snprintf(s->err_msg, sizeof s->err_msg, "%s", msg);
@@ -68,7 +61,7 @@ void mf_streamer_fail(mf_streamer * s, int code, const char * fmt, ...) {
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
     pthread_mutex_lock(&s->mu);
-    record_error_locked(s, code, msg);
+    mf_record_error_locked(s, code, msg);
     snprintf(s->last_error, sizeof s->last_error, "%s", msg);
     pthread_mutex_unlock(&s->mu);
     ADD(s->st_errors, 1);
@@ -81,12 +74,10 @@ static bool has_error(mf_streamer * s) {
     return e;
 }
 
-static uint64_t wait_all(mf_streamer * s);
-
 int mf_streamer_take_error(mf_streamer * s, char * msg, size_t msg_size) {
     // a graph stopped by an error leaves prefetches in flight: their outcome belongs to this
     // request, not to the next one
-    wait_all(s);
+    mf_wait_all(s);
     pthread_mutex_lock(&s->mu);
     const int code = s->err_code;
     if (msg && msg_size) {
@@ -142,340 +133,7 @@ int mf_read_dense(mf_streamer * s, const mf_loc * loc, void * dst) {
     return rc;
 }
 
-// ---------------------------------------------------------------- slice memory
-static void slice_span(const mf_xtensor * xt, int32_t e, char ** p0, char ** p1) {
-    char * m0 = xt->data + (size_t) e * xt->nb2;
-    *p0       = pg_down(m0);
-    *p1       = pg_up(m0 + xt->nb2);
-}
-
-// gives slice e pages to read into: recycled ones (mf_pages.c), or access to fault fresh ones in
-static int slice_make_rw(mf_xtensor * xt, int32_t e) {
-    char *p0, *p1;
-    slice_span(xt, e, &p0, &p1);
-    if (mf_pages_moving(&xt->s->pages)) {
-        return mf_pages_fill(&xt->s->pages, p0, p1);
-    }
-    return mprotect(p0, (size_t) (p1 - p0), PROT_READ | PROT_WRITE) == 0 ? 0 : -errno;
-}
-
-static bool slice_live(const mf_xtensor * xt, int64_t e) {
-    const int st = atomic_load_explicit(&xt->state[e], memory_order_acquire);
-    return st == MF_SLICE_LOADING || st == MF_SLICE_READY;
-}
-
-static void release_run(mf_pages * pg, char * a, char * b) {
-    if (!a || b <= a) {
-        return;
-    }
-    if (mf_pages_moving(pg)) {
-        mf_pages_drop(pg, a, b);  // into the pool for the next load
-        return;
-    }
-    // errors here are not fatal: the pages stay readable with correct bytes, only memory is lost
-    madvise(a, (size_t) (b - a), MADV_DONTNEED);
-    mprotect(a, (size_t) (b - a), PROT_NONE);
-}
-
-// returns slice e's pages, keeping those shared with a live neighbour (nothing when e is live).
-// Under page_mu, like every state change to LOADING: a neighbour seen absent here cannot start
-// loading before its shared page is gone (its fill then brings the page back), and one seen live
-// keeps the page.
-static void slice_release_locked(mf_xtensor * xt, int32_t e);
-
-static void slice_release(mf_xtensor * xt, int32_t e) {
-    pthread_mutex_lock(&xt->s->page_mu);
-    slice_release_locked(xt, e);
-    pthread_mutex_unlock(&xt->s->page_mu);
-}
-
-static void slice_release_locked(mf_xtensor * xt, int32_t e) {
-    if (slice_live(xt, e)) {
-        // evicted by a route, then admitted again by that route's prefetch before this release
-        // ran: its pages are wanted (the queued read overwrites them)
-        return;
-    }
-    char *p0, *p1;
-    slice_span(xt, e, &p0, &p1);
-    const int64_t nb2 = (int64_t) xt->nb2;
-    char *        run = NULL;
-    for (char * p = p0; p < p1; p += MF_PAGE) {
-        // slices overlapping page [p, p + page)
-        int64_t lo   = (int64_t) (p - xt->data);
-        int64_t hi   = lo + MF_PAGE - 1;
-        lo           = lo < 0 ? 0 : lo / nb2;
-        hi           = hi < 0 ? -1 : hi / nb2;
-        bool shared  = false;
-        for (int64_t o = lo; o <= hi && o < xt->n_expert; o++) {
-            if (o != e && slice_live(xt, o)) {
-                shared = true;
-                break;
-            }
-        }
-        if (shared) {
-            if (run) {
-                release_run(&xt->s->pages, run, p);
-                run = NULL;
-            }
-        } else if (!run) {
-            run = p;
-        }
-    }
-    if (run) {
-        release_run(&xt->s->pages, run, p1);
-    }
-}
-
-// ---------------------------------------------------------------- reader lanes
-static int read_slice(mf_streamer * s, mf_xtensor * xt, int32_t e) {
-    const mf_file * f   = &s->ix.files[xt->loc->file];
-    const uint64_t  f0  = xt->loc->offset + (uint64_t) e * xt->nb2;
-    const size_t    len = (size_t) xt->nb2;
-    char *          m0  = xt->data + (size_t) e * xt->nb2;
-
-    if (s->cfg.skip_expert > 0 && e == s->cfg.skip_expert - 1) {
-        return 0;  // negative control: the slice stays zero-filled (see mf_config.skip_expert)
-    }
-    if (s->cfg.fault_errno) {
-        const uint64_t before = atomic_fetch_add(&s->expert_bytes_read_total, len);
-        if (before + len > s->cfg.fault_after_bytes) {
-            return -s->cfg.fault_errno;
-        }
-    }
-    if (s->direct && f->fd_direct >= 0) {
-        // whole pages, straight into place: data is congruent to the file offset (mf_buft.c)
-        const uint64_t a0 = f0 & ~(uint64_t) (MF_PAGE - 1);
-        const uint64_t a1 = (f0 + len + MF_PAGE - 1) & ~(uint64_t) (MF_PAGE - 1);
-        const int      rc = mf_pread_full(f->fd_direct, m0 - (f0 - a0), (size_t) (a1 - a0), a0, (size_t) (f0 + len - a0));
-        if (rc != -EINVAL) {
-            return rc;
-        }
-        // O_DIRECT refused at read time: buffered for this slice
-    }
-    const int rc = mf_pread_full(f->fd, m0, len, f0, len);
-    if (rc == 0 && !s->direct) {
-        // buffered mode: the slice now lives in the cache's memory; drop the page-cache copy
-        posix_fadvise(f->fd, (off_t) f0, (off_t) len, POSIX_FADV_DONTNEED);
-    }
-    return rc;
-}
-
-static void * lane_main(void * arg) {
-    mf_streamer * s = arg;
-    sigset_t      all;
-    sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, NULL);
-
-    pthread_mutex_lock(&s->mu);
-    for (;;) {
-        while (!s->stop && s->q_len == 0) {
-            pthread_cond_wait(&s->work_cv, &s->mu);
-        }
-        if (s->stop) {
-            break;
-        }
-        const mf_job job = s->queue[s->q_head];
-        s->q_head        = (s->q_head + 1) % s->queue_cap;
-        s->q_len--;
-        pthread_mutex_unlock(&s->mu);
-
-        if (job.release) {
-            slice_release(job.xt, job.expert);
-            pthread_mutex_lock(&s->mu);
-            s->outstanding--;
-            pthread_cond_broadcast(&s->done_cv);
-            continue;
-        }
-        const uint64_t t0 = mf_now_ns();
-        int            rc = slice_make_rw(job.xt, job.expert);
-        if (rc == 0) {
-            rc = read_slice(s, job.xt, job.expert);
-        }
-        ADD(s->st_read_ns, mf_now_ns() - t0);
-        ADD(s->st_reads, 1);
-
-        pthread_mutex_lock(&s->mu);
-        if (rc == 0) {
-            ADD(s->st_bytes_read, job.xt->nb2);
-            atomic_store_explicit(&job.xt->state[job.expert], MF_SLICE_READY, memory_order_release);
-        } else {
-            char msg[MF_ERR_LEN];
-            snprintf(msg, sizeof msg, "reading expert %d of %s from %s failed: %s", (int) job.expert,
-                     job.xt->loc->name, s->ix.files[job.xt->loc->file].path,
-                     rc == -ENODATA ? "the file ended early (it changed size while open)" : strerror(-rc));
-            record_error_locked(s, rc, msg);
-            ADD(s->st_errors, 1);
-            atomic_store_explicit(&job.xt->state[job.expert], MF_SLICE_FAILED, memory_order_release);
-            s->n_failed++;
-        }
-        s->outstanding--;
-        s->demand_left -= job.demand ? 1 : 0;
-        pthread_cond_broadcast(&s->done_cv);
-    }
-    pthread_mutex_unlock(&s->mu);
-    return NULL;
-}
-
-// waits until every queued read has finished; returns the nanoseconds waited
-static uint64_t wait_all(mf_streamer * s) {
-    pthread_mutex_lock(&s->mu);
-    uint64_t waited = 0;
-    if (s->outstanding) {
-        const uint64_t t0 = mf_now_ns();
-        while (s->outstanding) {
-            pthread_cond_wait(&s->done_cv, &s->mu);
-        }
-        waited = mf_now_ns() - t0;
-    }
-    pthread_mutex_unlock(&s->mu);
-    return waited;
-}
-
-// waits until the running layer's own reads have finished (prefetches may still be in flight)
-static uint64_t wait_demand(mf_streamer * s) {
-    pthread_mutex_lock(&s->mu);
-    uint64_t waited = 0;
-    if (s->demand_left) {
-        const uint64_t t0 = mf_now_ns();
-        while (s->demand_left) {
-            pthread_cond_wait(&s->done_cv, &s->mu);
-        }
-        waited = mf_now_ns() - t0;
-    }
-    pthread_mutex_unlock(&s->mu);
-    return waited;
-}
-
-// forgets entries whose reads failed so that their next use reads them again (decode thread,
-// no read in flight); the scan runs only when a lane has marked a slice FAILED since the last one
-static void reap_failures(mf_streamer * s) {
-    pthread_mutex_lock(&s->mu);
-    const bool any = s->n_failed != 0;
-    s->n_failed    = 0;
-    pthread_mutex_unlock(&s->mu);
-    if (!any) {
-        return;
-    }
-    for (int32_t l = 0; l < s->n_layers; l++) {
-        mf_layer * L = &s->layers[l];
-        for (int32_t e = 0; e < s->n_expert && L->n_xt; e++) {
-            bool failed = false;
-            for (int32_t j = 0; j < L->n_xt; j++) {
-                failed |= atomic_load(&L->xt[j]->state[e]) == MF_SLICE_FAILED;
-            }
-            if (!failed) {
-                continue;
-            }
-            for (int32_t j = 0; j < L->n_xt; j++) {
-                atomic_store(&L->xt[j]->state[e], MF_SLICE_ABSENT);
-            }
-            for (int32_t j = 0; j < L->n_xt; j++) {
-                slice_release(L->xt[j], e);
-            }
-            if (s->cache->resident[(size_t) l * (size_t) s->n_expert + (size_t) e]) {
-                atomic_fetch_sub(&s->st_resident_bytes, L->entry_bytes);
-            }
-            mf_cache_forget(s->cache, l, e);
-        }
-    }
-}
-
 // ---------------------------------------------------------------- routing
-// the cache's evictions, done right here (drop_cache; the routing path queues them to the lanes)
-static void evict_listed_now(mf_streamer * s) {
-    for (int32_t i = 0; i < s->cache->n_evict; i++) {
-        const int32_t l = s->cache->evict[i] / s->n_expert;
-        const int32_t e = s->cache->evict[i] % s->n_expert;
-        mf_layer *    L = &s->layers[l];
-        for (int32_t j = 0; j < L->n_xt; j++) {
-            atomic_store_explicit(&L->xt[j]->state[e], MF_SLICE_ABSENT, memory_order_release);
-        }
-        for (int32_t j = 0; j < L->n_xt; j++) {
-            slice_release(L->xt[j], e);
-        }
-        atomic_fetch_sub(&s->st_resident_bytes, L->entry_bytes);
-    }
-    ADD(s->st_evictions, s->cache->n_evict);
-}
-
-static void push_job_locked(mf_streamer * s, mf_xtensor * xt, int32_t e, bool release, bool demand) {
-    s->queue[(s->q_head + s->q_len) % s->queue_cap] =
-        (mf_job){ .xt = xt, .expert = e, .release = release, .demand = demand && !release };
-    s->q_len++;
-    s->outstanding++;
-    s->demand_left += demand && !release ? 1 : 0;
-}
-
-// makes room for `need` more jobs; lanes may be popping (called with mu held)
-static int reserve_jobs_locked(mf_streamer * s, size_t need) {
-    if (s->q_len + need <= s->queue_cap) {
-        return 0;
-    }
-    const size_t cap = 2 * (s->q_len + need);
-    mf_job *     q   = malloc(cap * sizeof *q);
-    if (!q) {
-        return -ENOMEM;
-    }
-    for (size_t i = 0; i < s->q_len; i++) {
-        q[i] = s->queue[(s->q_head + i) % s->queue_cap];
-    }
-    free(s->queue);
-    s->queue     = q;
-    s->queue_cap = cap;
-    s->q_head    = 0;
-    return 0;
-}
-
-// Hands the cache's last evictions and loads (of layer il) to the lanes. Every state changes
-// first (evicted slices ABSENT, loads LOADING), so a release never returns a page that a slice of
-// this route shares; releases are queued ahead of the reads so memory is freed before it is
-// refilled. `demand`: the running layer's reads (waited for), else a prefetch. The decode thread
-// itself makes no system call here.
-static int queue_route(mf_streamer * s, int32_t il, bool demand) {
-    mf_cache *   c    = s->cache;
-    const size_t need = (size_t) (c->n_evict + c->n_load) * MF_MAX_XT;
-    pthread_mutex_lock(&s->mu);
-    const int grown = reserve_jobs_locked(s, need);
-    pthread_mutex_unlock(&s->mu);
-    if (grown != 0) {
-        return grown;  // nothing changed yet: the caller fails the route
-    }
-    // lanes may be releasing slices of an earlier route right now (a prefetch queues while the
-    // running layer's jobs are in flight): state changes and release decisions take turns
-    pthread_mutex_lock(&s->page_mu);
-    for (int32_t i = 0; i < c->n_evict; i++) {
-        mf_layer * L = &s->layers[c->evict[i] / s->n_expert];
-        for (int32_t j = 0; j < L->n_xt; j++) {
-            atomic_store_explicit(&L->xt[j]->state[c->evict[i] % s->n_expert], MF_SLICE_ABSENT, memory_order_release);
-        }
-        atomic_fetch_sub(&s->st_resident_bytes, L->entry_bytes);
-    }
-    mf_layer * L = &s->layers[il];
-    for (int32_t j = 0; j < L->n_xt; j++) {
-        for (int32_t i = 0; i < c->n_load; i++) {
-            atomic_store_explicit(&L->xt[j]->state[c->load[i]], MF_SLICE_LOADING, memory_order_release);
-        }
-    }
-    pthread_mutex_unlock(&s->page_mu);
-    pthread_mutex_lock(&s->mu);
-    for (int32_t i = 0; i < c->n_evict; i++) {
-        mf_layer * E = &s->layers[c->evict[i] / s->n_expert];
-        for (int32_t j = 0; j < E->n_xt; j++) {
-            push_job_locked(s, E->xt[j], c->evict[i] % s->n_expert, true, demand);
-        }
-    }
-    for (int32_t j = 0; j < L->n_xt; j++) {
-        for (int32_t i = 0; i < c->n_load; i++) {
-            push_job_locked(s, L->xt[j], c->load[i], false, demand);
-        }
-    }
-    pthread_cond_broadcast(&s->work_cv);
-    pthread_mutex_unlock(&s->mu);
-    ADD(s->st_evictions, c->n_evict);
-    ADD(s->st_resident_bytes, (uint64_t) c->n_load * L->entry_bytes);
-    return 0;
-}
-
 // reads layer il + 1's predicted experts behind layer il's own reads (see mf_predict.c); a route
 // that cannot be predicted or admitted is simply not prefetched
 static void prefetch_next(mf_streamer * s, int32_t il, const struct ggml_tensor * ids) {
@@ -485,12 +143,12 @@ static void prefetch_next(mf_streamer * s, int32_t il, const struct ggml_tensor 
     if (s->cache->n_load == 0 && s->cache->n_evict == 0) {
         return;
     }
-    if (queue_route(s, il + 1, false) != 0) {
+    if (mf_queue_route(s, il + 1, false) != 0) {
         // out of memory for the queue: the admitted entries must not look resident
         for (int32_t i = 0; i < s->cache->n_load; i++) {
             mf_cache_forget(s->cache, il + 1, s->cache->load[i]);
         }
-        evict_listed_now(s);
+        mf_evict_listed_now(s);
         return;
     }
     memset(s->pf_mark, 0, (size_t) s->n_expert);
@@ -513,8 +171,12 @@ static bool route(mf_streamer * s, int32_t il, const struct ggml_tensor * ids) {
         return false;
     }
     const uint64_t t0     = mf_now_ns();
-    uint64_t       waited = wait_all(s);  // the previous layer's reads (normally long done)
-    reap_failures(s);
+    uint64_t       waited = mf_wait_all(s);  // the previous layer's reads (normally long done)
+    mf_reap_failures(s);
+    // a route's releases refill the pool ahead of its reads, so what is left from the last one is
+    // spare (evictions and loads balance in bytes, not always in pages: slices of different sizes,
+    // shared edge pages); keeping little of it keeps memory within the budget
+    mf_pages_trim_to(&s->pages, (size_t) (MF_POOL_SPARE_ENTRIES * s->entry_bytes_max / MF_PAGE));
 
     memset(s->want, 0, (size_t) s->n_expert);
     for (int64_t i1 = 0; i1 < ids->ne[1]; i1++) {
@@ -534,7 +196,7 @@ static bool route(mf_streamer * s, int32_t il, const struct ggml_tensor * ids) {
                          (unsigned long long) s->cfg.budget_bytes);
         return false;
     }
-    const int qrc = queue_route(s, il, true);
+    const int qrc = mf_queue_route(s, il, true);
     if (qrc != 0) {
         mf_streamer_fail(s, qrc, "cannot queue the reads of layer %d: %s", (int) il, strerror(-qrc));
         return false;
@@ -556,7 +218,7 @@ static bool route(mf_streamer * s, int32_t il, const struct ggml_tensor * ids) {
     const uint64_t t1 = mf_now_ns();
     ADD(s->st_manage_ns, t1 - t0 - (waited > t1 - t0 ? t1 - t0 : waited));
     if (!s->cfg.overlap) {
-        ADD(s->st_wait_ns, waited + wait_demand(s));
+        ADD(s->st_wait_ns, waited + mf_wait_demand(s));
         return !has_error(s);
     }
     ADD(s->st_wait_ns, waited);
@@ -577,7 +239,7 @@ static void check_mmid(mf_streamer * s, const struct ggml_tensor * node) {
     for (int64_t i1 = 0; i1 < ids->ne[1]; i1++) {
         for (int64_t i0 = 0; i0 < ids->ne[0]; i0++) {
             const int32_t e = *(const int32_t *) ((const char *) ids->data + i1 * ids->nb[1] + i0 * ids->nb[0]);
-            if (e >= 0 && e < xt->n_expert && !slice_live(xt, e)) {
+            if (e >= 0 && e < xt->n_expert && !mf_slice_live(xt, e)) {
                 ADD(s->st_violations, 1);
                 mf_streamer_fail(s, -EFAULT, "expert %d of %s is used but was never loaded", (int) e, w->name);
             }
@@ -716,8 +378,10 @@ int mf_streamer_check_loaded(mf_streamer * s) {
     if (!entry_bytes) {
         return -ENOMEM;
     }
+    s->entry_bytes_max = 0;
     for (int32_t l = 0; l < n_layers; l++) {
-        entry_bytes[l] = s->layers[l].entry_bytes;
+        entry_bytes[l]     = s->layers[l].entry_bytes;
+        s->entry_bytes_max = entry_bytes[l] > s->entry_bytes_max ? entry_bytes[l] : s->entry_bytes_max;
     }
     // the pool holds what evictions give up until loads take it: at most the budget, plus the
     // pages a route evicts before its loads take them back
@@ -835,7 +499,7 @@ int mf_streamer_new(const mf_config * cfg, mf_streamer ** out, char * last_error
     mf_pages_open(&s->pages, !cfg->no_page_moves, s->pages_note, sizeof s->pages_note);
     mf_buft_init(s);
     for (int32_t i = 0; i < cfg->n_lanes; i++) {
-        rc = pthread_create(&s->lanes[i], NULL, lane_main, s);
+        rc = pthread_create(&s->lanes[i], NULL, mf_lane_main, s);
         if (rc != 0) {
             snprintf(s->last_error, sizeof s->last_error, "cannot start reader lane: %s", strerror(rc));
             return fail_new(s, -rc, last_error, last_error_size);
@@ -948,19 +612,19 @@ int mf_streamer_preload(mf_streamer * s) {
         if (s->layers[l].n_xt == 0) {
             continue;
         }
-        wait_all(s);
+        mf_wait_all(s);
         memset(s->want, 1, (size_t) s->n_expert);
         int rc = mf_cache_route(s->cache, l, s->want);
         if (rc >= 0) {
-            rc = queue_route(s, l, true);
+            rc = mf_queue_route(s, l, true);
         }
         if (rc < 0) {
             snprintf(s->last_error, sizeof s->last_error, "preload of layer %d failed: %s", (int) l, strerror(-rc));
             return rc;
         }
     }
-    wait_all(s);
-    reap_failures(s);
+    mf_wait_all(s);
+    mf_reap_failures(s);
     char msg[MF_ERR_LEN];
     const int rc = mf_streamer_take_error(s, msg, sizeof msg);
     if (rc != 0) {
@@ -973,10 +637,10 @@ void mf_streamer_drop_cache(mf_streamer * s) {
     if (!s->cache) {
         return;
     }
-    wait_all(s);
-    reap_failures(s);
+    mf_wait_all(s);
+    mf_reap_failures(s);
     mf_cache_evict_all(s->cache);
-    evict_listed_now(s);
+    mf_evict_listed_now(s);
     s->pf_layer = -1;
     mf_pages_trim(&s->pages);  // a cold cache holds no memory
 }
