@@ -49,6 +49,8 @@ class TokenRecord:
     hits: int | None = None
     misses: int | None = None
     evictions: int | None = None
+    prefetched: int | None = None
+    prefetch_used: int | None = None
 
 
 @dataclass
@@ -250,6 +252,8 @@ def _record(token: int, seconds: float, t: DecodeTelemetry | None) -> TokenRecor
         hits=t.hits,
         misses=t.misses,
         evictions=t.evictions,
+        prefetched=t.prefetched,
+        prefetch_used=t.prefetch_used,
     )
 
 
@@ -260,6 +264,7 @@ def _telemetry_line(i: int, r: TokenRecord) -> str:
             f" | compute {r.compute_s * 1e3:7.1f} ms | flash wait {(r.flash_wait_s or 0) * 1e3:7.1f} ms"
             f" | cache {(r.cache_s or 0) * 1e3:6.1f} ms | read {(r.bytes_read or 0) / _MB:7.1f} MB"
             f" | hits {r.hits}/{(r.hits or 0) + (r.misses or 0)}"
+            f" (prefetched {r.prefetch_used}/{r.prefetched})"
         )
     return line
 
@@ -338,10 +343,12 @@ def _summary(r: GenerateReport) -> str:
     ]
     if r.budget_bytes is not None:
         t = r.totals
-        routed = t["hits"] + t["misses"]
+        routed = max(1, t["hits"] + t["misses"])
         lines.append(
             f"experts: budget {r.budget_bytes / 2**20:.0f} MiB ({r.budget_reason}); hit rate "
-            f"{t['hits'] / routed if routed else 0:.1%}; read {t['bytes_read'] / _MB:.0f} MB; "
+            f"{t['hits'] / routed:.1%} (cache {(t['hits'] - t['prefetch_used']) / routed:.1%}, prefetch "
+            f"{t['prefetch_used']} of {t['prefetched']} read ahead used); "
+            f"read {t['bytes_read'] / _MB:.0f} MB; "
             f"flash wait {t['wait_ns'] / 1e9:.2f} s; cache {t['manage_ns'] / 1e9:.2f} s; "
             f"O_DIRECT {'on' if t['direct_io'] else 'off'}"
         )

@@ -67,9 +67,11 @@ class DecodeTelemetry:
     cache_ns: int
     compute_ns: int  # wall minus waiting for flash minus cache management
     bytes_read: int
-    hits: int
+    hits: int  # routed experts already resident (read ahead by a prefetch included)
     misses: int
     evictions: int
+    prefetched: int  # experts read ahead for the next layer
+    prefetch_used: int  # routed experts a prefetch had read
 
 
 def parse_policy(name: str) -> Policy:
@@ -133,6 +135,8 @@ class StreamingLlama(llama_cpp.Llama):
                     hits=d.hits,
                     misses=d.misses,
                     evictions=d.evictions,
+                    prefetched=d.prefetched,
+                    prefetch_used=d.prefetch_used,
                 )
             )
 

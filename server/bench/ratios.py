@@ -25,7 +25,7 @@ def _decode(run: Run) -> dict[str, float] | None:
     def mean(key: str) -> float:
         return sum(float(t.get(key) or 0) for t in toks) / n
 
-    hits, misses = mean("hits"), mean("misses")
+    hits, misses, used = mean("hits"), mean("misses"), mean("prefetch_used")
     return {
         "tok_s_median": 1.0 / statistics.median(float(t["seconds"]) for t in toks),
         "tok_s_mean": n / sum(float(t["seconds"]) for t in toks),
@@ -35,6 +35,9 @@ def _decode(run: Run) -> dict[str, float] | None:
         "cache_s": mean("cache_s"),
         "bytes_read": mean("bytes_read"),
         "miss_rate": misses / (hits + misses) if hits + misses else 0.0,
+        # resident before any read of this token: the cache's own hits, prefetches apart
+        "cache_hit_rate": (hits - used) / (hits + misses) if hits + misses else 0.0,
+        "prefetch_hit_rate": used / (hits + misses) if hits + misses else 0.0,
     }
 
 
@@ -68,7 +71,10 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
         sd = _decode(stream) if stream else None
         md = _decode(mmap) if mmap else None
         over_d = _decode(overlapped) if overlapped else None
-        io_bound = ceiling / (routed * sd["miss_rate"]) if sd and ceiling and sd["miss_rate"] > 0 else None
+        # BENCH.md: ceiling / (routed bytes x measured miss rate). A prefetched expert was still
+        # read from flash (and so was a wrong guess), so the measured share of routed bytes that
+        # came from flash is bytes read / routed bytes: I/O-bound = ceiling / bytes read per token
+        io_bound = ceiling / sd["bytes_read"] if sd and ceiling and sd["bytes_read"] > 0 else None
         bound = (
             min(x for x in (compute_bound, io_bound) if x is not None)
             if (compute_bound or io_bound)
@@ -111,9 +117,18 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
                 ceiling,
             ),
             "overlap_lever_tok_s": over_d["tok_s_median"] if over_d else None,
+            # the disk's busy share over the whole token: reads per token x tok/s / ceiling. With
+            # prefetch most reading happens while layers compute, outside the flash wait, so this
+            # (not io_efficiency) says how close decode runs to the disk
+            "disk_utilisation": _ratio(
+                sd["bytes_read"] / sd["seconds"] if sd and sd["seconds"] else None, ceiling
+            ),
             "overlap_efficiency": _ratio(ideal, sd["seconds"] if sd else None),
             "memory_discipline": memory,
             "hit_rate": 1.0 - sd["miss_rate"] if sd else None,
+            "cache_hit_rate": sd["cache_hit_rate"] if sd else None,
+            "prefetch_hit_rate": sd["prefetch_hit_rate"] if sd else None,
+            "read_fraction": sd["bytes_read"] / routed if sd and routed else None,
             "per_token_split_s": {k: sd[k] for k in ("compute_s", "flash_wait_s", "cache_s")} if sd else None,
             "mmap_bytes_read_per_token": (
                 mmap.report.get("storage_read_bytes", 0) / max(1, len(mmap.report.get("per_token") or [1]))

@@ -51,7 +51,7 @@ def markdown(result: BenchResult, command: str) -> str:
         "## Systems",
         "",
         "| system | cap | load s | TTFT s | prompt tok/s | decode tok/s (median / mean) | "
-        "peak RSS MiB | cgroup peak MiB | major faults | read MB/token | hit rate | "
+        "peak RSS MiB | cgroup peak MiB | major faults | read MB/token | hit rate (cache + prefetch) | "
         "compute / flash wait / cache ms per token |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -81,7 +81,7 @@ def markdown(result: BenchResult, command: str) -> str:
             f"{_fmt(d['tok_s_median'] if d else None)} / {_fmt(d['tok_s_mean'] if d else None)} | "
             f"{r['peak_rss_bytes'] / _MIB:.0f} | {cgroup_peak} | "
             f"{r.get('major_faults', 'n/a')} | {read_per_tok:.1f} | "
-            f"{_fmt(1 - d['miss_rate'] if d and r.get('mode') == 'streaming' else None, '.1%')} | {split} |"
+            f"{_hits(d) if d and r.get('mode') == 'streaming' else 'n/a'} | {split} |"
         )
     ra = result.ratios
     ceiling_mb = ra["disk_ceiling_bytes_per_s"] / 1e6 if ra.get("disk_ceiling_bytes_per_s") else None
@@ -93,9 +93,13 @@ def markdown(result: BenchResult, command: str) -> str:
         f"- compute-bound tok/s (streaming, every expert cached): {_fmt(ra.get('compute_bound_tok_s'))}",
         f"- residency overhead (all-cached / resident): {_fmt(ra.get('residency_overhead'), '.3f')}",
         "",
+        "I/O-bound tok/s = disk ceiling / bytes read per token (prefetched experts are read too);"
+        " I/O eff. = BENCH.md's bytes read during flash wait / wait / ceiling; disk use = bytes read"
+        " per token x tok/s / ceiling (with prefetch, most reads happen while layers compute).",
+        "",
         "| cap | streaming tok/s | mmap tok/s | speedup | I/O-bound tok/s | roofline eff. | "
-        "I/O eff. | overlap lever tok/s (I/O eff.) | overlap eff. | memory discipline | hit rate | "
-        "TTFT 20 tok (mmap) s | prefill 512 tok/s (eff.) |",
+        "I/O eff. (disk use) | overlap lever tok/s (I/O eff.) | overlap eff. | memory discipline | "
+        "hit rate (cache + prefetch) | TTFT 20 tok (mmap) s | prefill 512 tok/s (eff.) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cap in ra.get("per_cap", {}).values():
@@ -103,14 +107,21 @@ def markdown(result: BenchResult, command: str) -> str:
             f"| {cap['cap_bytes'] / 2**30:.2f} GiB | {_fmt(cap['streaming_tok_s'])} | "
             f"{_fmt(cap['mmap_tok_s'], '.3f')} | "
             f"{_fmt(cap['speedup_vs_mmap'], '.1f', 'x')} | {_fmt(cap['io_bound_tok_s'])} | "
-            f"{_fmt(cap['roofline_efficiency'], '.2f')} | {_fmt(cap['io_efficiency'], '.2f')} | "
+            f"{_fmt(cap['roofline_efficiency'], '.2f')} | {_fmt(cap['io_efficiency'], '.2f')} "
+            f"({_fmt(cap.get('disk_utilisation'), '.2f')}) | "
             f"{_fmt(cap['overlap_lever_tok_s'])} ({_fmt(cap['io_efficiency_overlap_lever'], '.2f')}) | "
             f"{_fmt(cap['overlap_efficiency'], '.2f')} | "
-            f"{_fmt(cap['memory_discipline'], '.2f')} | {_fmt(cap['hit_rate'], '.1%')} | "
+            f"{_fmt(cap['memory_discipline'], '.2f')} | {_fmt(cap.get('cache_hit_rate'), '.1%')} + "
+            f"{_fmt(cap.get('prefetch_hit_rate'), '.1%')} | "
             f"{_fmt(cap['ttft_20_s'], '.1f')} ({_fmt(cap['mmap_ttft_20_s'], '.1f')}) | "
             f"{_fmt(cap['prefill_512_tok_s'], '.1f')} ({_fmt(cap['prefill_512_efficiency'], '.2f')}) |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _hits(d: dict[str, float]) -> str:
+    """Routed experts found resident: by the cache's own keeping + by a prefetch."""
+    return f"{d.get('cache_hit_rate', 1 - d['miss_rate']):.1%} + {d.get('prefetch_hit_rate', 0.0):.1%}"
 
 
 def chart(result: BenchResult, path: Path) -> None:
