@@ -55,6 +55,8 @@ class StreamingOptions:
     move_pages: bool = True
     # read the next layer's predicted experts while this layer computes (streaming_ext/src/mf_predict.c)
     prefetch: bool = True
+    # tests: lanes sleep this long (microseconds) before each page release, widening races
+    release_delay_us: int = 0
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,7 @@ def _streamer_config(options: StreamingOptions) -> StreamerConfig:
         skip_expert=options.skip_expert,
         move_pages=options.move_pages,
         prefetch=options.prefetch,
+        release_delay_us=options.release_delay_us,
     )
 
 

@@ -33,6 +33,7 @@ class MfConfig(ctypes.Structure):
         ("skip_expert", ctypes.c_int32),
         ("no_page_moves", ctypes.c_int32),
         ("no_prefetch", ctypes.c_int32),
+        ("release_delay_us", ctypes.c_int32),
     ]
 
 

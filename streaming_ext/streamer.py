@@ -65,6 +65,8 @@ class StreamerConfig:
     move_pages: bool = True
     # read the next layer's predicted experts while this layer computes
     prefetch: bool = True
+    # tests: lanes sleep this long (microseconds) before each page release, widening races
+    release_delay_us: int = 0
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ class Streamer:
             skip_expert=config.skip_expert,
             no_page_moves=0 if config.move_pages else 1,
             no_prefetch=0 if config.prefetch else 1,
+            release_delay_us=config.release_delay_us,
         )
         handle = ctypes.c_void_p()
         err = ctypes.create_string_buffer(_ERR_LEN)

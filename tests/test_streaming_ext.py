@@ -70,7 +70,7 @@ def test_streaming_gates_under_sanitizers() -> None:
     """The streaming gates and error tests again, with the ASan+UBSan build of the library."""
     assert ASAN_LIB.is_file(), "build it with `make ext`"
     selection = (
-        "evicts_every_layer or reader_modes or page_recycling or split or multi_turn"
+        "evicts_every_layer or reader_modes or page_recycling or prefetch or stress or split or multi_turn"
         " or every_architecture or negative"
     )
     proc = subprocess.run(

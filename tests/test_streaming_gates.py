@@ -181,6 +181,30 @@ def test_gate_page_recycling(
     assert (stats.pages_moved > 0) == move_pages
 
 
+@pytest.mark.parametrize("policy", ["layer", "lru"])
+@pytest.mark.parametrize("move_pages", [True, False], ids=["moved", "released"])
+def test_gate_shared_pages_under_stress(
+    tiny_model: Callable[..., Path], reference: Callable[..., Result], move_pages: bool, policy: str
+) -> None:
+    # slices of ~1.1 pages (every page shared by two neighbours), 16 lanes, the smallest budget,
+    # prefetch, and releases delayed until the reads queued behind them have run: a release that
+    # drops a page a slice is being read into (or was re-admitted into) faults or fails the gate.
+    # LRU under one layer's budget evicts exactly the next layer's experts, which the prefetch
+    # then admits again within the same route
+    path = tiny_model("tiny-qwen3moe", n_ff_exp=32)
+    options = StreamingOptions(
+        budget_bytes=expert_layer_bytes(path),
+        policy=policy,
+        move_pages=move_pages,
+        lanes=16,
+        prefetch=True,
+        release_delay_us=300,
+    )
+    for prompt in (PROMPT, [(11 * i + 3) % 300 for i in range(5)]):
+        stats = gate(path, options, reference, prompt=prompt)
+        assert stats.evictions > 0 and stats.prefetched > 0
+
+
 # ------------------------------------------------------------------------------------ batch sizes
 @pytest.mark.parametrize("n_ubatch", [1, 8, 512])
 def test_gate_micro_batches_long_prompt(qwen: Path, reference: Callable[..., Result], n_ubatch: int) -> None:

@@ -75,6 +75,10 @@ typedef struct mf_config {
     int32_t      no_page_moves;
     // non-zero: never read the next layer's predicted experts ahead of its routing
     int32_t      no_prefetch;
+    // race widening for tests: a lane sleeps this many microseconds before each page release (so
+    // releases land after the reads queued behind them) and again between deciding which pages
+    // to drop and dropping them (0 = off)
+    int32_t      release_delay_us;
 } mf_config;
 
 #define MF_MAX_LANES 16

@@ -49,9 +49,13 @@ bool mf_slice_live(const mf_xtensor * xt, int64_t e) {
     return st == MF_SLICE_LOADING || st == MF_SLICE_READY;
 }
 
-static void release_run(mf_pages * pg, char * a, char * b) {
+static void release_run(mf_streamer * s, char * a, char * b) {
     if (!a || b <= a) {
         return;
+    }
+    mf_pages * pg = &s->pages;
+    if (s->cfg.release_delay_us > 0) {
+        usleep((useconds_t) s->cfg.release_delay_us);  // tests: between the decision and the drop
     }
     if (mf_pages_moving(pg)) {
         mf_pages_drop(pg, a, b);  // into the pool for the next load
@@ -99,7 +103,7 @@ static void slice_release_locked(mf_xtensor * xt, int32_t e) {
         }
         if (shared) {
             if (run) {
-                release_run(&xt->s->pages, run, p);
+                release_run(xt->s, run, p);
                 run = NULL;
             }
         } else if (!run) {
@@ -107,7 +111,7 @@ static void slice_release_locked(mf_xtensor * xt, int32_t e) {
         }
     }
     if (run) {
-        release_run(&xt->s->pages, run, p1);
+        release_run(xt->s, run, p1);
     }
 }
 
@@ -165,6 +169,9 @@ void * mf_lane_main(void * arg) {
         pthread_mutex_unlock(&s->mu);
 
         if (job.release) {
+            if (s->cfg.release_delay_us > 0) {
+                usleep((useconds_t) s->cfg.release_delay_us);
+            }
             slice_release(job.xt, job.expert);
             pthread_mutex_lock(&s->mu);
             s->outstanding--;
