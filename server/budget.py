@@ -4,8 +4,9 @@ auto = limit - dense weights - KV cache - margin, where the limit is the memory 
 (v2 memory.max or v1 memory.limit_in_bytes) when one is set, else MemAvailable, and the margin
 covers llama.cpp's compute buffers, the Python process, page tables and the streamer's spare
 pages (5% of the limit plus 256 MiB: on qwen30b-shape the cgroup peak exceeded budget + dense + KV
-by 215-230 MiB at 4.19 and 8.38 GiB caps, bench/reports/qwen30b-shape.md). The result is clamped to [one layer's experts, all experts]; below the floor the model
-cannot run in this memory and that is an error.
+by 215-230 MiB at 4.19 and 8.38 GiB caps, bench/reports/qwen30b-shape.md). The result is
+clamped to [one layer's experts, all experts]; below the floor the model cannot run in this
+memory and that is an error.
 """
 
 from __future__ import annotations
