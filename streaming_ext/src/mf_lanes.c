@@ -7,7 +7,8 @@
 // work_cv), read unlocked, and mark each slice READY or FAILED under the mutex, broadcasting
 // done_cv. A release keeps the pages a slice shares with a live neighbour, and gives up the rest
 // (mf_pages.c: into the pool, or back to the kernel). Demand reads (the running layer's) are
-// counted apart from prefetches so a layer waits only for its own.
+// counted apart from prefetches so a layer waits only for its own. Lanes block all signals (the
+// host process handles them) and stop by flag + broadcast + join.
 #include "mf_internal.h"
 
 #include <errno.h>
@@ -208,13 +209,13 @@ void * mf_lane_main(void * arg) {
     return NULL;
 }
 
-// waits until every queued read has finished; returns the nanoseconds waited
-uint64_t mf_wait_all(mf_streamer * s) {
+// waits until *count (a job counter under s->mu) drops to zero; returns the nanoseconds waited
+static uint64_t wait_zero(mf_streamer * s, const size_t * count) {
     pthread_mutex_lock(&s->mu);
     uint64_t waited = 0;
-    if (s->outstanding) {
+    if (*count) {
         const uint64_t t0 = mf_now_ns();
-        while (s->outstanding) {
+        while (*count) {
             pthread_cond_wait(&s->done_cv, &s->mu);
         }
         waited = mf_now_ns() - t0;
@@ -223,19 +224,14 @@ uint64_t mf_wait_all(mf_streamer * s) {
     return waited;
 }
 
-// waits until the running layer's own reads have finished (prefetches may still be in flight)
+// every queued job (reads, prefetches and releases) has finished
+uint64_t mf_wait_all(mf_streamer * s) {
+    return wait_zero(s, &s->outstanding);
+}
+
+// the running layer's own reads have finished (prefetches may still be in flight)
 uint64_t mf_wait_demand(mf_streamer * s) {
-    pthread_mutex_lock(&s->mu);
-    uint64_t waited = 0;
-    if (s->demand_left) {
-        const uint64_t t0 = mf_now_ns();
-        while (s->demand_left) {
-            pthread_cond_wait(&s->done_cv, &s->mu);
-        }
-        waited = mf_now_ns() - t0;
-    }
-    pthread_mutex_unlock(&s->mu);
-    return waited;
+    return wait_zero(s, &s->demand_left);
 }
 
 // forgets entries whose reads failed so that their next use reads them again (decode thread,

@@ -20,17 +20,14 @@
 // makes the next callback return false (which stops the graph); mf_streamer_take_error hands the
 // error to Python, which fails that request. Failed entries are forgotten by the cache and
 // retried on their next use.
-// Lanes block all signals (the host process handles them) and stop by flag + broadcast + join.
 #include "mf_internal.h"
 
 #include <errno.h>
 #include <fcntl.h>
-#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
