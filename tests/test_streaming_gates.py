@@ -207,10 +207,24 @@ def test_gate_shared_pages_under_stress(
 
 # ------------------------------------------------------------------------------------ batch sizes
 @pytest.mark.parametrize("n_ubatch", [1, 8, 512])
-def test_gate_micro_batches_long_prompt(qwen: Path, reference: Callable[..., Result], n_ubatch: int) -> None:
+@pytest.mark.parametrize("layers", [1, 3], ids=["one-layer-budget", "three-layer-budget"])
+def test_gate_micro_batches_long_prompt(
+    qwen: Path, reference: Callable[..., Result], n_ubatch: int, layers: int
+) -> None:
     prompt = [(13 * i + 5) % 300 for i in range(600)]  # longer than one 512-token micro-batch
-    options = StreamingOptions(budget_bytes=expert_layer_bytes(qwen))
-    gate(qwen, options, reference, prompt=prompt, n_ctx=1024, n_batch=512, n_ubatch=n_ubatch)
+    options = StreamingOptions(budget_bytes=layers * expert_layer_bytes(qwen), prefetch=True)
+    settings = {"n_ctx": 1024, "n_batch": 512, "n_ubatch": n_ubatch}
+    gate(qwen, options, reference, prompt=prompt, **settings)
+    if layers > 1:
+        # room beside the running layer: the prompt's micro-batches read the next layer ahead
+        # too, however long they are (the prompt alone, no decode step)
+        llm = streamed(qwen, options, **settings)
+        try:
+            llm.eval(prompt)
+            stats = llm.stats()
+        finally:
+            llm.close()
+        assert stats.prefetched > 0 and stats.prefetch_used > 0
 
 
 # ------------------------------------------------------------------------------------ multi-turn
