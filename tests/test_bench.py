@@ -72,7 +72,13 @@ def test_bench_runs_every_system_on_a_tiny_model(tiny_model: Callable[..., Path]
             assert run["cgroup_peak_bytes"] > 0
     assert {c["pattern"] for c in data["ceiling"]} == {"random", "sequential"}
     cap = next(iter(data["ratios"]["per_cap"].values()))
-    for key in ("roofline_efficiency", "speedup_vs_mmap", "memory_discipline", "hit_rate"):
+    for key in (
+        "roofline_efficiency",
+        "speedup_vs_mmap",
+        "memory_discipline",
+        "hit_rate",
+        "prefill_512_roofline_efficiency",
+    ):
         assert cap[key] is not None, key
     assert data["ratios"]["residency_overhead"] is not None
     assert out.with_suffix(".md").read_text().startswith("# moeflash bench")

@@ -58,9 +58,16 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
     res_d = _decode(resident) if resident else None
     cached_d = _decode(cached) if cached else None
     compute_bound = cached_d["tok_s_median"] if cached_d else None
+    cached_prefill = _by_name(result, "streaming-all-cached-prefill-512", None)
+    prefill_compute = (
+        cached_prefill.report["prompt_tokens"] / cached_prefill.report["prompt_s"]
+        if cached_prefill and cached_prefill.ok and cached_prefill.report.get("prompt_s")
+        else None
+    )
     out: dict[str, Any] = {
         "disk_ceiling_bytes_per_s": ceiling,
         "compute_bound_tok_s": compute_bound,
+        "prefill_512_compute_bound_tok_s": prefill_compute,
         "residency_overhead": _ratio(compute_bound, res_d["tok_s_median"] if res_d else None),
         "per_cap": {},
     }
@@ -95,6 +102,9 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
             prefill_tok_s = rep["prompt_tokens"] / rep["prompt_s"]
             if ceiling and rep.get("prompt_bytes_read"):
                 prefill_bound = rep["prompt_tokens"] * ceiling / rep["prompt_bytes_read"]
+        # as for decode: the prefill's roofline is the lower of its I/O bound and the same prompt
+        # with every expert cached
+        prefill_roof = min((x for x in (prefill_bound, prefill_compute) if x), default=None)
         out["per_cap"][str(cap)] = {
             "cap_bytes": cap,
             "ttft_20_s": stream.report.get("ttft_s") if stream and stream.ok else None,
@@ -102,6 +112,7 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
             "prefill_512_tok_s": prefill_tok_s,
             "prefill_512_io_bound_tok_s": prefill_bound,
             "prefill_512_efficiency": _ratio(prefill_tok_s, prefill_bound),
+            "prefill_512_roofline_efficiency": _ratio(prefill_tok_s, prefill_roof),
             "streaming_tok_s": sd["tok_s_median"] if sd else None,
             "mmap_tok_s": md["tok_s_mean"] if md else None,
             "io_bound_tok_s": io_bound,

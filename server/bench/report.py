@@ -91,15 +91,19 @@ def markdown(result: BenchResult, command: str) -> str:
         "",
         f"- disk ceiling (best O_DIRECT random-read rate): {_fmt(ceiling_mb, '.0f')} MB/s",
         f"- compute-bound tok/s (streaming, every expert cached): {_fmt(ra.get('compute_bound_tok_s'))}",
+        "- compute-bound prefill, 512 tokens, tok/s (every expert cached): "
+        + _fmt(ra.get("prefill_512_compute_bound_tok_s")),
         f"- residency overhead (all-cached / resident): {_fmt(ra.get('residency_overhead'), '.3f')}",
         "",
         "I/O-bound tok/s = disk ceiling / bytes read per token (prefetched experts are read too);"
         " I/O eff. = BENCH.md's bytes read during flash wait / wait / ceiling; disk use = bytes read"
-        " per token x tok/s / ceiling (with prefetch, most reads happen while layers compute).",
+        " per token x tok/s / ceiling (with prefetch, most reads happen while layers compute)."
+        " Prefill 512: I/O eff. = tok/s / (512 x ceiling / bytes the prompt read); roofline eff. ="
+        " tok/s / the lower of that bound and the same prompt with every expert cached.",
         "",
         "| cap | streaming tok/s | mmap tok/s | speedup | I/O-bound tok/s | roofline eff. | "
         "I/O eff. (disk use) | overlap lever tok/s (I/O eff.) | overlap eff. | memory discipline | "
-        "hit rate (cache + prefetch) | TTFT 20 tok (mmap) s | prefill 512 tok/s (eff.) |",
+        "hit rate (cache + prefetch) | TTFT 20 tok (mmap) s | prefill 512 tok/s (I/O eff.; roofline eff.) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cap in ra.get("per_cap", {}).values():
@@ -114,7 +118,8 @@ def markdown(result: BenchResult, command: str) -> str:
             f"{_fmt(cap['memory_discipline'], '.2f')} | {_fmt(cap.get('cache_hit_rate'), '.1%')} + "
             f"{_fmt(cap.get('prefetch_hit_rate'), '.1%')} | "
             f"{_fmt(cap['ttft_20_s'], '.1f')} ({_fmt(cap['mmap_ttft_20_s'], '.1f')}) | "
-            f"{_fmt(cap['prefill_512_tok_s'], '.1f')} ({_fmt(cap['prefill_512_efficiency'], '.2f')}) |"
+            f"{_fmt(cap['prefill_512_tok_s'], '.1f')} ({_fmt(cap['prefill_512_efficiency'], '.2f')}; "
+            f"{_fmt(cap.get('prefill_512_roofline_efficiency'), '.2f')}) |"
         )
     return "\n".join(lines) + "\n"
 
