@@ -15,29 +15,41 @@
 //     seen from the running layer is next looked at after d = (l - cur) mod n_layer steps (a full
 //     cycle for the running layer), then every n_layer steps: one "visit" per token.
 //   * Reuse model: an entry's state is its age (visits of its layer since the router last picked
-//     it; "never" apart) and a frequency class (log2 of 1 + its use count). Whenever a layer is
-//     routed, every expert of that layer is one observation of "state -> routed or not", for
-//     resident and absent entries alike, so the hazard h(age, class) = P(routed at this visit |
-//     state) is estimated from n_expert observations per route (a sparse cell leans on its age
-//     bucket over all classes, that one on k / n_expert).
-//     Real routers reuse an expert much more at age 1 than later, and frequent experts more than
-//     rare ones; the table measures how much on the running model instead of assuming it, and
-//     on routing without such structure it flattens out, leaving the distance d to decide.
+//     it; "never" apart), a frequency class (log2 of 1 + its use count) and a lift class: how much
+//     likelier than usual the layer's last routed set makes the expert at the layer's next visit
+//     (mf_affinity.c learns, per layer, which experts follow which from one visit to the next).
+//     Whenever a layer is routed, every expert of that layer is one observation of "state ->
+//     routed or not", for resident and absent entries alike, so the hazard h(age, class, lift) =
+//     P(routed at this visit | state) is estimated from n_expert observations per route (a sparse
+//     cell leans on its (age, class) over all lift classes, that on its age bucket over all
+//     classes, that on k / n_expert).
+//     Real routers reuse an expert much more at age 1 than later, frequent experts more than rare
+//     ones, and move between related experts from token to token; the table measures how much on
+//     the running model instead of assuming it, and on routing without such structure it flattens
+//     out, leaving the distance d to decide.
 //   * Keep value: with S_j the chance the entry is still unused after j visits (from h, its age
-//     growing each visit), holding it until the J-th visit yields (1 - S_J) expected hits for
+//     growing each visit; the lift class speaks of the next visit only, later ones use h over all
+//     lift classes), holding it until the J-th visit yields (1 - S_J) expected hits for
 //     d + n_layer * (S_1 + ... + S_{J-1}) layer steps of occupancy; the value is the best such
 //     rate over J (a Gittins-style index: an entry close to its use with a modest chance can be
 //     worth more than a likely one a whole cycle away), divided by the entry's bytes. This is
 //     Belady's rule made stochastic: far, unlikely entries go first. It keeps hitting below one
 //     token's working set, where LRU evicts exactly what comes next. Equal values (same state,
 //     distance and size) fall back to LRU order.
-//   * Adaptivity: use counts are halved every MF_WINDOW visits of their layer and the hazard
-//     observations once they exceed MF_WINDOW visits of every layer, so the model follows
-//     drifting routing. The value table is recomputed once per cycle (n_layer routes); a victim
-//     search scores the resident entries once per route (a resident list, not every entry).
-//   * Measured (bench/reports/trace-replay.md): decode hit rate 0.80 (Qwen) / 0.85 (Gemma) of
-//     Belady's at 2000 MiB (the frequency-only predecessor: 0.76 / 0.82), not below LRU at 250 MiB
-//     to 8 GiB; the remaining gap is what age and frequency cannot predict.
+//   * Adaptivity: use counts and affinity counts are halved every MF_WINDOW visits of their layer
+//     and the hazard observations once they exceed MF_WINDOW visits of every layer, so the model
+//     follows drifting routing. The hazards are recomputed once per cycle (n_layer routes) and a
+//     value-table row when a resident entry first needs it in the cycle; a victim search scores
+//     the resident entries once per route (a resident list, not every entry).
+//   * Measured (bench/reports/trace-replay.md): decode hit rate 0.83 (Qwen, 64.4%) / 0.86 (Gemma,
+//     67.8%) of Belady's at 2000 MiB (age and frequency only: 0.80 / 0.85; frequency only: 0.76 /
+//     0.82), higher than without the lift at 250 MiB to 6 GiB, not below LRU at 250 MiB to 8 GiB.
+//   * What is left: given the next token's actual routing (an oracle), this index reaches 0.85 of
+//     Belady on Qwen (66.5% at 2000 MiB), so even a perfect next-token predictor leaves most of
+//     the gap, which is about reuse two and more tokens ahead. The affinity between layers within
+//     a token was measured and left out: it is strong (it ranks the running token's later routes
+//     well) but even the exact rest of the running token adds 0.1 points, as those entries a few
+//     layers ahead are kept anyway.
 // - NONE: keep only the running layer's experts.
 // The running layer's routed entries are pinned until the next call.
 // Prefetch (mf_cache_prefetch): the streamer may admit the next layer's predicted experts before
@@ -61,8 +73,8 @@
 #define MF_CLASSES 8
 // visits looked ahead by the keep value: long enough to reach the slowly changing old-age buckets
 #define MF_HORIZON 32
-// weight, in observations, of the prior k / n_expert in each hazard estimate
-#define MF_PRIOR_WEIGHT 2.0f
+// cells of the reuse model: (age bucket, frequency class, lift class)
+#define MF_CELLS (MF_AGES * MF_CLASSES * MF_LIFTS)
 // memory of the reuse model, in visits of a layer (about that many tokens)
 #define MF_WINDOW 256u
 
@@ -77,7 +89,7 @@ int mf_cache_new(int32_t n_layer, int32_t n_expert, const uint64_t * entry_bytes
         return -ENOMEM;
     }
     const size_t n   = (size_t) n_layer * (size_t) n_expert;
-    const size_t tab = (size_t) MF_AGES * MF_CLASSES;
+    const size_t tab = (size_t) MF_CELLS;
     c->n_layer       = n_layer;
     c->n_expert      = n_expert;
     c->budget        = budget_bytes;
@@ -94,13 +106,22 @@ int mf_cache_new(int32_t n_layer, int32_t n_expert, const uint64_t * entry_bytes
     c->obs           = calloc(tab, sizeof *c->obs);
     c->obs_hit       = calloc(tab, sizeof *c->obs_hit);
     c->keep          = calloc(tab * (size_t) n_layer, sizeof *c->keep);
+    c->keep_cycle    = calloc(tab, sizeof *c->keep_cycle);
+    c->h3            = calloc(tab, sizeof *c->h3);
+    c->h2            = calloc((size_t) MF_AGES * MF_CLASSES, sizeof *c->h2);
     c->res_list      = calloc(n, sizeof *c->res_list);
     c->res_pos       = calloc(n, sizeof *c->res_pos);
     c->score         = calloc(n, sizeof *c->score);
     c->load          = calloc((size_t) n_expert, sizeof *c->load);
     c->evict         = calloc(n, sizeof *c->evict);
     if (!c->entry_bytes || !c->resident || !c->last_use || !c->pinned || !c->visits || !c->last_visit || !c->uses ||
-        !c->obs || !c->obs_hit || !c->keep || !c->res_list || !c->res_pos || !c->score || !c->load || !c->evict) {
+        !c->obs || !c->obs_hit || !c->keep || !c->keep_cycle || !c->h3 || !c->h2 || !c->res_list || !c->res_pos ||
+        !c->score || !c->load || !c->evict) {
+        mf_cache_free(c);
+        return -ENOMEM;
+    }
+    // the affinity model is the LAYER policy's alone (n_layer * n_expert^2 counts)
+    if (policy == MF_POLICY_LAYER && mf_affinity_init(&c->affinity, n_layer, n_expert) != 0) {
         mf_cache_free(c);
         return -ENOMEM;
     }
@@ -123,11 +144,15 @@ void mf_cache_free(mf_cache * c) {
     free(c->obs);
     free(c->obs_hit);
     free(c->keep);
+    free(c->keep_cycle);
+    free(c->h3);
+    free(c->h2);
     free(c->res_list);
     free(c->res_pos);
     free(c->score);
     free(c->load);
     free(c->evict);
+    mf_affinity_free(&c->affinity);
     free(c);
 }
 
@@ -180,13 +205,18 @@ static int32_t freq_class(uint32_t uses) {
     return cl < MF_CLASSES - 1 ? cl : MF_CLASSES - 1;
 }
 
-// one route of `layer`: each of its experts is an observation of (age, class) -> routed or not
+// the model cell of entry i at visit v of its layer
+static int32_t cell_of(const mf_cache * c, size_t i, uint32_t v) {
+    return (age_bucket(c, i, v) * MF_CLASSES + freq_class(c->uses[i])) * MF_LIFTS + c->affinity.lift[i];
+}
+
+// one route of `layer`: each of its experts is an observation of (age, class, lift) -> routed or not
 static void learn(mf_cache * c, int32_t layer, const uint8_t * want) {
     const size_t   row = (size_t) layer * (size_t) c->n_expert;
     const uint32_t v   = ++c->visits[layer];
     for (int32_t e = 0; e < c->n_expert; e++) {
         const size_t  i    = row + (size_t) e;
-        const int32_t cell = age_bucket(c, i, v) * MF_CLASSES + freq_class(c->uses[i]);
+        const int32_t cell = cell_of(c, i, v);
         c->obs[cell] += 1.0f;
         if (want[e]) {
             c->obs_hit[cell] += 1.0f;
@@ -196,13 +226,16 @@ static void learn(mf_cache * c, int32_t layer, const uint8_t * want) {
     }
     c->obs_total += (float) c->n_expert;
     // forget slowly: halve the evidence once it spans a window, so the model can follow drift
-    if (v % MF_WINDOW == 0) {
+    const bool halve = v % MF_WINDOW == 0;
+    if (halve) {
         for (int32_t e = 0; e < c->n_expert; e++) {
             c->uses[row + (size_t) e] /= 2;
         }
     }
+    // the lift classes for the layer's next visit (after the observations, which used this one's)
+    mf_affinity_route(&c->affinity, layer, want, c->k_seen, halve);
     if (c->obs_total > (float) MF_WINDOW * (float) c->n_layer * (float) c->n_expert) {
-        for (int32_t cell = 0; cell < MF_AGES * MF_CLASSES; cell++) {
+        for (int32_t cell = 0; cell < MF_CELLS; cell++) {
             c->obs[cell] *= 0.5f;
             c->obs_hit[cell] *= 0.5f;
         }
@@ -210,18 +243,34 @@ static void learn(mf_cache * c, int32_t layer, const uint8_t * want) {
     }
 }
 
-// P(routed at the next visit | age bucket, class). A cell with few observations leans on its age
-// bucket over all classes, and that on k / n_expert: rare states borrow from common ones
-static float hazard(const mf_cache * c, int32_t age, int32_t cl) {
+// P(routed at a visit | state) for every cell (h3[cell]) and for every (age, class) over all lift
+// classes (h2[age * MF_CLASSES + class]). A state with few observations leans on a coarser one:
+// a cell on its (age, class), that on its age bucket over all classes, that on k / n_expert
+static void hazards(const mf_cache * c, float * h3, float * h2) {
     const float prior = (float) c->k_seen / (float) c->n_expert;
-    float       n = 0.0f, h = 0.0f;
-    for (int32_t j = 0; j < MF_CLASSES; j++) {
-        n += c->obs[age * MF_CLASSES + j];
-        h += c->obs_hit[age * MF_CLASSES + j];
+    for (int32_t age = 0; age < MF_AGES; age++) {
+        float n = 0.0f, h = 0.0f;
+        float n2[MF_CLASSES], hit2[MF_CLASSES];
+        for (int32_t cl = 0; cl < MF_CLASSES; cl++) {
+            n2[cl] = hit2[cl] = 0.0f;
+            for (int32_t b = 0; b < MF_LIFTS; b++) {
+                const int32_t cell = (age * MF_CLASSES + cl) * MF_LIFTS + b;
+                n2[cl] += c->obs[cell];
+                hit2[cl] += c->obs_hit[cell];
+            }
+            n += n2[cl];
+            h += hit2[cl];
+        }
+        const float by_age = (h + MF_PRIOR_WEIGHT * prior) / (n + MF_PRIOR_WEIGHT);
+        for (int32_t cl = 0; cl < MF_CLASSES; cl++) {
+            const float by_class = (hit2[cl] + MF_PRIOR_WEIGHT * by_age) / (n2[cl] + MF_PRIOR_WEIGHT);
+            h2[age * MF_CLASSES + cl] = by_class;
+            for (int32_t b = 0; b < MF_LIFTS; b++) {
+                const int32_t cell = (age * MF_CLASSES + cl) * MF_LIFTS + b;
+                h3[cell]           = (c->obs_hit[cell] + MF_PRIOR_WEIGHT * by_class) / (c->obs[cell] + MF_PRIOR_WEIGHT);
+            }
+        }
     }
-    const float by_age = (h + MF_PRIOR_WEIGHT * prior) / (n + MF_PRIOR_WEIGHT);
-    const int32_t cell = age * MF_CLASSES + cl;
-    return (c->obs_hit[cell] + MF_PRIOR_WEIGHT * by_age) / (c->obs[cell] + MF_PRIOR_WEIGHT);
 }
 
 // out[d - 1] = max over horizons j of hits[j] / (d + L * held[j]) for d in dlo..dhi, the best j
@@ -248,33 +297,42 @@ static void keep_fill(const float * hits, const float * held, int32_t L, float *
     keep_fill(hits, held, L, out, d + 1, dhi, best_j, jhi);
 }
 
-// keep[(age * MF_CLASSES + class) * n_layer + d - 1]: expected hits per layer step of holding an
-// entry in that state whose layer comes next in d steps (see DESIGN)
-static void compute_keep(mf_cache * c) {
-    const int32_t L = c->n_layer;
+// the model of the coming cycle: hazards now, keep-value rows on first use (keep_row)
+static void refresh_model(mf_cache * c) {
+    hazards(c, c->h3, c->h2);
+    c->cycle++;
+    c->keep_age = 0;
+}
+
+// keep[cell * n_layer + d - 1]: expected hits per layer step of holding an entry in that state
+// (age, class, lift) whose layer comes next in d steps (see DESIGN). The lift class speaks of the
+// next visit only: later visits use the (age, class) hazard over all lift classes. A row is filled
+// when a resident entry first needs it in a cycle: the residents occupy a fraction of the
+// MF_CELLS states, and filling them all each cycle would cost more than the victim searches.
+static const float * keep_row(mf_cache * c, int32_t cell) {
+    const int32_t L   = c->n_layer;
+    float *       row = c->keep + (size_t) cell * (size_t) L;
+    if (c->keep_cycle[cell] == c->cycle) {
+        return row;
+    }
+    const int32_t age = cell / (MF_CLASSES * MF_LIFTS);
+    const int32_t cl  = cell / MF_LIFTS % MF_CLASSES;
     float         hits[MF_HORIZON];
     float         held[MF_HORIZON];  // cycles held beyond the first visit: S_1 + ... + S_{J-1}
-    float         h[MF_AGES * MF_CLASSES];
-    for (int32_t cell = 0; cell < MF_AGES * MF_CLASSES; cell++) {
-        h[cell] = hazard(c, cell / MF_CLASSES, cell % MF_CLASSES);
+    const float   first = 1.0f - c->h3[cell];  // S_1
+    float         s = first, t = 0.0f;
+    hits[0] = 1.0f - s;
+    held[0] = 0.0f;
+    for (int32_t j = 1; j < MF_HORIZON; j++) {
+        const int32_t a = age == MF_AGE_NEVER ? age : bucket_of_age(age_of_bucket(age) + (uint32_t) j);
+        t += s;
+        s *= 1.0f - c->h2[a * MF_CLASSES + cl];
+        hits[j] = 1.0f - s;
+        held[j] = t;
     }
-    // age bucket 0 never occurs (an age counts visits since the last use, at least 1)
-    for (int32_t age = 1; age < MF_AGES; age++) {
-        for (int32_t cl = 0; cl < MF_CLASSES; cl++) {
-            float s = 1.0f, t = 0.0f;
-            for (int32_t j = 0; j < MF_HORIZON; j++) {
-                const int32_t a = age == MF_AGE_NEVER ? age : bucket_of_age(age_of_bucket(age) + (uint32_t) j);
-                if (j > 0) {
-                    t += s;
-                }
-                s *= 1.0f - h[a * MF_CLASSES + cl];
-                hits[j] = 1.0f - s;
-                held[j] = t;
-            }
-            keep_fill(hits, held, L, c->keep + (size_t) (age * MF_CLASSES + cl) * (size_t) L, 1, L, 0, MF_HORIZON - 1);
-        }
-    }
-    c->keep_age = 0;
+    keep_fill(hits, held, L, row, 1, L, 0, MF_HORIZON - 1);
+    c->keep_cycle[cell] = c->cycle;
+    return row;
 }
 
 // scores every resident entry (keep value per byte); pinned ones can't be victims
@@ -292,9 +350,9 @@ static void score_residents(mf_cache * c, int32_t cur) {
         if (d <= 0) {
             d += L;
         }
-        const int32_t cell  = age_bucket(c, i, c->visits[l] + 1u) * MF_CLASSES + freq_class(c->uses[i]);
+        const int32_t cell  = cell_of(c, i, c->visits[l] + 1u);
         const float   bytes = c->entry_bytes[l] ? (float) c->entry_bytes[l] : 1.0f;
-        c->score[p]         = c->keep[(size_t) cell * (size_t) L + (size_t) (d - 1)] / bytes;
+        c->score[p]         = keep_row(c, cell)[d - 1] / bytes;
     }
 }
 
@@ -370,9 +428,10 @@ int mf_cache_route(mf_cache * c, int32_t layer, const uint8_t * want) {
 
     if (c->policy == MF_POLICY_LAYER) {
         learn(c, layer, want);
-        // the value table follows the model once per layer cycle: fresh enough, and cheap per route
+        // the hazards (and so the value table) follow the model once per layer cycle: fresh
+        // enough, and cheap per route
         if (c->keep_age < 0 || ++c->keep_age >= c->n_layer) {
-            compute_keep(c);
+            refresh_model(c);
         }
     }
 

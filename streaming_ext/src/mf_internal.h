@@ -16,6 +16,35 @@
 #define MF_MAX_XT        4      // expert tensors per layer (gate, up, down; or gate_up, down)
 #define MF_ERR_LEN       512
 
+// ---------------------------------------------------------------- routing affinity (mf_affinity.c)
+// weight, in observations, of the prior behind each estimate of the LAYER policy's models
+#define MF_PRIOR_WEIGHT 2.0f
+// lift classes, one per power of four: < 1/4, [1/4, 1), [1, 4), >= 4. Coarse on purpose: each
+// class splits every (age, class) cell of the reuse model, whose observations are few early on
+// (classes per power of two or of sqrt(2) measured the same at 2000 MiB, see mf_affinity.c)
+#define MF_LIFTS        4
+#define MF_LIFT_NEUTRAL 2  // the class of lift 1 (no evidence either way)
+
+// per layer: how the experts of one visit predict those of the next (see mf_affinity.c)
+typedef struct mf_affinity {
+    int32_t    n_layer;
+    int32_t    n_expert;
+    uint16_t * pair;     // [n_layer * n_expert * n_expert] visits routing e followed by one routing f
+    uint16_t * src;      // [n_layer * n_expert] visits routing e followed by another visit
+    uint16_t * marg;     // [n_layer * n_expert] visits routing f
+    uint16_t * seen;     // [n_layer] visits counted
+    uint8_t *  last;     // [n_layer * n_expert] the layer's last routed set
+    uint8_t *  lift;     // [n_layer * n_expert] lift class of each entry at its layer's next visit
+    float *    scratch;  // [n_expert]
+} mf_affinity;
+
+int  mf_affinity_init(mf_affinity * a, int32_t n_layer, int32_t n_expert);
+void mf_affinity_free(mf_affinity * a);  // also after a failed init
+// one route of `layer`: learns from the transition since its last visit and sets the lift classes
+// for its next one. k_prior: the routed-set size (the prior of a marginal is k / n_expert); halve:
+// forget half of the layer's evidence first
+void mf_affinity_route(mf_affinity * a, int32_t layer, const uint8_t * want, int32_t k_prior, bool halve);
+
 // ---------------------------------------------------------------- cache policy (mf_cache.c)
 struct mf_cache {
     int32_t    n_layer;
@@ -34,11 +63,18 @@ struct mf_cache {
     uint32_t * visits;        // [n_layer] routes of the layer so far
     uint32_t * last_visit;    // [n_layer * n_expert] the layer's visit that last routed it, 0: never
     uint32_t * uses;          // [n_layer * n_expert] routes that picked it (halved every window)
-    float *    obs;           // [MF_AGES * MF_CLASSES] decayed count of (age, class) observations
-    float *    obs_hit;       // [MF_AGES * MF_CLASSES] of them, how many were routed
+    float *    obs;           // [MF_AGES * MF_CLASSES * MF_LIFTS] decayed count of (age, class, lift)
+                              // observations
+    float *    obs_hit;       // [MF_AGES * MF_CLASSES * MF_LIFTS] of them, how many were routed
     float      obs_total;
-    float *    keep;          // [MF_AGES * MF_CLASSES * n_layer] keep value by (age, class, distance)
-    int32_t    keep_age;      // routes since `keep` was computed; -1: never
+    float *    keep;          // [MF_AGES * MF_CLASSES * MF_LIFTS * n_layer] keep value by (age, class,
+                              // lift, distance)
+    mf_affinity affinity;     // lift classes of the entries at their layer's next visit
+    uint32_t * keep_cycle;    // [MF_CELLS] the cycle a row of `keep` was filled in (0: never)
+    float *    h3;            // [MF_CELLS] hazard by (age, class, lift), this cycle's
+    float *    h2;            // [MF_AGES * MF_CLASSES] hazard by (age, class), this cycle's
+    uint32_t   cycle;         // model refreshes so far
+    int32_t    keep_age;      // routes since the model was refreshed; -1: never
     int32_t *  res_list;      // resident entries, unordered (the victim scan walks only these)
     int32_t *  res_pos;       // [n_layer * n_expert] position in res_list
     int32_t    n_res;
