@@ -63,6 +63,8 @@ def test_bench_runs_every_system_on_a_tiny_model(tiny_model: Callable[..., Path]
     assert sorted(r["system"] for r in data["runs"]) == sorted(names)
     failed = {r["system"]: r["error"] for r in data["runs"] if not r["ok"]}
     assert not failed, failed
+    # the stock resident reference starts with the whole file in RAM; nothing else does
+    assert {r["system"] for r in data["runs"] if r["page_cache_warmed"]} == {"resident"}
     for run in data["runs"]:
         report = run["report"]
         assert {"load_s", "ttft_s", "prompt_tokens", "decode_tok_s", "peak_rss_bytes", "per_token"} <= set(

@@ -484,16 +484,23 @@ int32_t mf_cache_prefetch(mf_cache * c, int32_t layer, const uint8_t * want) {
     }
     const size_t   row   = (size_t) layer * (size_t) c->n_expert;
     const uint64_t bytes = c->entry_bytes[layer];
-    if (c->policy == MF_POLICY_LAYER) {
-        // scored before any admission: admissions enter with FLT_MAX and stay out of reach
-        score_residents(c, c->pinned_layer >= 0 ? c->pinned_layer : layer);
-    }
+    // scored only when something must go (with most experts cached, nothing does, and scoring
+    // every resident entry per layer was most of a cached token's cache time)
+    bool scored = false;
     for (int32_t e = 0; e < c->n_expert; e++) {
         const size_t i = row + (size_t) e;
         if (!want[e] || c->resident[i]) {
             continue;
         }
         while (c->used + bytes > c->budget) {
+            if (c->policy == MF_POLICY_LAYER && !scored) {
+                score_residents(c, c->pinned_layer >= 0 ? c->pinned_layer : layer);
+                // this call's admissions stay out of reach, as if they had entered after scoring
+                for (int32_t j = 0; j < c->n_load; j++) {
+                    c->score[c->res_pos[row + (size_t) c->load[j]]] = FLT_MAX;
+                }
+                scored = true;
+            }
             const int64_t v = pick_victim(c);
             // never the running layer's routed entries (pinned) nor this call's admissions
             // (score FLT_MAX in LAYER; the newest clock in LRU, so only chosen when nothing else is)
