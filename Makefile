@@ -105,7 +105,7 @@ bench-small: setup-dev
 	$(VENV)/bin/moeflash bench --shape qwen30b-8l-shape --caps 0.25,0.5 --tokens 16 --mmap-tokens 3 \
 		--out bench/reports/small
 
-# The full report (an 18 GB model, ~20 minutes) and the trace replay.
+# The full report (an 18 GB model, ~25 minutes) and the trace replay.
 bench: setup-dev
 	$(VENV)/bin/moeflash bench --shape qwen30b-shape --caps 0.25,0.5 --tokens 32 --mmap-tokens 6 \
 		--out bench/reports/qwen30b-shape
