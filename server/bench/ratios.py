@@ -45,6 +45,13 @@ def _by_name(result: BenchResult, name: str, cap: int | None) -> Run | None:
     return next((r for r in result.runs if r.system == name and r.cap_bytes == cap), None)
 
 
+def _prompt_tok_s(run: Run | None) -> float | None:
+    """Prompt tokens per second of a run, None when it failed."""
+    if not run or not run.ok or not run.report.get("prompt_s"):
+        return None
+    return float(run.report["prompt_tokens"]) / float(run.report["prompt_s"])
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -58,12 +65,7 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
     res_d = _decode(resident) if resident else None
     cached_d = _decode(cached) if cached else None
     compute_bound = cached_d["tok_s_median"] if cached_d else None
-    cached_prefill = _by_name(result, "streaming-all-cached-prefill-512", None)
-    prefill_compute = (
-        cached_prefill.report["prompt_tokens"] / cached_prefill.report["prompt_s"]
-        if cached_prefill and cached_prefill.ok and cached_prefill.report.get("prompt_s")
-        else None
-    )
+    prefill_compute = _prompt_tok_s(_by_name(result, "streaming-all-cached-prefill-512", None))
     out: dict[str, Any] = {
         "disk_ceiling_bytes_per_s": ceiling,
         "compute_bound_tok_s": compute_bound,
@@ -96,12 +98,10 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
         if sd and ceiling and compute_bound:
             ideal = max(1.0 / compute_bound, sd["bytes_read"] / ceiling)
         prefill = _by_name(result, "streaming-prefill-512", cap)
-        prefill_tok_s = prefill_bound = None
-        if prefill and prefill.ok and prefill.report.get("prompt_s"):
-            rep = prefill.report
-            prefill_tok_s = rep["prompt_tokens"] / rep["prompt_s"]
-            if ceiling and rep.get("prompt_bytes_read"):
-                prefill_bound = rep["prompt_tokens"] * ceiling / rep["prompt_bytes_read"]
+        prefill_tok_s = _prompt_tok_s(prefill)
+        prefill_bound = None
+        if prefill and prefill_tok_s and ceiling and prefill.report.get("prompt_bytes_read"):
+            prefill_bound = prefill.report["prompt_tokens"] * ceiling / prefill.report["prompt_bytes_read"]
         # as for decode: the prefill's roofline is the lower of its I/O bound and the same prompt
         # with every expert cached
         prefill_roof = min((x for x in (prefill_bound, prefill_compute) if x), default=None)
