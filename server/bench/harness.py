@@ -49,6 +49,7 @@ class Run:
     cgroup_stat: dict[str, int] = field(default_factory=dict)
     page_cache_dropped: bool = False
     page_cache_warmed: bool = False  # the model file was read into the page cache before the run
+    repeat: int = 0  # which run of a system measured several times (System.repeats), from 0
     note: str = ""
 
 
@@ -107,12 +108,15 @@ def warm_page_cache(paths: list[Path], chunk: int = 8 << 20) -> None:
                 pass
 
 
-def run_system(system: System, cfg: BenchConfig, cap: int | None, progress: Callable[[str], None]) -> Run:
+def run_system(
+    system: System, cfg: BenchConfig, cap: int | None, progress: Callable[[str], None], repeat: int = 0
+) -> Run:
     """One `moeflash generate --json` process, capped or not."""
     argv = system.argv(str(cfg.model), PROMPT_20, cfg.decode_tokens, cfg.ctx_size)
     dropped = drop_page_cache() is None
-    run = Run(system.name, cap, ok=False, page_cache_dropped=dropped)
-    progress(f"{system.name}{'' if cap is None else f' @ {cap / 2**30:.2f} GiB'}")
+    run = Run(system.name, cap, ok=False, page_cache_dropped=dropped, repeat=repeat)
+    nth = f" (run {repeat + 1} of {system.repeats})" if system.repeats > 1 else ""
+    progress(f"{system.name}{nth}{'' if cap is None else f' @ {cap / 2**30:.2f} GiB'}")
     if system.warm_page_cache:
         progress(f"{system.name}: reading the model into the page cache first")
         warm_page_cache(split_files(cfg.model))
@@ -196,8 +200,11 @@ def run_bench(
     cache_note = drop_page_cache()
     ceiling = measure_ceiling(cfg, int(model_info["bytes_per_expert_slice"]), progress)
     runs: list[Run] = []
-    for system in systems.uncapped:
-        runs.append(run_system(system, cfg, None, progress))
+    # in rounds: a system measured twice is measured again after the others, not right after itself
+    for repeat in range(max((s.repeats for s in systems.uncapped), default=0)):
+        for system in systems.uncapped:
+            if repeat < system.repeats:
+                runs.append(run_system(system, cfg, None, progress, repeat))
     for cap in cfg.caps:
         for system in systems.capped:
             runs.append(run_system(system, cfg, cap, progress))

@@ -16,6 +16,12 @@ def _fmt(value: float | None, spec: str = ".2f", unit: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{unit}"
 
 
+def _name(run: Run, result: BenchResult) -> str:
+    """The system's name, with the run's number where the system ran more than once."""
+    n = sum(r.system == run.system and r.cap_bytes == run.cap_bytes for r in result.runs)
+    return f"{run.system} #{run.repeat + 1}" if n > 1 else run.system
+
+
 def _cap(run: Run) -> str:
     return "none" if run.cap_bytes is None else f"{run.cap_bytes / 2**30:.2f} GiB"
 
@@ -58,7 +64,7 @@ def markdown(result: BenchResult, command: str) -> str:
     for run in result.runs:
         if not run.ok:
             lines.append(
-                f"| {run.system} | {_cap(run)} | failed: {(run.error or '').splitlines()[-1][:120]} |"
+                f"| {_name(run, result)} | {_cap(run)} | failed: {(run.error or '').splitlines()[-1][:120]} |"
             )
             continue
         r = run.report
@@ -76,7 +82,7 @@ def markdown(result: BenchResult, command: str) -> str:
             else "n/a"
         )
         lines.append(
-            f"| {run.system} | {_cap(run)} | {r['load_s']:.2f} | {r['ttft_s']:.2f} | "
+            f"| {_name(run, result)} | {_cap(run)} | {r['load_s']:.2f} | {r['ttft_s']:.2f} | "
             f"{r['prompt_tokens'] / r['prompt_s'] if r['prompt_s'] else 0:.1f} | "
             f"{_fmt(d['tok_s_median'] if d else None)} / {_fmt(d['tok_s_mean'] if d else None)} | "
             f"{r['peak_rss_bytes'] / _MIB:.0f} | {cgroup_peak} | "
@@ -93,7 +99,13 @@ def markdown(result: BenchResult, command: str) -> str:
         f"- compute-bound tok/s (streaming, every expert cached): {_fmt(ra.get('compute_bound_tok_s'))}",
         "- compute-bound prefill, 512 tokens, tok/s (every expert cached): "
         + _fmt(ra.get("prefill_512_compute_bound_tok_s")),
-        f"- residency overhead (all-cached / resident): {_fmt(ra.get('residency_overhead'), '.3f')}",
+        f"- residency overhead (all-cached / resident, the faster run of each): "
+        f"{_fmt(ra.get('residency_overhead'), '.3f')}"
+        + (
+            f"; run by run: {', '.join(_fmt(x, '.3f') for x in ra['residency_overhead_rounds'])}"
+            if len(ra.get("residency_overhead_rounds") or []) > 1
+            else ""
+        ),
         "",
         "I/O-bound tok/s = disk ceiling / bytes read per token (prefetched experts are read too);"
         " I/O eff. = BENCH.md's bytes read during flash wait / wait / ceiling; disk use = bytes read"
@@ -137,7 +149,7 @@ def chart(result: BenchResult, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = [r for r in result.runs if r.ok and _decode(r)]
-    labels = [f"{r.system}\n{_cap(r)}" for r in runs]
+    labels = [f"{_name(r, result)}\n{_cap(r)}" for r in runs]
     decoded = [_decode(r) for r in runs]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8, len(runs) * 0.9), 9))
     ax1.bar(range(len(runs)), [d["tok_s_median"] if d else 0 for d in decoded], color="#3b7dd8")

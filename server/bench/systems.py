@@ -27,6 +27,11 @@ class System:
     # only starts an asynchronous readahead, and a short prompt let decode begin while it ran
     # (the resident reference sped up from 0.42 to 0.15 s per token over 31 tokens)
     warm_page_cache: bool = False
+    # runs of it, interleaved with the other uncapped systems' (ratios take the fastest): the
+    # residency ratio divides two runs of ~0.1 s per token, and this machine's speed drifts by
+    # more than the 5% it judges (one all-cached run measured 0.875 of the resident run, the same
+    # two systems re-run minutes later 0.96-0.99)
+    repeats: int = 1
 
     def argv(
         self, model: str, prompt: str, n_predict: int, ctx_size: int, extra: tuple[str, ...] = ()
@@ -74,6 +79,7 @@ def default_systems(mmap_tokens: int, levers: bool = True) -> SystemSet:
             ("--resident",),
             description="stock llama.cpp, model fully in RAM (page cache warmed first)",
             warm_page_cache=True,
+            repeats=2,
         ),
         System(
             "streaming-all-cached",
@@ -81,6 +87,7 @@ def default_systems(mmap_tokens: int, levers: bool = True) -> SystemSet:
             # every expert read at load: decode then measures compute alone
             ("--budget", "all", "--preload"),
             description="moeflash with every expert cached (compute-bound reference)",
+            repeats=2,
         ),
         System(
             "streaming-all-cached-prefill-512",

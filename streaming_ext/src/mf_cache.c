@@ -518,6 +518,13 @@ int32_t mf_cache_prefetch(mf_cache * c, int32_t layer, const uint8_t * want) {
     return c->n_load;
 }
 
+bool mf_cache_layer_resident(const mf_cache * c, int32_t layer) {
+    if (layer < 0 || layer >= c->n_layer) {
+        return false;
+    }
+    return memchr(c->resident + (size_t) layer * (size_t) c->n_expert, 0, (size_t) c->n_expert) == NULL;
+}
+
 void mf_cache_counts(const mf_cache * c, uint64_t * hits, uint64_t * misses, uint64_t * evictions) {
     *hits      = c->hits;
     *misses    = c->misses;

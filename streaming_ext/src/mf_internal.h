@@ -93,6 +93,8 @@ struct mf_cache {
 // nothing is pinned, counted or learned, and it stops rather than evict the running layer's
 // routed entries or its own admissions. Returns the number of entries to load.
 int32_t mf_cache_prefetch(mf_cache * c, int32_t layer, const uint8_t * want);
+// whether every expert of `layer` is resident (then there is nothing to predict or prefetch)
+bool mf_cache_layer_resident(const mf_cache * c, int32_t layer);
 // forgets a resident entry whose read failed (it is not resident after all)
 void mf_cache_forget(mf_cache * c, int32_t layer, int32_t expert);
 // evicts every entry (the list is left in c->evict); returns how many

@@ -320,7 +320,12 @@ static int reserve_jobs_locked(mf_streamer * s, size_t need) {
 // refilled. `demand`: the running layer's reads (waited for), else a prefetch. The decode thread
 // itself makes no system call here.
 int mf_queue_route(mf_streamer * s, int32_t il, bool demand) {
-    mf_cache *   c    = s->cache;
+    mf_cache * c = s->cache;
+    if (c->n_evict == 0 && c->n_load == 0) {
+        // all hits: waking the lanes for nothing costs two context switches per lane and layer,
+        // taken from the compute threads on a small machine
+        return 0;
+    }
     const size_t need = (size_t) (c->n_evict + c->n_load) * MF_MAX_XT;
     pthread_mutex_lock(&s->mu);
     const int grown = reserve_jobs_locked(s, need);

@@ -134,6 +134,11 @@ int mf_read_dense(mf_streamer * s, const mf_loc * loc, void * dst) {
 // reads layer il + 1's predicted experts behind layer il's own reads (see mf_predict.c); a route
 // that cannot be predicted or admitted is simply not prefetched
 static void prefetch_next(mf_streamer * s, int32_t il, const struct ggml_tensor * ids) {
+    // with the next layer all cached (a budget that holds the model) the prediction's router
+    // matmul would be the whole of a cached token's cache time, for nothing
+    if (mf_cache_layer_resident(s->cache, il + 1)) {
+        return;
+    }
     if (mf_predict_next(s, il, ids, s->want_next) == 0 || mf_cache_prefetch(s->cache, il + 1, s->want_next) < 0) {
         return;
     }
