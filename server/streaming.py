@@ -4,7 +4,9 @@
 rest of the program cannot tell it from a resident one) whose expert tensors live in the
 streamer's reserved memory and whose cb_eval is the streamer's C callback. The file is mapped
 without being read (load mode MMAP_NO_PREFETCH); dense weights are read once into anonymous
-memory; experts are read on demand into a cache bounded by the budget.
+memory, except the token embeddings of a model with its own output matrix, which stay mapped
+from the file (a token reads one row); experts are read on demand into a cache bounded by the
+budget.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -29,6 +32,10 @@ logger = logging.getLogger(__name__)
 # llama.cpp matches these with std::regex_search against tensor names, first match wins
 EXPERT_PATTERN = r"^blk\.\d+\.ffn_(gate|up|down|gate_up)_exps\.weight$"
 DENSE_PATTERN = r".*"
+# a token reads one row of the embeddings: mapped from the file, not read into memory, unless the
+# output matrix is the same tensor (no output.weight: llama.cpp then multiplies by it every token)
+EMBEDDINGS = "token_embd.weight"
+UNTIED_OUTPUT = "output.weight"
 
 
 # budget_bytes value meaning "every expert": the cache never evicts (the compute-bound reference)
@@ -190,7 +197,12 @@ def load_streaming_llama(
     except StreamerError as exc:
         raise ModelLoadError(str(exc)) from exc
     try:
-        dense = streamer_dense_bytes(path, streamer.expert_bytes)
+        overrides = [(EXPERT_PATTERN, streamer.expert_buft)]
+        mapped = streamer.tensor_bytes(EMBEDDINGS) if streamer.tensor_bytes(UNTIED_OUTPUT) else 0
+        if mapped:
+            overrides.append(("^" + re.escape(EMBEDDINGS) + "$", streamer.rows_buft))
+        overrides.append((DENSE_PATTERN, streamer.dense_buft))
+        dense = streamer_dense_bytes(path, streamer.expert_bytes) - mapped
         if options.budget_bytes == BUDGET_ALL:
             options = dataclasses.replace(options, budget_bytes=streamer.expert_bytes)
         if options.budget_bytes is not None:
@@ -211,10 +223,7 @@ def load_streaming_llama(
                 n_ctx=n_ctx,
                 load_mode=llama_cpp.LLAMA_LOAD_MODE_MMAP_NO_PREFETCH,
                 use_extra_bufts=False,
-                tensor_buft_overrides=[
-                    (EXPERT_PATTERN, streamer.expert_buft),
-                    (DENSE_PATTERN, streamer.dense_buft),
-                ],
+                tensor_buft_overrides=overrides,
                 cb_eval=streamer.eval_callback,
                 cb_eval_user_data=streamer.handle,
                 **kwargs,

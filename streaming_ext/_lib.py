@@ -56,6 +56,7 @@ STAT_FIELDS = (
     "pages_moved",
     "prefetched",
     "prefetch_used",
+    "mapped_bytes",
 )
 
 
@@ -116,6 +117,7 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "mf_streamer_set_budget": ([vp, u64], ctypes.c_int),
         "mf_streamer_expert_buft": ([vp], vp),
         "mf_streamer_dense_buft": ([vp], vp),
+        "mf_streamer_rows_buft": ([vp], vp),
         "mf_streamer_check_loaded": ([vp], ctypes.c_int),
         "mf_streamer_eval_cb": ([vp, c_bool, vp], c_bool),
         "mf_streamer_get_stats": ([vp, ctypes.POINTER(MfStats)], None),
@@ -127,6 +129,7 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "mf_streamer_expert_bytes": ([vp], u64),
         "mf_streamer_n_moe_layers": ([vp], i32),
         "mf_streamer_n_expert": ([vp], i32),
+        "mf_streamer_tensor_bytes": ([vp, ctypes.c_char_p], u64),
         "mf_streamer_page_path": ([vp], ctypes.c_char_p),
         "mf_cache_new": (
             [i32, i32, ctypes.POINTER(u64), u64, i32, ctypes.POINTER(vp)],

@@ -91,11 +91,12 @@ class StreamerStats:
     pages_moved: int
     prefetched: int
     prefetch_used: int
+    mapped_bytes: int
 
     def __sub__(self, other: StreamerStats) -> StreamerStats:
         a, b = asdict(self), asdict(other)
         # gauges stay as they are now; counters become deltas
-        gauges = {"resident_bytes", "direct_io", "dense_bytes", "page_moves"}
+        gauges = {"resident_bytes", "direct_io", "dense_bytes", "page_moves", "mapped_bytes"}
         return StreamerStats(**{k: a[k] if k in gauges else a[k] - b[k] for k in a})
 
     @property
@@ -153,6 +154,12 @@ class Streamer:
     def expert_buft(self) -> int:
         """ggml_backend_buffer_type_t of the expert tensors."""
         value: int = self.lib.cdll.mf_streamer_expert_buft(self.handle)
+        return value
+
+    @property
+    def rows_buft(self) -> int:
+        """ggml_backend_buffer_type_t of tensors a token reads one row of (mapped from the file)."""
+        value: int = self.lib.cdll.mf_streamer_rows_buft(self.handle)
         return value
 
     @property
@@ -217,6 +224,11 @@ class Streamer:
     def expert_bytes(self) -> int:
         """Bytes of all expert tensors of the model."""
         value: int = self.lib.cdll.mf_streamer_expert_bytes(self.handle)
+        return value
+
+    def tensor_bytes(self, name: str) -> int:
+        """Bytes of the named tensor in the model file, 0 when it has none."""
+        value: int = self.lib.cdll.mf_streamer_tensor_bytes(self.handle, name.encode())
         return value
 
     def close(self) -> None:

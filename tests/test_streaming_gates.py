@@ -9,14 +9,22 @@ control proves a gate fails when an expert is deliberately not loaded.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from gguf import GGUFReader
 
 from server.errors import ModelLoadError
-from server.streaming import BUDGET_ALL, StreamingLlama, StreamingOptions, load_streaming_llama
+from server.streaming import (
+    BUDGET_ALL,
+    EXPERT_PATTERN,
+    StreamingLlama,
+    StreamingOptions,
+    load_streaming_llama,
+)
 from streaming_ext import StreamerStats
 from tests.models import LLAMA_DEFAULTS, expert_layer_bytes, greedy, last_logits, load_llama
 
@@ -273,6 +281,27 @@ def test_gate_split_gguf(tiny_model: Callable[..., Path], reference: Callable[..
     expected = reference(whole)
     assert reference(first) == expected, "the split twin must decode like the whole file"
     gate(first, StreamingOptions(budget_bytes=expert_layer_bytes(first)), reference)
+
+
+# ------------------------------------------------------------------------------------ embeddings
+def _tensor_bytes(path: Path, name: str) -> int:
+    reader = GGUFReader(path)
+    return sum(int(t.n_bytes) for t in reader.tensors if t.name == name)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["own-output", "tied"])
+def test_gate_token_embeddings(
+    tiny_model: Callable[..., Path], reference: Callable[..., Result], tied: bool
+) -> None:
+    """A token reads one row of the embeddings: they stay mapped from the file (never read into
+    memory) unless the model has no output.weight and multiplies by them every token."""
+    path = tiny_model("tiny-qwen3moe", tied_embeddings=tied)
+    embd = _tensor_bytes(path, "token_embd.weight")
+    assert embd > 0 and (_tensor_bytes(path, "output.weight") == 0) == tied
+    stats = gate(path, StreamingOptions(budget_bytes=expert_layer_bytes(path)), reference)
+    assert stats.mapped_bytes == (0 if tied else embd)
+    dense = sum(int(t.n_bytes) for t in GGUFReader(path).tensors if not re.search(EXPERT_PATTERN, t.name))
+    assert stats.dense_bytes == dense - stats.mapped_bytes
 
 
 # ------------------------------------------------------------------------------------ negative control

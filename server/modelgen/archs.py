@@ -58,7 +58,8 @@ def tensor_plan(spec: ModelSpec) -> list[TensorSpec]:
     for il in range(spec.n_layer):
         out.extend(_block(spec, il))
     out.append(TensorSpec("output_norm.weight", (e,), f32, std=0.1, mean=1.0))
-    out.append(TensorSpec("output.weight", (e, v), dense, std=3.0 / math.sqrt(e)))
+    if not spec.tied_embeddings:
+        out.append(TensorSpec("output.weight", (e, v), dense, std=3.0 / math.sqrt(e)))
     return out
 
 

@@ -91,6 +91,9 @@ def register(subparsers: Any) -> None:
     qtypes = [q.name for q in WEIGHT_QTYPES]
     p.add_argument("--qtype", choices=qtypes, type=str.upper, help="expert weight type")
     p.add_argument("--dense-qtype", choices=qtypes, type=str.upper, help="non-expert weight matrix type")
+    p.add_argument(
+        "--tied-embeddings", action="store_true", help="no output.weight (embeddings as output matrix)"
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0); same seed, same bytes")
     p.add_argument(
         "--split-max-size", metavar="SIZE", help="split into files of at most SIZE (e.g. 2G, 500M, 4GiB)"
@@ -143,6 +146,8 @@ def spec_from_args(args: argparse.Namespace) -> ModelSpec:
         changes["expert_qtype"] = QType.parse(args.qtype)
     if args.dense_qtype is not None:
         changes["dense_qtype"] = QType.parse(args.dense_qtype)
+    if args.tied_embeddings:
+        changes["tied_embeddings"] = True
     return dataclasses.replace(base, **changes)
 
 

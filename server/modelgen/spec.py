@@ -69,6 +69,7 @@ class ModelSpec:
     matrices use `expert_qtype`, the other weight matrices `dense_qtype`; norms, biases, routers
     and attention sinks are always F32. `n_ff_shexp` is the shared expert's FFN width
     (qwen2moe, hy_v3; 0 elsewhere). `n_swa` is gpt-oss's sliding-window length.
+    `tied_embeddings` leaves out output.weight: the embeddings double as the output matrix.
     """
 
     arch: str
@@ -90,6 +91,8 @@ class ModelSpec:
     rms_eps: float = 1e-6
     alignment: int = 32
     name: str = ""
+    # no output.weight: llama.cpp multiplies by the token embeddings instead (Gemma, small Qwens)
+    tied_embeddings: bool = False
 
     def __post_init__(self) -> None:
         problems = _problems(self)

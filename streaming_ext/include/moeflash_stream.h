@@ -103,6 +103,7 @@ typedef struct mf_stats {
     uint64_t pages_moved;    // pages moved from evicted slices into loaded ones
     uint64_t prefetched;     // entries read ahead of their layer's routing (predicted)
     uint64_t prefetch_used;  // of them, routed by the layer they were read for
+    uint64_t mapped_bytes;   // bytes of tensors mapped from the file (row buffer type), not read
 } mf_stats;
 
 // Creates a streamer for cfg->model_path: indexes the GGUF (all splits), checks sizes and
@@ -118,8 +119,11 @@ MF_API int mf_streamer_set_budget(mf_streamer * s, uint64_t budget_bytes);
 // buffers belong to the streamer's buffer types) has been freed.
 MF_API void mf_streamer_free(mf_streamer * s);
 
-// The buffer types to pass in tensor_buft_overrides: experts (`_exps.weight`) and the rest.
+// The buffer types to pass in tensor_buft_overrides: experts (`_exps.weight`), tensors a token
+// reads one row of (the token embeddings, when the output matrix is a tensor of its own: mapped
+// from the file, never read whole) and the rest (read into memory at load).
 MF_API ggml_backend_buffer_type_t mf_streamer_expert_buft(mf_streamer * s);
+MF_API ggml_backend_buffer_type_t mf_streamer_rows_buft(mf_streamer * s);
 MF_API ggml_backend_buffer_type_t mf_streamer_dense_buft(mf_streamer * s);
 
 // After the model has loaded: 0 when every expert tensor of the file is in the expert buffer
@@ -154,6 +158,8 @@ MF_API uint64_t mf_streamer_layer_bytes(const mf_streamer * s);
 MF_API uint64_t mf_streamer_expert_bytes(const mf_streamer * s);
 MF_API int32_t  mf_streamer_n_moe_layers(const mf_streamer * s);
 MF_API int32_t  mf_streamer_n_expert(const mf_streamer * s);
+// Bytes of the named tensor in the file, 0 when the file has no such tensor.
+MF_API uint64_t mf_streamer_tensor_bytes(const mf_streamer * s, const char * name);
 // How evicted slices' pages reach loaded ones: moved (userfaultfd), or why not.
 MF_API const char * mf_streamer_page_path(const mf_streamer * s);
 

@@ -216,6 +216,7 @@ struct mf_streamer {
 
     struct ggml_backend_buffer_type expert_buft;
     struct ggml_backend_buffer_type dense_buft;
+    struct ggml_backend_buffer_type rows_buft;
 
     // expert tensors, registered while the model loads
     mf_xtensor ** xts;
@@ -273,7 +274,7 @@ struct mf_streamer {
     // counters (relaxed atomics: read without locks)
     atomic_uint_fast64_t st_routes, st_hits, st_misses, st_evictions, st_bytes_read, st_reads, st_wait_ns,
         st_manage_ns, st_read_ns, st_dense_bytes, st_resident_bytes, st_violations, st_errors, st_prefetched,
-        st_prefetch_used;
+        st_prefetch_used, st_mapped_bytes;
     atomic_uint_fast64_t expert_bytes_read_total;  // for fault injection
 };
 

@@ -575,6 +575,10 @@ ggml_backend_buffer_type_t mf_streamer_dense_buft(mf_streamer * s) {
     return &s->dense_buft;
 }
 
+ggml_backend_buffer_type_t mf_streamer_rows_buft(mf_streamer * s) {
+    return &s->rows_buft;
+}
+
 void mf_streamer_get_stats(const mf_streamer * s, mf_stats * out) {
 #define LOAD(c) atomic_load_explicit(&s->c, memory_order_relaxed)
     out->routes         = LOAD(st_routes);
@@ -595,6 +599,7 @@ void mf_streamer_get_stats(const mf_streamer * s, mf_stats * out) {
     out->pages_moved    = atomic_load_explicit(&s->pages.moved, memory_order_relaxed);
     out->prefetched     = LOAD(st_prefetched);
     out->prefetch_used  = LOAD(st_prefetch_used);
+    out->mapped_bytes   = LOAD(st_mapped_bytes);
 #undef LOAD
 }
 
@@ -653,6 +658,11 @@ uint64_t mf_streamer_layer_bytes(const mf_streamer * s) {
 
 uint64_t mf_streamer_expert_bytes(const mf_streamer * s) {
     return s->expert_bytes;
+}
+
+uint64_t mf_streamer_tensor_bytes(const mf_streamer * s, const char * name) {
+    const mf_loc * loc = name ? mf_index_find(&s->ix, name) : NULL;
+    return loc ? loc->size : 0;
 }
 
 int32_t mf_streamer_n_moe_layers(const mf_streamer * s) {
