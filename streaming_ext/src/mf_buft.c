@@ -14,9 +14,10 @@
 // MF_ROWS holds a tensor that a token only reads one row of (the token embeddings of a model
 // whose output matrix is its own tensor): like an expert tensor it gets a reservation of its own,
 // and init_tensor maps the file read-only over it, MADV_RANDOM, so a token costs one page read and
-// the rest of the matrix (315 MiB on qwen30b-shape, 4% of a 8 GiB phone's budget) is left to the
-// expert cache instead of RAM. The page cache keeps the rows in use and the kernel drops them
-// under pressure like any clean file page.
+// the rest of the matrix (315 MiB on qwen30b-shape, 4% of an 8 GiB phone's memory) is left to the
+// expert cache instead. The page cache keeps the rows in use and the kernel drops them under
+// pressure like any clean file page. Like any mapping of the file (llama.cpp's own mmap mode),
+// it assumes the file is not rewritten in place while the model is loaded.
 // All are host buffers of the CPU device, so the CPU backend computes on them directly.
 #include "mf_internal.h"
 
