@@ -67,14 +67,12 @@ struct mf_cache {
                               // observations
     float *    obs_hit;       // [MF_AGES * MF_CLASSES * MF_LIFTS] of them, how many were routed
     float      obs_total;
-    float *    keep;          // [MF_AGES * MF_CLASSES * MF_LIFTS * n_layer] keep value by (age, class,
-                              // lift, distance)
     mf_affinity affinity;     // lift classes of the entries at their layer's next visit
-    uint32_t * keep_cycle;    // [MF_CELLS] the cycle a row of `keep` was filled in (0: never)
     float *    h3;            // [MF_CELLS] hazard by (age, class, lift), this cycle's
-    float *    h2;            // [MF_AGES * MF_CLASSES] hazard by (age, class), this cycle's
-    uint32_t   cycle;         // model refreshes so far
-    int32_t    keep_age;      // routes since the model was refreshed; -1: never
+    int32_t    model_age;     // routes since the model was refreshed; -1: never
+    float *    recent;        // [n_layer * n_expert] routes of the entry, decayed per visit of its layer
+    float *    recent_norm;   // [n_layer] visits of the layer, decayed alike (recent / this: a rate)
+    float      recent_decay;  // per visit: 2^(-1 / MF_RECENT_HALF_LIFE)
     int32_t *  res_list;      // resident entries, unordered (the victim scan walks only these)
     int32_t *  res_pos;       // [n_layer * n_expert] position in res_list
     int32_t    n_res;
