@@ -28,16 +28,22 @@
 //     the running model instead of assuming it, and on routing without such structure it flattens
 //     out, leaving the distance d to decide.
 //   * Beyond the next visit: the entry's own recent routing rate p (routes per visit of its layer,
-//     a count decayed with a half-life of MF_RECENT_HALF_LIFE visits, drawn towards k / n_expert
-//     by MF_PRIOR_WEIGHT visits), the same at every later visit. Not the pooled hazard of its
+//     a count decayed with a half-life of MF_RECENT_HALF_LIFE visits, drawn towards the layer's
+//     mean rate as far as the spread of the layer's rates is noise: empirical Bayes, see
+//     rates_prior), the same at every later visit. Not the pooled hazard of its
 //     (age, class) cell growing older: that one falls with age mostly because the cell mixes
 //     entries of different rates (the rarely routed ones are the ones that get old), while one
 //     entry's own chance falls much less; a frequently routed expert that missed a few tokens
 //     was ranked like a rare one. Measured at 2000 MiB (decode hits, Qwen / Gemma): 64.4 -> 64.9
-//     / 67.8 -> 68.4; half-lives of 8 / 32 / 64 visits: 64.8 / 64.7 / 64.3 and 68.0 / 68.5 / 68.5;
-//     the entry's whole-history rate (no decay) gave nothing in an offline model (62.7 vs 62.7
-//     without the lift), the trace's future rate (an oracle) 65.1: a short memory tracks what an
-//     expert does now.
+//     / 67.8 -> 68.5; half-lives of 8 / 32 / 64 visits: 64.8 / 64.7 / 64.3 and 68.0 / 68.5 / 68.5
+//     (with a fixed prior of MF_PRIOR_WEIGHT visits at k / n_expert); the mean of two half-lives
+//     (4 and 64, 8 and 64, 8 and 32, 16 and 128 visits): within 0.2 points; the entry's
+//     whole-history rate (no decay) gave nothing in an offline model (62.7 vs 62.7 without the
+//     lift), the trace's future rate (an oracle) 65.1: a short memory tracks what an expert does
+//     now. The fixed prior of 2 visits cost up to 4 points on synthetic uniform routing (every
+//     expert alike: the rates' spread is all noise, and ranking on it beat ranking on distance);
+//     the empirical-Bayes prior is back at the earlier policy's hit rates there (within 0.9
+//     points either way, 200 tokens, 3 shapes, 3 seeds) and above them on drifting Zipf routing.
 //   * Keep value: with S_1 = 1 - h the chance the entry is unused at its next visit and
 //     S_j = S_1 (1 - p)^(j-1) after j visits, holding it until the J-th visit yields (1 - S_J)
 //     expected hits for d + n_layer * (S_1 + ... + S_{J-1}) layer steps of occupancy; the value is
@@ -55,7 +61,7 @@
 //     follows drifting routing. The hazards are recomputed once per cycle (n_layer routes); a
 //     victim search scores the resident entries once per route (a resident list, not every entry).
 //   * Measured (bench/reports/trace-replay.md): decode hit rate 0.83 (Qwen, 64.9%) / 0.87 (Gemma,
-//     68.4%) of Belady's at 2000 MiB (with the (age, class) hazard aged along the horizon instead
+//     68.5%) of Belady's at 2000 MiB (with the (age, class) hazard aged along the horizon instead
 //     of the recent rate: 0.83 / 0.86, 64.4% / 67.8%; that and no lift: 0.80 / 0.85; frequency
 //     only: 0.76 / 0.82), not below LRU at 250 MiB to 8 GiB.
 //   * Tried and left out (2000 MiB, Qwen / Gemma decode hits, recent rate in place): the recent
@@ -65,9 +71,12 @@
 //     first (occupancy for the whole horizon): 64.9 / 68.4. In an offline model without the lift:
 //     a per-entry correction of the pooled hazard (observed / predicted routes): +0.2 to +0.4;
 //     a decayed-count class as a further cell dimension: +0.6 / -0.1.
-//   * What is left: given the next token's actual routing (an oracle), this index reaches 0.85 of
-//     Belady on Qwen (66.5% at 2000 MiB), so even a perfect next-token predictor leaves most of
-//     the gap, which is about reuse two and more tokens ahead. The affinity between layers within
+//   * What is left: given the next token's actual routing (an oracle), the earlier index reached
+//     0.85 of Belady on Qwen (66.5% at 2000 MiB), so even a perfect next-token predictor leaves
+//     most of the gap, which is about reuse two and more tokens ahead. Where the misses are (an
+//     offline model without the lift, Qwen, 2000 MiB): none for entries reused by the next token,
+//     as for Belady; 12% to 67% of the reuses 2 to 8 tokens later, which Belady nearly all hits
+//     (4000 of the 5800 misses more than Belady's); the rest at 9 or more tokens. The affinity between layers within
 //     a token was measured and left out: it is strong (it ranks the running token's later routes
 //     well) but even the exact rest of the running token adds 0.1 points, as those entries a few
 //     layers ahead are kept anyway.
@@ -97,6 +106,9 @@
 // visit: long enough to average a few reuses of a frequent expert, short enough to follow what
 // it does now (8 to 32 measured within 0.3 points, see DESIGN)
 #define MF_RECENT_HALF_LIFE 16.0f
+// the heaviest prior on the recent rates, in visits: a layer whose experts look alike gets this
+// (far more than the n_eff of 23 visits a half-life of 16 gives: the mean then decides)
+#define MF_RATE_PRIOR_MAX 1e6f
 // cells of the reuse model: (age bucket, frequency class, lift class)
 #define MF_CELLS (MF_AGES * MF_CLASSES * MF_LIFTS)
 // memory of the reuse model, in visits of a layer (about that many tokens)
@@ -132,14 +144,14 @@ int mf_cache_new(int32_t n_layer, int32_t n_expert, const uint64_t * entry_bytes
     c->obs_hit       = calloc(tab, sizeof *c->obs_hit);
     c->h3            = calloc(tab, sizeof *c->h3);
     c->recent        = calloc(n, sizeof *c->recent);
-    c->recent_norm   = calloc((size_t) n_layer, sizeof *c->recent_norm);
+    c->rates         = calloc((size_t) n_layer, sizeof *c->rates);
     c->res_list      = calloc(n, sizeof *c->res_list);
     c->res_pos       = calloc(n, sizeof *c->res_pos);
     c->score         = calloc(n, sizeof *c->score);
     c->load          = calloc((size_t) n_expert, sizeof *c->load);
     c->evict         = calloc(n, sizeof *c->evict);
     if (!c->entry_bytes || !c->resident || !c->last_use || !c->pinned || !c->visits || !c->last_visit || !c->uses ||
-        !c->obs || !c->obs_hit || !c->h3 || !c->recent || !c->recent_norm || !c->res_list || !c->res_pos ||
+        !c->obs || !c->obs_hit || !c->h3 || !c->recent || !c->rates || !c->res_list || !c->res_pos ||
         !c->score || !c->load || !c->evict) {
         mf_cache_free(c);
         return -ENOMEM;
@@ -169,7 +181,7 @@ void mf_cache_free(mf_cache * c) {
     free(c->obs_hit);
     free(c->h3);
     free(c->recent);
-    free(c->recent_norm);
+    free(c->rates);
     free(c->res_list);
     free(c->res_pos);
     free(c->score);
@@ -228,13 +240,53 @@ static int32_t cell_of(const mf_cache * c, size_t i, uint32_t v) {
     return (age_bucket(c, i, v) * MF_CLASSES + freq_class(c->uses[i])) * MF_LIFTS + c->affinity.lift[i];
 }
 
+// the chance of a route at any visit before there is evidence: k / n_expert
+static float prior_rate(const mf_cache * c) {
+    return (float) (c->k_seen > 0 ? c->k_seen : 1) / (float) c->n_expert;
+}
+
+// How far to trust each entry's own recent rate, per layer (empirical Bayes): the rates of a
+// layer's experts spread by how differently the router uses them plus sampling noise, the noise
+// of a decayed count being rate * (1 - rate) / n_eff with n_eff = norm^2 / norm2 visits (Kish's
+// effective sample size). What is left of the spread once the noise is taken out is the true
+// spread V; a Beta prior with that mean m and variance V weighs m(1 - m) / V - 1 visits. A
+// skewed layer gets a light prior (its experts' rates say much), a layer routing uniformly a
+// prior so heavy that every expert gets the mean: there, ranking on noise would lose to ranking
+// on distance (synthetic uniform routing: up to 4 points below, see DESIGN).
+static void rates_prior(mf_cache * c, int32_t layer) {
+    mf_rates *     rt  = &c->rates[layer];
+    const float *  r   = c->recent + (size_t) layer * (size_t) c->n_expert;
+    const float    E   = (float) c->n_expert;
+    float          sum = 0.0f, sum2 = 0.0f;
+    for (int32_t e = 0; e < c->n_expert; e++) {
+        sum += r[e];
+        sum2 += r[e] * r[e];
+    }
+    const float m     = sum / (E * rt->norm);
+    const float v_obs = sum2 / (E * rt->norm * rt->norm) - m * m;
+    const float noise = rt->norm2 / (rt->norm * rt->norm);  // 1 / n_eff
+    rt->mean          = m > 0.0f ? m : prior_rate(c);
+    // V = (v_obs - noise * m (1 - m)) / (1 - noise): the noise term uses the layer's mean, and the
+    // per-expert noise sums to m (1 - m) - V over the experts
+    const float v     = noise < 1.0f ? (v_obs - noise * m * (1.0f - m)) / (1.0f - noise) : 0.0f;
+    rt->strength      = v > 0.0f ? rt->mean * (1.0f - rt->mean) / v - 1.0f : MF_RATE_PRIOR_MAX;
+    if (!(rt->strength >= 0.0f)) {
+        rt->strength = 0.0f;
+    }
+    if (rt->strength > MF_RATE_PRIOR_MAX) {
+        rt->strength = MF_RATE_PRIOR_MAX;
+    }
+}
+
 // one route of `layer`: each of its experts is an observation of (age, class, lift) -> routed or not
 static void learn(mf_cache * c, int32_t layer, const uint8_t * want) {
     const size_t   row = (size_t) layer * (size_t) c->n_expert;
     const uint32_t v   = ++c->visits[layer];
     const float    g   = c->recent_decay;
-    // recent[i] / recent_norm[layer]: the share of the layer's recent visits that routed i
-    c->recent_norm[layer] = c->recent_norm[layer] * g + 1.0f;
+    mf_rates *     rt  = &c->rates[layer];
+    // recent[i] / rt->norm: the share of the layer's recent visits that routed i
+    rt->norm  = rt->norm * g + 1.0f;
+    rt->norm2 = rt->norm2 * g * g + 1.0f;
     for (int32_t e = 0; e < c->n_expert; e++) {
         const size_t  i    = row + (size_t) e;
         const int32_t cell = cell_of(c, i, v);
@@ -247,6 +299,7 @@ static void learn(mf_cache * c, int32_t layer, const uint8_t * want) {
         }
     }
     c->obs_total += (float) c->n_expert;
+    rates_prior(c, layer);
     // forget slowly: halve the evidence once it spans a window, so the model can follow drift
     const bool halve = v % MF_WINDOW == 0;
     if (halve) {
@@ -263,11 +316,6 @@ static void learn(mf_cache * c, int32_t layer, const uint8_t * want) {
         }
         c->obs_total *= 0.5f;
     }
-}
-
-// the chance of a route at any visit before there is evidence: k / n_expert
-static float prior_rate(const mf_cache * c) {
-    return (float) (c->k_seen > 0 ? c->k_seen : 1) / (float) c->n_expert;
 }
 
 // P(routed at a visit | state) for every cell (h3[cell]). A state with few observations leans on
@@ -305,12 +353,25 @@ static void refresh_model(mf_cache * c) {
     c->model_age = 0;
 }
 
+// the recent routing rate of entry i (of layer l) beyond its next visit: its decayed count over
+// n_eff visits, drawn towards the layer's mean by the prior's weight (rates_prior)
+static float recent_rate(const mf_cache * c, size_t i, int32_t l, float prior) {
+    const mf_rates * rt = &c->rates[l];
+    if (!(rt->norm > 0.0f)) {
+        return prior;  // the layer was never routed
+    }
+    const float neff = rt->norm * rt->norm / rt->norm2;
+    const float rate = (c->recent[i] / rt->norm * neff + rt->strength * rt->mean) / (neff + rt->strength);
+    return rate < 1.0f ? rate : 1.0f;
+}
+
 // expected hits per layer step of holding an entry whose layer comes next in d steps, with chance
 // h of a route at that visit and p at every later one (see DESIGN): the better of holding it
 // for the next visit, h / d, and until its next use, 1 / (d + L * (1 - h) / p)
 static float keep_value(float h, float p, int32_t d, int32_t L) {
     const float next = h / (float) d;
-    const float use  = 1.0f / ((float) d + (float) L * (1.0f - h) / p);  // p > 0: the prior keeps it so
+    // p = 0 (an expert the router never picks, on a layer whose experts differ a lot): no later use
+    const float use = p > 0.0f ? 1.0f / ((float) d + (float) L * (1.0f - h) / p) : 0.0f;
     return next > use ? next : use;
 }
 
@@ -332,8 +393,7 @@ static void score_residents(mf_cache * c, int32_t cur) {
         }
         const int32_t cell  = cell_of(c, i, c->visits[l] + 1u);
         const float   bytes = c->entry_bytes[l] ? (float) c->entry_bytes[l] : 1.0f;
-        const float   rate  = (c->recent[i] + MF_PRIOR_WEIGHT * prior) / (c->recent_norm[l] + MF_PRIOR_WEIGHT);
-        c->score[p]         = keep_value(c->h3[cell], rate < 1.0f ? rate : 1.0f, d, L) / bytes;
+        c->score[p]         = keep_value(c->h3[cell], recent_rate(c, i, l, prior), d, L) / bytes;
     }
 }
 

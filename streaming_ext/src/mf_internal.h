@@ -46,6 +46,14 @@ void mf_affinity_free(mf_affinity * a);  // also after a failed init
 void mf_affinity_route(mf_affinity * a, int32_t layer, const uint8_t * want, int32_t k_prior, bool halve);
 
 // ---------------------------------------------------------------- cache policy (mf_cache.c)
+// per layer, for the recent routing rates of its entries (see mf_cache.c)
+typedef struct mf_rates {
+    float norm;      // visits, decayed like the entries' route counts (count / norm: a rate)
+    float norm2;     // the sum of the squared decay weights (norm^2 / norm2: effective visits)
+    float mean;      // the rates' mean over the layer's experts
+    float strength;  // weight, in visits, of the mean behind each entry's rate (empirical Bayes)
+} mf_rates;
+
 struct mf_cache {
     int32_t    n_layer;
     int32_t    n_expert;
@@ -71,7 +79,7 @@ struct mf_cache {
     float *    h3;            // [MF_CELLS] hazard by (age, class, lift), this cycle's
     int32_t    model_age;     // routes since the model was refreshed; -1: never
     float *    recent;        // [n_layer * n_expert] routes of the entry, decayed per visit of its layer
-    float *    recent_norm;   // [n_layer] visits of the layer, decayed alike (recent / this: a rate)
+    mf_rates * rates;         // [n_layer] the layer's decayed visit counts and prior on the rates
     float      recent_decay;  // per visit: 2^(-1 / MF_RECENT_HALF_LIFE)
     int32_t *  res_list;      // resident entries, unordered (the victim scan walks only these)
     int32_t *  res_pos;       // [n_layer * n_expert] position in res_list
