@@ -52,6 +52,8 @@ typedef struct mf_rates {
     float norm2;     // the sum of the squared decay weights (norm^2 / norm2: effective visits)
     float mean;      // the rates' mean over the layer's experts
     float strength;  // weight, in visits, of the mean behind each entry's rate (empirical Bayes)
+    float scale;     // an entry's rate is recent * scale + offset (from the four above)
+    float offset;
 } mf_rates;
 
 struct mf_cache {
