@@ -60,6 +60,9 @@
 //     and the hazard observations once they exceed MF_WINDOW visits of every layer, so the model
 //     follows drifting routing. The hazards are recomputed once per cycle (n_layer routes); a
 //     victim search scores the resident entries once per route (a resident list, not every entry).
+//   * Memory: 37 bytes per (layer, expert) entry here (the recent rate is 4 of them) plus the
+//     affinity model's 2 * n_expert + 6, 24 bytes per layer for the rate prior, and three
+//     MF_CELLS float tables (12 KiB): 1.8 MiB at 48 layers x 128 experts, 1.5 MiB of it affinity.
 //   * Measured (bench/reports/trace-replay.md): decode hit rate 0.83 (Qwen, 64.9%) / 0.87 (Gemma,
 //     68.5%) of Belady's at 2000 MiB (with the (age, class) hazard aged along the horizon instead
 //     of the recent rate: 0.83 / 0.86, 64.4% / 67.8%; that and no lift: 0.80 / 0.85; frequency
