@@ -119,10 +119,10 @@ def test_replay_reproduces_the_published_lru_curve(tmp_path: Path) -> None:
         assert summary["never_below_lru"] is True and summary["no_zero_cliff"] is True
         policies = {r["policy"] for r in data["traces"][name]["results"]}
         assert policies == {"layer", "lru", "lfu", "random", "belady"}
-    # regression guards at the measured level (bench/reports/trace-replay.md: 0.83 / 0.86 with the
-    # affinity lift classes, 0.80 / 0.85 without)
-    assert data["traces"]["qwen"]["summary"]["share_of_belady_at_2000"] >= 0.82
-    assert data["traces"]["gemma"]["summary"]["share_of_belady_at_2000"] >= 0.855
+    # regression guards at the measured level (bench/reports/trace-replay.md: 0.831 / 0.868 with the
+    # recent rate beyond the next visit, 0.825 / 0.859 with the aged (age, class) hazard instead)
+    assert data["traces"]["qwen"]["summary"]["share_of_belady_at_2000"] >= 0.828
+    assert data["traces"]["gemma"]["summary"]["share_of_belady_at_2000"] >= 0.862
     assert out.with_suffix(".png").stat().st_size > 0
 
 

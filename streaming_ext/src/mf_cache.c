@@ -27,26 +27,59 @@
 //     ones, and move between related experts from token to token; the table measures how much on
 //     the running model instead of assuming it, and on routing without such structure it flattens
 //     out, leaving the distance d to decide.
-//   * Keep value: with S_j the chance the entry is still unused after j visits (from h, its age
-//     growing each visit; the lift class speaks of the next visit only, later ones use h over all
-//     lift classes), holding it until the J-th visit yields (1 - S_J) expected hits for
-//     d + n_layer * (S_1 + ... + S_{J-1}) layer steps of occupancy; the value is the best such
-//     rate over J (a Gittins-style index: an entry close to its use with a modest chance can be
-//     worth more than a likely one a whole cycle away), divided by the entry's bytes. This is
-//     Belady's rule made stochastic: far, unlikely entries go first. It keeps hitting below one
-//     token's working set, where LRU evicts exactly what comes next. Equal values (same state,
-//     distance and size) fall back to LRU order.
+//   * Beyond the next visit: the entry's own recent routing rate p (routes per visit of its layer,
+//     a count decayed with a half-life of MF_RECENT_HALF_LIFE visits, drawn towards the layer's
+//     mean rate as far as the spread of the layer's rates is noise: empirical Bayes, see
+//     rates_prior), the same at every later visit. Not the pooled hazard of its
+//     (age, class) cell growing older: that one falls with age mostly because the cell mixes
+//     entries of different rates (the rarely routed ones are the ones that get old), while one
+//     entry's own chance falls much less; a frequently routed expert that missed a few tokens
+//     was ranked like a rare one. Measured at 2000 MiB (decode hits, Qwen / Gemma): 64.4 -> 64.9
+//     / 67.8 -> 68.5; half-lives of 8 / 32 / 64 visits: 64.8 / 64.7 / 64.3 and 68.0 / 68.5 / 68.5
+//     (with a fixed prior of MF_PRIOR_WEIGHT visits at k / n_expert); the mean of two half-lives
+//     (4 and 64, 8 and 64, 8 and 32, 16 and 128 visits): within 0.2 points; the entry's
+//     whole-history rate (no decay) gave nothing in an offline model (62.7 vs 62.7 without the
+//     lift), the trace's future rate (an oracle) 65.1: a short memory tracks what an expert does
+//     now. The fixed prior of 2 visits cost up to 4 points on synthetic uniform routing (every
+//     expert alike: the rates' spread is all noise, and ranking on it beat ranking on distance);
+//     the empirical-Bayes prior is back at the earlier policy's hit rates there (within 0.9
+//     points either way, 200 tokens, 3 shapes, 3 seeds) and above them on drifting Zipf routing.
+//   * Keep value: with S_1 = 1 - h the chance the entry is unused at its next visit and
+//     S_j = S_1 (1 - p)^(j-1) after j visits, holding it until the J-th visit yields (1 - S_J)
+//     expected hits for d + n_layer * (S_1 + ... + S_{J-1}) layer steps of occupancy; the value is
+//     the best such rate over J (a Gittins-style index: an entry close to its use with a modest
+//     chance can be worth more than a likely one a whole cycle away), divided by the entry's
+//     bytes. With the chance flat after the first visit the rate is a linear-fractional function
+//     of (1 - p)^(J-1), so the best J is the first visit or none: the value is the larger of
+//     h / d and 1 / (d + n_layer * S_1 / p), one over the expected steps to the next use. Two
+//     ratios per entry, no table. (Capping J at 4 to 512 visits measured the same within 0.15
+//     points.) This is Belady's rule made stochastic: far, unlikely entries go first. It keeps
+//     hitting below one token's working set, where LRU evicts exactly what comes next. Equal
+//     values (same state, distance and size) fall back to LRU order.
 //   * Adaptivity: use counts and affinity counts are halved every MF_WINDOW visits of their layer
 //     and the hazard observations once they exceed MF_WINDOW visits of every layer, so the model
-//     follows drifting routing. The hazards are recomputed once per cycle (n_layer routes) and a
-//     value-table row when a resident entry first needs it in the cycle; a victim search scores
-//     the resident entries once per route (a resident list, not every entry).
-//   * Measured (bench/reports/trace-replay.md): decode hit rate 0.83 (Qwen, 64.4%) / 0.86 (Gemma,
-//     67.8%) of Belady's at 2000 MiB (age and frequency only: 0.80 / 0.85; frequency only: 0.76 /
-//     0.82), higher than without the lift at 250 MiB to 6 GiB, not below LRU at 250 MiB to 8 GiB.
-//   * What is left: given the next token's actual routing (an oracle), this index reaches 0.85 of
-//     Belady on Qwen (66.5% at 2000 MiB), so even a perfect next-token predictor leaves most of
-//     the gap, which is about reuse two and more tokens ahead. The affinity between layers within
+//     follows drifting routing. The hazards are recomputed once per cycle (n_layer routes); a
+//     victim search scores the resident entries once per route (a resident list, not every entry).
+//   * Memory: 37 bytes per (layer, expert) entry here (the recent rate is 4 of them) plus the
+//     affinity model's 2 * n_expert + 6, 24 bytes per layer for the rate prior, and three
+//     MF_CELLS float tables (12 KiB): 1.8 MiB at 48 layers x 128 experts, 1.5 MiB of it affinity.
+//   * Measured (bench/reports/trace-replay.md): decode hit rate 0.83 (Qwen, 64.9%) / 0.87 (Gemma,
+//     68.5%) of Belady's at 2000 MiB (with the (age, class) hazard aged along the horizon instead
+//     of the recent rate: 0.83 / 0.86, 64.4% / 67.8%; that and no lift: 0.80 / 0.85; frequency
+//     only: 0.76 / 0.82), not below LRU at 250 MiB to 8 GiB.
+//   * Tried and left out (2000 MiB, Qwen / Gemma decode hits, recent rate in place): the recent
+//     rate's class (per power of two of p / (k / n_expert)) in place of the use-count class in
+//     the hazard cell: 64.8 / 68.1; scaling a layer's next-visit hazards so they sum to k (the
+//     router picks exactly k): 65.0 / 68.4; counting every hit within the horizon instead of the
+//     first (occupancy for the whole horizon): 64.9 / 68.4. In an offline model without the lift:
+//     a per-entry correction of the pooled hazard (observed / predicted routes): +0.2 to +0.4;
+//     a decayed-count class as a further cell dimension: +0.6 / -0.1.
+//   * What is left: given the next token's actual routing (an oracle), the earlier index reached
+//     0.85 of Belady on Qwen (66.5% at 2000 MiB), so even a perfect next-token predictor leaves
+//     most of the gap, which is about reuse two and more tokens ahead. Where the misses are (an
+//     offline model without the lift, Qwen, 2000 MiB): none for entries reused by the next token,
+//     as for Belady; 12% to 67% of the reuses 2 to 8 tokens later, which Belady nearly all hits
+//     (4000 of the 5800 misses more than Belady's); the rest at 9 or more tokens. The affinity between layers within
 //     a token was measured and left out: it is strong (it ranks the running token's later routes
 //     well) but even the exact rest of the running token adds 0.1 points, as those entries a few
 //     layers ahead are kept anyway.
@@ -59,6 +92,7 @@
 
 #include <errno.h>
 #include <float.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -71,8 +105,13 @@
 #define MF_AGES (MF_AGE_CAP + 1)
 // frequency classes: floor(log2(1 + uses)), the last one open-ended
 #define MF_CLASSES 8
-// visits looked ahead by the keep value: long enough to reach the slowly changing old-age buckets
-#define MF_HORIZON 32
+// half-life, in visits of the entry's layer, of the recent routing rate used beyond the next
+// visit: long enough to average a few reuses of a frequent expert, short enough to follow what
+// it does now (8 to 32 measured within 0.3 points, see DESIGN)
+#define MF_RECENT_HALF_LIFE 16.0f
+// the heaviest prior on the recent rates, in visits: a layer whose experts look alike gets this
+// (far more than the n_eff of 23 visits a half-life of 16 gives: the mean then decides)
+#define MF_RATE_PRIOR_MAX 1e6f
 // cells of the reuse model: (age bucket, frequency class, lift class)
 #define MF_CELLS (MF_AGES * MF_CLASSES * MF_LIFTS)
 // memory of the reuse model, in visits of a layer (about that many tokens)
@@ -95,7 +134,8 @@ int mf_cache_new(int32_t n_layer, int32_t n_expert, const uint64_t * entry_bytes
     c->budget        = budget_bytes;
     c->policy        = policy;
     c->pinned_layer  = -1;
-    c->keep_age      = -1;
+    c->model_age     = -1;
+    c->recent_decay  = exp2f(-1.0f / MF_RECENT_HALF_LIFE);
     c->entry_bytes   = calloc((size_t) n_layer, sizeof *c->entry_bytes);
     c->resident      = calloc(n, sizeof *c->resident);
     c->last_use      = calloc(n, sizeof *c->last_use);
@@ -105,17 +145,16 @@ int mf_cache_new(int32_t n_layer, int32_t n_expert, const uint64_t * entry_bytes
     c->uses          = calloc(n, sizeof *c->uses);
     c->obs           = calloc(tab, sizeof *c->obs);
     c->obs_hit       = calloc(tab, sizeof *c->obs_hit);
-    c->keep          = calloc(tab * (size_t) n_layer, sizeof *c->keep);
-    c->keep_cycle    = calloc(tab, sizeof *c->keep_cycle);
     c->h3            = calloc(tab, sizeof *c->h3);
-    c->h2            = calloc((size_t) MF_AGES * MF_CLASSES, sizeof *c->h2);
+    c->recent        = calloc(n, sizeof *c->recent);
+    c->rates         = calloc((size_t) n_layer, sizeof *c->rates);
     c->res_list      = calloc(n, sizeof *c->res_list);
     c->res_pos       = calloc(n, sizeof *c->res_pos);
     c->score         = calloc(n, sizeof *c->score);
     c->load          = calloc((size_t) n_expert, sizeof *c->load);
     c->evict         = calloc(n, sizeof *c->evict);
     if (!c->entry_bytes || !c->resident || !c->last_use || !c->pinned || !c->visits || !c->last_visit || !c->uses ||
-        !c->obs || !c->obs_hit || !c->keep || !c->keep_cycle || !c->h3 || !c->h2 || !c->res_list || !c->res_pos ||
+        !c->obs || !c->obs_hit || !c->h3 || !c->recent || !c->rates || !c->res_list || !c->res_pos ||
         !c->score || !c->load || !c->evict) {
         mf_cache_free(c);
         return -ENOMEM;
@@ -143,10 +182,9 @@ void mf_cache_free(mf_cache * c) {
     free(c->uses);
     free(c->obs);
     free(c->obs_hit);
-    free(c->keep);
-    free(c->keep_cycle);
     free(c->h3);
-    free(c->h2);
+    free(c->recent);
+    free(c->rates);
     free(c->res_list);
     free(c->res_pos);
     free(c->score);
@@ -188,11 +226,6 @@ static int32_t bucket_of_age(uint32_t age) {
     return b < MF_AGE_CAP - 1 ? b : MF_AGE_CAP - 1;
 }
 
-// the youngest age of a bucket (what the bucket stands for when it ages further)
-static uint32_t age_of_bucket(int32_t b) {
-    return b < MF_AGE_EXACT ? (uint32_t) b : 1u << (b - MF_AGE_EXACT + 4);
-}
-
 // age bucket of entry i at the next visit of its layer
 static int32_t age_bucket(const mf_cache * c, size_t i, uint32_t next_visit) {
     const uint32_t last = c->last_visit[i];
@@ -210,13 +243,62 @@ static int32_t cell_of(const mf_cache * c, size_t i, uint32_t v) {
     return (age_bucket(c, i, v) * MF_CLASSES + freq_class(c->uses[i])) * MF_LIFTS + c->affinity.lift[i];
 }
 
+// the chance of a route at any visit before there is evidence: k / n_expert
+static float prior_rate(const mf_cache * c) {
+    return (float) (c->k_seen > 0 ? c->k_seen : 1) / (float) c->n_expert;
+}
+
+// How far to trust each entry's own recent rate, per layer (empirical Bayes): the rates of a
+// layer's experts spread by how differently the router uses them plus sampling noise, the noise
+// of a decayed count being rate * (1 - rate) / n_eff with n_eff = norm^2 / norm2 visits (Kish's
+// effective sample size). What is left of the spread once the noise is taken out is the true
+// spread V; a Beta prior with that mean m and variance V weighs m(1 - m) / V - 1 visits. A
+// skewed layer gets a light prior (its experts' rates say much), a layer routing uniformly a
+// prior so heavy that every expert gets the mean: there, ranking on noise would lose to ranking
+// on distance (synthetic uniform routing: up to 4 points below, see DESIGN).
+static void rates_prior(mf_cache * c, int32_t layer) {
+    mf_rates *     rt  = &c->rates[layer];
+    const float *  r   = c->recent + (size_t) layer * (size_t) c->n_expert;
+    const float    E   = (float) c->n_expert;
+    float          sum = 0.0f, sum2 = 0.0f;
+    for (int32_t e = 0; e < c->n_expert; e++) {
+        sum += r[e];
+        sum2 += r[e] * r[e];
+    }
+    const float m     = sum / (E * rt->norm);
+    const float v_obs = sum2 / (E * rt->norm * rt->norm) - m * m;
+    const float noise = rt->norm2 / (rt->norm * rt->norm);  // 1 / n_eff
+    rt->mean          = m > 0.0f ? m : prior_rate(c);
+    // V = (v_obs - noise * m (1 - m)) / (1 - noise): the noise term uses the layer's mean, and the
+    // per-expert noise sums to m (1 - m) - V over the experts
+    const float v     = noise < 1.0f ? (v_obs - noise * m * (1.0f - m)) / (1.0f - noise) : 0.0f;
+    rt->strength      = v > 0.0f ? rt->mean * (1.0f - rt->mean) / v - 1.0f : MF_RATE_PRIOR_MAX;
+    if (!(rt->strength >= 0.0f)) {
+        rt->strength = 0.0f;
+    }
+    if (rt->strength > MF_RATE_PRIOR_MAX) {
+        rt->strength = MF_RATE_PRIOR_MAX;
+    }
+    // an entry's rate: (recent / norm * n_eff + strength * mean) / (n_eff + strength), i.e.
+    // recent * scale + offset, two numbers per layer instead of three divisions per scored entry
+    const float neff = 1.0f / noise;
+    rt->scale        = neff / rt->norm / (neff + rt->strength);
+    rt->offset       = rt->strength * rt->mean / (neff + rt->strength);
+}
+
 // one route of `layer`: each of its experts is an observation of (age, class, lift) -> routed or not
 static void learn(mf_cache * c, int32_t layer, const uint8_t * want) {
     const size_t   row = (size_t) layer * (size_t) c->n_expert;
     const uint32_t v   = ++c->visits[layer];
+    const float    g   = c->recent_decay;
+    mf_rates *     rt  = &c->rates[layer];
+    // recent[i] / rt->norm: the share of the layer's recent visits that routed i
+    rt->norm  = rt->norm * g + 1.0f;
+    rt->norm2 = rt->norm2 * g * g + 1.0f;
     for (int32_t e = 0; e < c->n_expert; e++) {
         const size_t  i    = row + (size_t) e;
         const int32_t cell = cell_of(c, i, v);
+        c->recent[i]       = c->recent[i] * g + (want[e] ? 1.0f : 0.0f);
         c->obs[cell] += 1.0f;
         if (want[e]) {
             c->obs_hit[cell] += 1.0f;
@@ -225,6 +307,7 @@ static void learn(mf_cache * c, int32_t layer, const uint8_t * want) {
         }
     }
     c->obs_total += (float) c->n_expert;
+    rates_prior(c, layer);
     // forget slowly: halve the evidence once it spans a window, so the model can follow drift
     const bool halve = v % MF_WINDOW == 0;
     if (halve) {
@@ -243,11 +326,11 @@ static void learn(mf_cache * c, int32_t layer, const uint8_t * want) {
     }
 }
 
-// P(routed at a visit | state) for every cell (h3[cell]) and for every (age, class) over all lift
-// classes (h2[age * MF_CLASSES + class]). A state with few observations leans on a coarser one:
-// a cell on its (age, class), that on its age bucket over all classes, that on k / n_expert
-static void hazards(const mf_cache * c, float * h3, float * h2) {
-    const float prior = (float) c->k_seen / (float) c->n_expert;
+// P(routed at a visit | state) for every cell (h3[cell]). A state with few observations leans on
+// a coarser one: a cell on its (age, class) over all lift classes, that on its age bucket over all
+// classes, that on k / n_expert
+static void hazards(const mf_cache * c, float * h3) {
+    const float prior = prior_rate(c);
     for (int32_t age = 0; age < MF_AGES; age++) {
         float n = 0.0f, h = 0.0f;
         float n2[MF_CLASSES], hit2[MF_CLASSES];
@@ -264,7 +347,6 @@ static void hazards(const mf_cache * c, float * h3, float * h2) {
         const float by_age = (h + MF_PRIOR_WEIGHT * prior) / (n + MF_PRIOR_WEIGHT);
         for (int32_t cl = 0; cl < MF_CLASSES; cl++) {
             const float by_class = (hit2[cl] + MF_PRIOR_WEIGHT * by_age) / (n2[cl] + MF_PRIOR_WEIGHT);
-            h2[age * MF_CLASSES + cl] = by_class;
             for (int32_t b = 0; b < MF_LIFTS; b++) {
                 const int32_t cell = (age * MF_CLASSES + cl) * MF_LIFTS + b;
                 h3[cell]           = (c->obs_hit[cell] + MF_PRIOR_WEIGHT * by_class) / (c->obs[cell] + MF_PRIOR_WEIGHT);
@@ -273,71 +355,37 @@ static void hazards(const mf_cache * c, float * h3, float * h2) {
     }
 }
 
-// out[d - 1] = max over horizons j of hits[j] / (d + L * held[j]) for d in dlo..dhi, the best j
-// known to lie in jlo..jhi. Both hits and held grow with j, so once a longer horizon beats a
-// shorter one at some d it beats it at every larger d: the (first) best j never decreases with d,
-// and divide and conquer over d needs O((L + horizon) log L) ratios instead of L * horizon.
-static void keep_fill(const float * hits, const float * held, int32_t L, float * out, int32_t dlo, int32_t dhi,
-                      int32_t jlo, int32_t jhi) {
-    if (dlo > dhi) {
-        return;
-    }
-    const int32_t d      = dlo + (dhi - dlo) / 2;
-    int32_t       best_j = jlo;
-    float         best   = -1.0f;
-    for (int32_t j = jlo; j <= jhi; j++) {
-        const float rate = hits[j] / ((float) d + (float) L * held[j]);
-        if (rate > best) {
-            best   = rate;
-            best_j = j;
-        }
-    }
-    out[d - 1] = best;
-    keep_fill(hits, held, L, out, dlo, d - 1, jlo, best_j);
-    keep_fill(hits, held, L, out, d + 1, dhi, best_j, jhi);
-}
-
-// the model of the coming cycle: hazards now, keep-value rows on first use (keep_row)
+// the model of the coming cycle
 static void refresh_model(mf_cache * c) {
-    hazards(c, c->h3, c->h2);
-    c->cycle++;
-    c->keep_age = 0;
+    hazards(c, c->h3);
+    c->model_age = 0;
 }
 
-// keep[cell * n_layer + d - 1]: expected hits per layer step of holding an entry in that state
-// (age, class, lift) whose layer comes next in d steps (see DESIGN). The lift class speaks of the
-// next visit only: later visits use the (age, class) hazard over all lift classes. A row is filled
-// when a resident entry first needs it in a cycle: the residents occupy a fraction of the
-// MF_CELLS states, and filling them all each cycle would cost more than the victim searches.
-static const float * keep_row(mf_cache * c, int32_t cell) {
-    const int32_t L   = c->n_layer;
-    float *       row = c->keep + (size_t) cell * (size_t) L;
-    if (c->keep_cycle[cell] == c->cycle) {
-        return row;
+// the recent routing rate of entry i (of layer l) beyond its next visit: its decayed count over
+// n_eff visits, drawn towards the layer's mean by the prior's weight (rates_prior)
+static float recent_rate(const mf_cache * c, size_t i, int32_t l, float prior) {
+    const mf_rates * rt = &c->rates[l];
+    if (!(rt->norm > 0.0f)) {
+        return prior;  // the layer was never routed
     }
-    const int32_t age = cell / (MF_CLASSES * MF_LIFTS);
-    const int32_t cl  = cell / MF_LIFTS % MF_CLASSES;
-    float         hits[MF_HORIZON];
-    float         held[MF_HORIZON];  // cycles held beyond the first visit: S_1 + ... + S_{J-1}
-    const float   first = 1.0f - c->h3[cell];  // S_1
-    float         s = first, t = 0.0f;
-    hits[0] = 1.0f - s;
-    held[0] = 0.0f;
-    for (int32_t j = 1; j < MF_HORIZON; j++) {
-        const int32_t a = age == MF_AGE_NEVER ? age : bucket_of_age(age_of_bucket(age) + (uint32_t) j);
-        t += s;
-        s *= 1.0f - c->h2[a * MF_CLASSES + cl];
-        hits[j] = 1.0f - s;
-        held[j] = t;
-    }
-    keep_fill(hits, held, L, row, 1, L, 0, MF_HORIZON - 1);
-    c->keep_cycle[cell] = c->cycle;
-    return row;
+    const float rate = c->recent[i] * rt->scale + rt->offset;
+    return rate < 1.0f ? rate : 1.0f;
+}
+
+// expected hits per layer step of holding an entry whose layer comes next in d steps, with chance
+// h of a route at that visit and p at every later one (see DESIGN): the better of holding it
+// for the next visit, h / d, and until its next use, 1 / (d + L * (1 - h) / p)
+static float keep_value(float h, float p, int32_t d, int32_t L) {
+    const float next = h / (float) d;
+    // p = 0 (an expert the router never picks, on a layer whose experts differ a lot): no later use
+    const float use = p > 0.0f ? 1.0f / ((float) d + (float) L * (1.0f - h) / p) : 0.0f;
+    return next > use ? next : use;
 }
 
 // scores every resident entry (keep value per byte); pinned ones can't be victims
 static void score_residents(mf_cache * c, int32_t cur) {
-    const int32_t L = c->n_layer;
+    const int32_t L     = c->n_layer;
+    const float   prior = prior_rate(c);
     for (int32_t p = 0; p < c->n_res; p++) {
         const size_t  i = (size_t) c->res_list[p];
         const int32_t l = (int32_t) (i / (size_t) c->n_expert);
@@ -352,7 +400,7 @@ static void score_residents(mf_cache * c, int32_t cur) {
         }
         const int32_t cell  = cell_of(c, i, c->visits[l] + 1u);
         const float   bytes = c->entry_bytes[l] ? (float) c->entry_bytes[l] : 1.0f;
-        c->score[p]         = keep_row(c, cell)[d - 1] / bytes;
+        c->score[p]         = keep_value(c->h3[cell], recent_rate(c, i, l, prior), d, L) / bytes;
     }
 }
 
@@ -428,9 +476,8 @@ int mf_cache_route(mf_cache * c, int32_t layer, const uint8_t * want) {
 
     if (c->policy == MF_POLICY_LAYER) {
         learn(c, layer, want);
-        // the hazards (and so the value table) follow the model once per layer cycle: fresh
-        // enough, and cheap per route
-        if (c->keep_age < 0 || ++c->keep_age >= c->n_layer) {
+        // the hazards follow the model once per layer cycle: fresh enough, and cheap per route
+        if (c->model_age < 0 || ++c->model_age >= c->n_layer) {
             refresh_model(c);
         }
     }

@@ -46,6 +46,16 @@ void mf_affinity_free(mf_affinity * a);  // also after a failed init
 void mf_affinity_route(mf_affinity * a, int32_t layer, const uint8_t * want, int32_t k_prior, bool halve);
 
 // ---------------------------------------------------------------- cache policy (mf_cache.c)
+// per layer, for the recent routing rates of its entries (see mf_cache.c)
+typedef struct mf_rates {
+    float norm;      // visits, decayed like the entries' route counts (count / norm: a rate)
+    float norm2;     // the sum of the squared decay weights (norm^2 / norm2: effective visits)
+    float mean;      // the rates' mean over the layer's experts
+    float strength;  // weight, in visits, of the mean behind each entry's rate (empirical Bayes)
+    float scale;     // an entry's rate is recent * scale + offset (from the four above)
+    float offset;
+} mf_rates;
+
 struct mf_cache {
     int32_t    n_layer;
     int32_t    n_expert;
@@ -67,14 +77,12 @@ struct mf_cache {
                               // observations
     float *    obs_hit;       // [MF_AGES * MF_CLASSES * MF_LIFTS] of them, how many were routed
     float      obs_total;
-    float *    keep;          // [MF_AGES * MF_CLASSES * MF_LIFTS * n_layer] keep value by (age, class,
-                              // lift, distance)
     mf_affinity affinity;     // lift classes of the entries at their layer's next visit
-    uint32_t * keep_cycle;    // [MF_CELLS] the cycle a row of `keep` was filled in (0: never)
     float *    h3;            // [MF_CELLS] hazard by (age, class, lift), this cycle's
-    float *    h2;            // [MF_AGES * MF_CLASSES] hazard by (age, class), this cycle's
-    uint32_t   cycle;         // model refreshes so far
-    int32_t    keep_age;      // routes since the model was refreshed; -1: never
+    int32_t    model_age;     // routes since the model was refreshed; -1: never
+    float *    recent;        // [n_layer * n_expert] routes of the entry, decayed per visit of its layer
+    mf_rates * rates;         // [n_layer] the layer's decayed visit counts and prior on the rates
+    float      recent_decay;  // per visit: 2^(-1 / MF_RECENT_HALF_LIFE)
     int32_t *  res_list;      // resident entries, unordered (the victim scan walks only these)
     int32_t *  res_pos;       // [n_layer * n_expert] position in res_list
     int32_t    n_res;
