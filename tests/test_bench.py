@@ -91,6 +91,10 @@ def test_bench_runs_every_system_on_a_tiny_model(tiny_model: Callable[..., Path]
     # the residency ratio takes the faster run of each reference; the report shows every round's
     assert len(data["ratios"]["residency_overhead_rounds"]) == 2
     assert "resident #2" in out.with_suffix(".md").read_text()
+    # the report judges itself against the targets (server/bench/targets.py)
+    target_names = {t["name"] for t in data["ratios"]["targets"]}
+    assert {"residency (all cached / resident)", "memory discipline"} <= target_names
+    assert "## Targets" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".md").read_text().startswith("# moeflash bench")
     assert out.with_suffix(".png").stat().st_size > 0
 

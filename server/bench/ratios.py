@@ -9,6 +9,8 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING, Any
 
+from server.bench.targets import check_targets
+
 if TYPE_CHECKING:
     from server.bench.harness import BenchResult, Run
 
@@ -163,4 +165,5 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
                 else None
             ),
         }
+    out["targets"] = [t.to_json() for t in check_targets(out, int(result.model["file_bytes"]))]
     return out

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from server.bench.replay import BUDGETS_MIB, ReplayResult, load_trace, replay_all
+from server.bench.targets import REPLAY_SHARE_OF_BELADY
 
 
 def _published(trace_path: Path) -> dict[tuple[int, str], dict[str, float]]:
@@ -94,7 +95,8 @@ def _markdown(name: str, results: list[ReplayResult], summary: dict[str, Any], c
     lines += [
         "",
         f"- default never below LRU: {summary['never_below_lru']}; no 0% cliff: {summary['no_zero_cliff']}; "
-        f"share of Belady at 2000 MiB: {summary['share_of_belady_at_2000']:.2f}; "
+        f"share of Belady at 2000 MiB: {summary['share_of_belady_at_2000']:.2f} "
+        f"(target {REPLAY_SHARE_OF_BELADY:.2f} on Qwen's trace); "
         f"published LRU decode curve reproduced (within 0.5 points): {summary['published_lru_reproduced']}",
         "",
     ]

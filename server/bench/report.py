@@ -133,7 +133,22 @@ def markdown(result: BenchResult, command: str) -> str:
             f"{_fmt(cap['prefill_512_tok_s'], '.1f')} ({_fmt(cap['prefill_512_efficiency'], '.2f')}; "
             f"{_fmt(cap.get('prefill_512_roofline_efficiency'), '.2f')}) |"
         )
+    lines += _targets(ra.get("targets") or [])
     return "\n".join(lines) + "\n"
+
+
+def _targets(targets: list[dict[str, Any]]) -> list[str]:
+    """The targets table (server/bench/targets.py): value, threshold, met or not."""
+    if not targets:
+        return []
+    out = ["", "## Targets", "", "| target | scope | value | target | met |", "|---|---|---|---|---|"]
+    for t in targets:
+        met = {True: "yes", False: "**no**", None: "n/a (no figure)"}[t["met"]]
+        out.append(
+            f"| {t['name']} | {t['scope']} | {_fmt(t['value'])} | "
+            f"{'>=' if t['at_least'] else '<='} {t['threshold']:g} | {met} |"
+        )
+    return out
 
 
 def _hits(d: dict[str, float]) -> str:

@@ -1,0 +1,72 @@
+"""The benchmark's targets, checked against one report's ratios.
+
+The thresholds are those of the benchmark issue (#5), written for qwen30b-shape on a 2-core
+machine: every ratio is judged in every report, so a regression shows as "not met" in the
+Markdown without anyone re-reading the issue. Speedup targets depend on how tight the cap is
+(20x at 25% of the file, 18x at 50%); a cap looser than 50% has none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# a cap counts as "25%" when it is within this of the fraction (caps are rounded to bytes)
+_FRACTION_SLACK = 0.01
+SPEEDUP_TARGETS = ((0.25, 20.0), (0.5, 18.0))  # (largest cap fraction, speedup over stock mmap)
+# trace replay: the default policy's decode hit rate over Belady's at 2000 MiB (set for Qwen)
+REPLAY_SHARE_OF_BELADY = 0.85
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target: the measured value against its threshold."""
+
+    name: str
+    scope: str  # "all" or the cap it was measured under
+    value: float | None
+    threshold: float
+    at_least: bool  # True: value >= threshold is met; False: value <= threshold
+
+    @property
+    def met(self) -> bool | None:
+        """Met, not met, or None when the value is missing (a run failed or was skipped)."""
+        if self.value is None:
+            return None
+        return self.value >= self.threshold if self.at_least else self.value <= self.threshold
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "scope": self.scope,
+            "value": self.value,
+            "threshold": self.threshold,
+            "at_least": self.at_least,
+            "met": self.met,
+        }
+
+
+def speedup_target(cap_fraction: float) -> float | None:
+    """The speedup a cap of this fraction of the file must reach, None when it has no target."""
+    for fraction, speedup in SPEEDUP_TARGETS:
+        if cap_fraction <= fraction + _FRACTION_SLACK:
+            return speedup
+    return None
+
+
+def check_targets(ratios: dict[str, Any], file_bytes: int) -> list[Target]:
+    """Every target the ratios (server/bench/ratios.py) can be judged on."""
+    out = [Target("residency (all cached / resident)", "all", ratios.get("residency_overhead"), 0.95, True)]
+    for cap in ratios.get("per_cap", {}).values():
+        fraction = cap["cap_bytes"] / file_bytes
+        scope = f"{cap['cap_bytes'] / 2**30:.2f} GiB ({fraction:.0%})"
+        speedup = speedup_target(fraction)
+        if speedup is not None:
+            out.append(Target("speedup over stock mmap", scope, cap.get("speedup_vs_mmap"), speedup, True))
+        out += [
+            Target("roofline efficiency", scope, cap.get("roofline_efficiency"), 0.85, True),
+            Target("I/O efficiency while waiting", scope, cap.get("io_efficiency"), 0.85, True),
+            Target("memory discipline", scope, cap.get("memory_discipline"), 1.1, False),
+            Target("512-token prefill / I/O roofline", scope, cap.get("prefill_512_efficiency"), 0.85, True),
+        ]
+    return out
