@@ -257,6 +257,8 @@ def load_streaming_llama(
         llm.budget = choice
         logger.info("expert budget %.1f MiB: %s", choice.bytes / 2**20, choice.reason)
         logger.info("expert pages: %s", streamer.page_path())
+        if mapped:
+            logger.info("%s (%.1f MiB) mapped from the file, not read into RAM", EMBEDDINGS, mapped / 2**20)
         return llm
     except BaseException:
         streamer.close()  # idempotent; the model (if any) was freed first
