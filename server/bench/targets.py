@@ -8,7 +8,7 @@ Markdown without anyone re-reading the issue. Speedup targets depend on how tigh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 # a cap counts as "25%" when it is within this of the fraction (caps are rounded to bytes)
@@ -36,14 +36,7 @@ class Target:
         return self.value >= self.threshold if self.at_least else self.value <= self.threshold
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "scope": self.scope,
-            "value": self.value,
-            "threshold": self.threshold,
-            "at_least": self.at_least,
-            "met": self.met,
-        }
+        return {**asdict(self), "met": self.met}
 
 
 def speedup_target(cap_fraction: float) -> float | None:

@@ -272,24 +272,30 @@ static const struct ggml_backend_buffer_i dbuf_iface = {
     .reset         = NULL,
 };
 
-static ggml_backend_buffer_t dbuft_alloc(ggml_backend_buffer_type_t buft, size_t size) {
-    mf_streamer * s            = buft_streamer(buft);
-    const size_t  reserve_size = size ? (size + MF_PAGE - 1) & ~(size_t) (MF_PAGE - 1) : MF_PAGE;
-    void *        p            = mmap(NULL, reserve_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    mf_buf *      b            = calloc(1, sizeof *b);
+// a buffer over one anonymous mapping of reserve_size bytes, based at its start (dense and rows)
+static ggml_backend_buffer_t anon_buffer(ggml_backend_buffer_type_t buft, const struct ggml_backend_buffer_i * iface,
+                                         size_t size, size_t reserve_size, int prot, int flags, const char * what) {
+    mf_streamer * s = buft_streamer(buft);
+    void *        p = mmap(NULL, reserve_size, prot, MAP_PRIVATE | MAP_ANONYMOUS | flags, -1, 0);
+    mf_buf *      b = calloc(1, sizeof *b);
     if (p == MAP_FAILED || !b) {
         if (p != MAP_FAILED) {
             munmap(p, reserve_size);
         }
         free(b);
-        mf_streamer_fail(s, -ENOMEM, "cannot allocate %zu bytes for dense weights", reserve_size);
+        mf_streamer_fail(s, -ENOMEM, "cannot map %zu bytes for %s", reserve_size, what);
         return NULL;
     }
     b->s            = s;
     b->reserve      = p;
     b->reserve_size = reserve_size;
     b->base         = p;
-    return ggml_backend_buffer_init(buft, dbuf_iface, b, size);
+    return ggml_backend_buffer_init(buft, *iface, b, size);
+}
+
+static ggml_backend_buffer_t dbuft_alloc(ggml_backend_buffer_type_t buft, size_t size) {
+    const size_t reserve_size = size ? (size + MF_PAGE - 1) & ~(size_t) (MF_PAGE - 1) : MF_PAGE;
+    return anon_buffer(buft, &dbuf_iface, size, reserve_size, PROT_READ | PROT_WRITE, 0, "dense weights");
 }
 
 static size_t dbuft_alignment(ggml_backend_buffer_type_t buft) {
@@ -364,23 +370,9 @@ static const struct ggml_backend_buffer_i rbuf_iface = {
 };
 
 static ggml_backend_buffer_t rbuft_alloc(ggml_backend_buffer_type_t buft, size_t size) {
-    mf_streamer * s            = buft_streamer(buft);
-    const size_t  reserve_size = ((size + MF_PAGE - 1) & ~(size_t) (MF_PAGE - 1)) + MF_PAGE;
-    void *        p            = mmap(NULL, reserve_size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    mf_buf *      b            = calloc(1, sizeof *b);
-    if (p == MAP_FAILED || !b) {
-        if (p != MAP_FAILED) {
-            munmap(p, reserve_size);
-        }
-        free(b);
-        mf_streamer_fail(s, -ENOMEM, "cannot reserve %zu bytes of address space for a mapped tensor", reserve_size);
-        return NULL;
-    }
-    b->s            = s;
-    b->reserve      = p;
-    b->reserve_size = reserve_size;
-    b->base         = p;
-    return ggml_backend_buffer_init(buft, rbuf_iface, b, size);
+    // address space only: init_tensor maps the file over it
+    const size_t reserve_size = ((size + MF_PAGE - 1) & ~(size_t) (MF_PAGE - 1)) + MF_PAGE;
+    return anon_buffer(buft, &rbuf_iface, size, reserve_size, PROT_NONE, MAP_NORESERVE, "a file-mapped tensor");
 }
 
 static size_t rbuft_alloc_size(ggml_backend_buffer_type_t buft, const struct ggml_tensor * t) {
