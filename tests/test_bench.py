@@ -68,8 +68,8 @@ def test_bench_runs_every_system_on_a_tiny_model(tiny_model: Callable[..., Path]
     ]
     failed = {r["system"]: r["error"] for r in data["runs"] if not r["ok"]}
     assert not failed, failed
-    # the stock resident reference starts with the whole file in RAM; nothing else does
-    assert {r["system"] for r in data["runs"] if r["page_cache_warmed"]} == {"resident"}
+    # the stock resident references start with the whole file in RAM; nothing else does
+    assert {r["system"] for r in data["runs"] if r["page_cache_warmed"]} == {"resident", "resident-prefill-512"}
     for run in data["runs"]:
         report = run["report"]
         assert {"load_s", "ttft_s", "prompt_tokens", "decode_tok_s", "peak_rss_bytes", "per_token"} <= set(
@@ -85,9 +85,13 @@ def test_bench_runs_every_system_on_a_tiny_model(tiny_model: Callable[..., Path]
         "memory_discipline",
         "hit_rate",
         "prefill_512_roofline_efficiency",
+        "prefill_512_speedup_vs_mmap",
+        "mmap_ttft_512_s",
     ):
         assert cap[key] is not None, key
     assert data["ratios"]["residency_overhead"] is not None
+    assert data["ratios"]["prefill_512_residency"] is not None
+    assert "### Prefill, 512-token prompt" in out.with_suffix(".md").read_text()
     # the residency ratio takes the faster run of each reference; the report shows every round's
     assert len(data["ratios"]["residency_overhead_rounds"]) == 2
     assert "resident #2" in out.with_suffix(".md").read_text()

@@ -64,6 +64,11 @@ def _prompt_tok_s(run: Run | None) -> float | None:
     return float(run.report["prompt_tokens"]) / float(run.report["prompt_s"])
 
 
+def _ttft(run: Run | None) -> float | None:
+    """Seconds from the start of the prompt to the first token, None when the run failed."""
+    return run.report.get("ttft_s") if run and run.ok else None
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -78,11 +83,15 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
     cached_d = _decode(cached) if cached else None
     compute_bound = cached_d["tok_s_median"] if cached_d else None
     prefill_compute = _prompt_tok_s(_by_name(result, "streaming-all-cached-prefill-512", None))
+    prefill_resident = _prompt_tok_s(_by_name(result, "resident-prefill-512", None))
     cached_runs = _runs_of(result, "streaming-all-cached", None)
     out: dict[str, Any] = {
         "disk_ceiling_bytes_per_s": ceiling,
         "compute_bound_tok_s": compute_bound,
         "prefill_512_compute_bound_tok_s": prefill_compute,
+        "resident_prefill_512_tok_s": prefill_resident,
+        # residency for a long prompt: the batched expert matmuls run on cached slices too
+        "prefill_512_residency": _ratio(prefill_compute, prefill_resident),
         "residency_overhead": _ratio(compute_bound, res_d["tok_s_median"] if res_d else None),
         # round by round (run i of each), to show the spread the fastest-of ratio smooths
         "residency_overhead_rounds": [
@@ -117,6 +126,8 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
             ideal = max(1.0 / compute_bound, sd["bytes_read"] / ceiling)
         prefill = _by_name(result, "streaming-prefill-512", cap)
         prefill_tok_s = _prompt_tok_s(prefill)
+        mmap_prefill = _by_name(result, "mmap-capped-prefill-512", cap)
+        mmap_prefill_tok_s = _prompt_tok_s(mmap_prefill)
         prefill_bound = None
         if prefill and prefill_tok_s and ceiling and prefill.report.get("prompt_bytes_read"):
             prefill_bound = prefill.report["prompt_tokens"] * ceiling / prefill.report["prompt_bytes_read"]
@@ -125,9 +136,13 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
         prefill_roof = min((x for x in (prefill_bound, prefill_compute) if x), default=None)
         out["per_cap"][str(cap)] = {
             "cap_bytes": cap,
-            "ttft_20_s": stream.report.get("ttft_s") if stream and stream.ok else None,
-            "mmap_ttft_20_s": mmap.report.get("ttft_s") if mmap and mmap.ok else None,
+            "ttft_20_s": _ttft(stream),
+            "mmap_ttft_20_s": _ttft(mmap),
             "prefill_512_tok_s": prefill_tok_s,
+            "mmap_prefill_512_tok_s": mmap_prefill_tok_s,
+            "prefill_512_speedup_vs_mmap": _ratio(prefill_tok_s, mmap_prefill_tok_s),
+            "ttft_512_s": _ttft(prefill),
+            "mmap_ttft_512_s": _ttft(mmap_prefill),
             "prefill_512_io_bound_tok_s": prefill_bound,
             "prefill_512_efficiency": _ratio(prefill_tok_s, prefill_bound),
             "prefill_512_roofline_efficiency": _ratio(prefill_tok_s, prefill_roof),

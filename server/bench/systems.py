@@ -90,6 +90,14 @@ def default_systems(mmap_tokens: int, levers: bool = True) -> SystemSet:
             repeats=2,
         ),
         System(
+            "resident-prefill-512",
+            False,
+            ("--resident", "--prompt-tokens", str(LONG_PROMPT_TOKENS)),
+            decode_tokens=2,
+            description="stock llama.cpp fully in RAM, a 512-token prompt (the prefill reference)",
+            warm_page_cache=True,
+        ),
+        System(
             "streaming-all-cached-prefill-512",
             False,
             ("--budget", "all", "--preload", "--prompt-tokens", str(LONG_PROMPT_TOKENS)),
@@ -104,6 +112,13 @@ def default_systems(mmap_tokens: int, levers: bool = True) -> SystemSet:
             ("--resident",),
             decode_tokens=mmap_tokens,
             description="stock llama.cpp load_mode MMAP (use_extra_bufts off) under the cap",
+        ),
+        System(
+            "mmap-capped-prefill-512",
+            True,
+            ("--resident", "--prompt-tokens", str(LONG_PROMPT_TOKENS)),
+            decode_tokens=2,
+            description="stock llama.cpp mmap under the cap, a 512-token prompt (prefill speedup)",
         ),
         System("streaming", True, (), description="moeflash, default (best) settings, budget auto"),
         System(
