@@ -45,6 +45,7 @@ class TokenRecord:
     compute_s: float | None = None
     flash_wait_s: float | None = None
     cache_s: float | None = None
+    # streaming: what the streamer read; resident: what the kernel read for the process (faults)
     bytes_read: int | None = None
     hits: int | None = None
     misses: int | None = None
@@ -74,7 +75,7 @@ class GenerateReport:
     storage_read_bytes: int = 0  # what this process read from storage (page faults included)
     budget_bytes: int | None = None
     budget_reason: str | None = None
-    prompt_bytes_read: int | None = None
+    prompt_bytes_read: int | None = None  # the prompt's reads, as TokenRecord.bytes_read
     totals: dict[str, Any] = field(default_factory=dict)
     per_token: list[TokenRecord] = field(default_factory=list)
 
@@ -239,9 +240,10 @@ def _storage_read_bytes() -> int:
     return 0
 
 
-def _record(token: int, seconds: float, t: DecodeTelemetry | None) -> TokenRecord:
+def _record(token: int, seconds: float, t: DecodeTelemetry | None, storage_read: int | None) -> TokenRecord:
+    """A token's record: the streamer's telemetry, or for a resident run what it read from storage."""
     if t is None:
-        return TokenRecord(token=token, seconds=seconds)
+        return TokenRecord(token=token, seconds=seconds, bytes_read=storage_read)
     return TokenRecord(
         token=token,
         seconds=seconds,
@@ -278,11 +280,15 @@ def generate(llm: Any, args: argparse.Namespace, load_s: float) -> GenerateRepor
     records: list[TokenRecord] = []
 
     stats0 = llm.stats() if streaming else None
+    # a resident (stock mmap) run's reads are its page faults: what the kernel read for it
+    storage0 = _storage_read_bytes()
     t0 = time.perf_counter()
     llm.reset()
     llm.eval(prompt)
     prompt_s = time.perf_counter() - t0
-    prompt_read = (llm.stats() - stats0).bytes_read if streaming and stats0 is not None else None
+    prompt_read = (
+        (llm.stats() - stats0).bytes_read if streaming and stats0 is not None else _storage_read_bytes() - storage0
+    )
 
     text = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
@@ -296,10 +302,12 @@ def generate(llm: Any, args: argparse.Namespace, load_s: float) -> GenerateRepor
     out = [token]
     emit(token)
     while len(out) < args.n_predict and (args.ignore_eos or token not in eog):
+        storage1 = _storage_read_bytes()
         t1 = time.perf_counter()
         llm.eval([token])
         seconds = time.perf_counter() - t1
-        records.append(_record(token, seconds, llm.telemetry[-1] if streaming else None))
+        read = None if streaming else _storage_read_bytes() - storage1
+        records.append(_record(token, seconds, llm.telemetry[-1] if streaming else None, read))
         if args.telemetry and not args.json:
             print(_telemetry_line(len(records), records[-1]), file=sys.stderr)
         token = _next_token(llm, args, rng)

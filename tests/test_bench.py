@@ -78,6 +78,9 @@ def test_bench_runs_every_system_on_a_tiny_model(tiny_model: Callable[..., Path]
         )
         if run["cap_bytes"] is not None:
             assert run["cgroup_peak_bytes"] > 0
+        # every decoded token says what it read: the streamer's reads, or stock mmap's page faults
+        assert all(t["bytes_read"] is not None for t in report["per_token"]), run["system"]
+        assert report["prompt_bytes_read"] is not None, run["system"]
     assert {c["pattern"] for c in data["ceiling"]} == {"random", "sequential"}
     cap = next(iter(data["ratios"]["per_cap"].values()))
     for key in (
@@ -88,6 +91,7 @@ def test_bench_runs_every_system_on_a_tiny_model(tiny_model: Callable[..., Path]
         "prefill_512_roofline_efficiency",
         "prefill_512_speedup_vs_mmap",
         "mmap_ttft_512_s",
+        "mmap_bytes_read_per_token",
     ):
         assert cap[key] is not None, key
     assert data["ratios"]["residency_overhead"] is not None

@@ -176,11 +176,8 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
             "prefetch_hit_rate": sd["prefetch_hit_rate"] if sd else None,
             "read_fraction": sd["bytes_read"] / routed if sd and routed else None,
             "per_token_split_s": {k: sd[k] for k in ("compute_s", "flash_wait_s", "cache_s")} if sd else None,
-            "mmap_bytes_read_per_token": (
-                mmap.report.get("storage_read_bytes", 0) / max(1, len(mmap.report.get("per_token") or [1]))
-                if mmap and mmap.ok
-                else None
-            ),
+            # what the kernel read for stock mmap per decoded token (its page faults)
+            "mmap_bytes_read_per_token": md["bytes_read"] if md else None,
         }
     out["targets"] = [t.to_json() for t in check_targets(out, int(result.model["file_bytes"]))]
     return out

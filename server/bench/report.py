@@ -70,9 +70,12 @@ def markdown(result: BenchResult, command: str) -> str:
         r = run.report
         d = _decode(run)
         n_dec = max(1, r.get("decode_tokens", 1))
+        # per decoded token; a report from before resident runs recorded their reads per token
+        # spreads the whole run's (load and prompt too) over every token
+        has_reads = bool(r.get("per_token")) and r["per_token"][0].get("bytes_read") is not None
         read_per_tok = (
             d["bytes_read"] / 1e6
-            if d and r.get("mode") == "streaming"
+            if d and has_reads
             else r.get("storage_read_bytes", 0) / (r["prompt_tokens"] + n_dec) / 1e6
         )
         cgroup_peak = _fmt(run.cgroup_peak_bytes / _MIB if run.cgroup_peak_bytes else None, ".0f")
