@@ -286,9 +286,10 @@ def generate(llm: Any, args: argparse.Namespace, load_s: float) -> GenerateRepor
     llm.reset()
     llm.eval(prompt)
     prompt_s = time.perf_counter() - t0
-    prompt_read = (
-        (llm.stats() - stats0).bytes_read if streaming and stats0 is not None else _storage_read_bytes() - storage0
-    )
+    if streaming and stats0 is not None:
+        prompt_read = (llm.stats() - stats0).bytes_read
+    else:
+        prompt_read = _storage_read_bytes() - storage0
 
     text = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
