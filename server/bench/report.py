@@ -37,7 +37,8 @@ def markdown(result: BenchResult, command: str) -> str:
         f"Model: {m['path']} ({m['file_bytes'] / 1e9:.2f} GB; "
         f"{m['bytes_per_expert'] / _MIB:.2f} MiB per expert, "
         f"{m['routed_bytes_per_token'] / _MIB:.0f} MiB routed per token, "
-        f"dense {m['dense_bytes'] / _MIB:.0f} MiB; sha256 {m.get('sha256', 'n/a')}).",
+        # the file's non-expert bytes; a streaming run's "dense" (RAM) excludes mapped embeddings
+        f"non-expert weights {m['dense_bytes'] / _MIB:.0f} MiB; sha256 {m.get('sha256', 'n/a')}).",
         f"Machine: {result.environment.get('cpu_model', '?')}, {result.environment.get('cpus')} cores, "
         f"{result.environment.get('mem_total_bytes', 0) / 2**30:.1f} GiB; read_ahead_kb "
         f"{result.environment.get('read_ahead_kb')}; {result.cgroup}; page cache {result.page_cache}.",
