@@ -115,7 +115,10 @@
 //     window lift as a class of the next-visit hazard cell: 65.0 / 68.5 alone, 65.4 / 68.8 with
 //     the product; the two-phase value (the lifted rate within the window, p after it; the best
 //     J is then the first visit, the window's end or none): 65.3 / 68.7; the adjacent layer's
-//     (l - 1) sets of the same tokens added to the context: +0.06 / -0.04; the router's rank of
+//     (l - 1) sets of the same tokens added to the context: +0.06 / -0.04; a "topic" lift from
+//     co-occurrence within one visit's set (how often f is routed together with the context's
+//     experts, itself left out) in place of the window lift: -0.6 / -0.6, times it: -0.9 / -0.8
+//     (experts routed together do not announce each other's later routes); the router's rank of
 //     each routed expert (slot 0 = most probable) as a further hazard dimension: 64.9 / 68.5 (it
 //     predicts the next visit's reuse, but the cells already do); hazard tables per layer (drawn
 //     towards the pooled one with 2 to 50 observations): -0.5 to 0.0; half-lives of p of 8 / 32
