@@ -44,29 +44,58 @@
 //     expert alike: the rates' spread is all noise, and ranking on it beat ranking on distance);
 //     the empirical-Bayes prior is back at the earlier policy's hit rates there (within 0.9
 //     points either way, 200 tokens, 3 shapes, 3 seeds) and above them on drifting Zipf routing.
+//   * The context of that rate: p is multiplied by the entry's window lift (mf_affinity.c): how
+//     much likelier than usual the layer's recent routed sets (each visit back weighing half as
+//     much) make the expert's routes at visits 2 to MF_WIN_H after the layer's last one, an
+//     affinity learned online like the next-visit lift, its noise taken out by empirical Bayes as
+//     for p. Why: the misses left against Belady are mostly reuses 2 to 8 tokens ahead (see
+//     "What is left"), and the near-term rate is what decides them: in an offline replica of
+//     this policy (Python, not kept; 64.9% on Qwen at 2000 MiB as the C code) the actual routes
+//     of the visits 2..4 ahead given as p (an oracle) reached 69.3% (2..8: 69.9%, 2..32: 68.4%),
+//     the actual next visit given as h 67.6%, both 76.9% (0.98 of Belady: the keep value is not
+//     what limits the policy, its predictions are). Within a cell of (p, age) the window lift
+//     still ranks the entries' reuse 2 to 8 visits ahead (AUC 0.63 to 0.65, Qwen and Gemma),
+//     the routed-set-to-next-visit lift less (0.58). Measured (decode hits, old -> new, the C
+//     library replayed on the traces): Qwen 64.94 -> 65.47 at 2000 MiB (0.832 -> 0.839 of
+//     Belady), 46.6 -> 46.8 at 1000, 83.2 -> 83.8 at 4000; Gemma 68.53 -> 68.67 (0.868 ->
+//     0.870); never below the old policy at 250 MiB to 8 GiB (bench/reports/trace-replay.md).
+//     Synthetic uniform and drifting Zipf routing (48 x 128, k = 8, 300 tokens, seeds 1 to 3,
+//     250 MiB to 12 GiB): within 0.13 points of the old policy on uniform routing, up to +0.6
+//     on Zipf at 250 to 2000 MiB, at most 0.07 below it at 8 and 12 GiB. Without the
+//     empirical-Bayes shrinkage the lift's noise cost 0.2 to 0.5 points on uniform routing at 4
+//     to 12 GiB. The window (with the last 4 sets recomputed at each visit): visits 2..3 / 2..4
+//     / 2..6 / 2..8 after: 65.46 / 65.48 / 65.29 / 65.27 on Qwen at 2000 MiB (68.73 / 68.72 /
+//     68.65 / 68.54 on Gemma); short because the cache, at the budgets where the policy
+//     matters, holds two to three tokens' working sets. The context: the last 2, 4 or 8 sets
+//     recomputed at each visit instead of the decayed sum: within 0.03. Cost: about 2 us more
+//     per route (a C microbenchmark, not kept, replaying the Qwen trace ten times through
+//     mf_cache_route, best of 5 runs on 2 shared cores, niced: 10.2 -> 12.2 us per route at
+//     2000 MiB, 9.8 -> 11.4 at 8000; medians 12.6 -> 15.5 and 11.8 -> 12.0).
 //   * Keep value: with S_1 = 1 - h the chance the entry is unused at its next visit and
 //     S_j = S_1 (1 - p)^(j-1) after j visits, holding it until the J-th visit yields (1 - S_J)
 //     expected hits for d + n_layer * (S_1 + ... + S_{J-1}) layer steps of occupancy; the value is
 //     the best such rate over J (a Gittins-style index: an entry close to its use with a modest
 //     chance can be worth more than a likely one a whole cycle away), divided by the entry's
 //     bytes. With the chance flat after the first visit the rate is a linear-fractional function
-//     of (1 - p)^(J-1), so the best J is the first visit or none: the value is the larger of
-//     h / d and 1 / (d + n_layer * S_1 / p), one over the expected steps to the next use. Two
-//     ratios per entry, no table. (Capping J at 4 to 512 visits measured the same within 0.15
-//     points.) This is Belady's rule made stochastic: far, unlikely entries go first. It keeps
-//     hitting below one token's working set, where LRU evicts exactly what comes next. Equal
-//     values (same state, distance and size) fall back to LRU order.
+//     of (1 - p)^(J-1), so the best J is the first visit or none (p: the context-lifted rate):
+//     the value is the larger of h / d and 1 / (d + n_layer * S_1 / p), one over the expected
+//     steps to the next use. Two ratios per entry, no table. (Capping J at 4 to 512 visits
+//     measured the same within 0.15 points.) This is Belady's rule made stochastic: far, unlikely
+//     entries go first. It keeps hitting below one token's working set, where LRU evicts exactly
+//     what comes next. Equal values (same state, distance and size) fall back to LRU order.
 //   * Adaptivity: use counts and affinity counts are halved every MF_WINDOW visits of their layer
 //     and the hazard observations once they exceed MF_WINDOW visits of every layer, so the model
 //     follows drifting routing. The hazards are recomputed once per cycle (n_layer routes); a
 //     victim search scores the resident entries once per route (a resident list, not every entry).
 //   * Memory: 37 bytes per (layer, expert) entry here (the recent rate is 4 of them) plus the
-//     affinity model's 2 * n_expert + 6, 24 bytes per layer for the rate prior, and three
-//     MF_CELLS float tables (12 KiB): 1.8 MiB at 48 layers x 128 experts, 1.5 MiB of it affinity.
-//   * Measured (bench/reports/trace-replay.md): decode hit rate 0.83 (Qwen, 64.9%) / 0.87 (Gemma,
-//     68.5%) of Belady's at 2000 MiB (with the (age, class) hazard aged along the horizon instead
-//     of the recent rate: 0.83 / 0.86, 64.4% / 67.8%; that and no lift: 0.80 / 0.85; frequency
-//     only: 0.76 / 0.82), not below LRU at 250 MiB to 8 GiB.
+//     affinity model's 4 * n_expert + 22 (next-visit and window affinity), 24 bytes per layer for
+//     the rate prior, and three MF_CELLS float tables (12 KiB): 3.4 MiB at 48 layers x 128
+//     experts, 3.1 MiB of it affinity (the window affinity 1.6 MiB).
+//   * Measured (bench/reports/trace-replay.md): decode hit rate 0.84 (Qwen, 65.5%) / 0.87 (Gemma,
+//     68.7%) of Belady's at 2000 MiB (without the window lift: 0.83 / 0.87, 64.9% / 68.5%; with
+//     the (age, class) hazard aged along the horizon instead of the recent rate as well: 0.83 /
+//     0.86, 64.4% / 67.8%; that and no lift: 0.80 / 0.85; frequency only: 0.76 / 0.82), not
+//     below LRU at 250 MiB to 8 GiB (by 0.4 / 0.1 points at least, both at 8 GiB).
 //   * Tried and left out (2000 MiB, Qwen / Gemma decode hits, recent rate in place): the recent
 //     rate's class (per power of two of p / (k / n_expert)) in place of the use-count class in
 //     the hazard cell: 64.8 / 68.1; scaling a layer's next-visit hazards so they sum to k (the
@@ -74,8 +103,32 @@
 //     first (occupancy for the whole horizon): 64.9 / 68.4. In an offline model without the lift:
 //     a per-entry correction of the pooled hazard (observed / predicted routes): +0.2 to +0.4;
 //     a decayed-count class as a further cell dimension: +0.6 / -0.1.
-//   * What is left: given the next token's actual routing (an oracle), the earlier index reached
-//     0.85 of Belady on Qwen (66.5% at 2000 MiB), so even a perfect next-token predictor leaves
+//     With the window lift in place (offline replica unless said): the lift through learned
+//     correction classes (observed / expected routes in the window per class of the lift, one
+//     class per power of two or per quarter power; in C and offline): 64.9 to 65.3 / 68.4 to
+//     68.6, the corrections came out near 1 (a pooled calibration is dominated by entries no
+//     cache holds); a Poisson regression of the window's routes on log p, log lift, a shorter-
+//     memory rate (half-life 4), the age and the next-visit lift, fitted on the trace itself (an
+//     in-sample upper bound of any such combination): 65.1 to 65.5, no better than the product;
+//     a logistic regression of the next visit's route on the cell's features plus the continuous
+//     next-visit lift, p and the window lift, also fitted in-sample, in place of h: 65.5; the
+//     window lift as a class of the next-visit hazard cell: 65.0 / 68.5 alone, 65.4 / 68.8 with
+//     the product; the two-phase value (the lifted rate within the window, p after it; the best
+//     J is then the first visit, the window's end or none): 65.3 / 68.7; the adjacent layer's
+//     (l - 1) sets of the same tokens added to the context: +0.06 / -0.04; a "topic" lift from
+//     co-occurrence within one visit's set (how often f is routed together with the context's
+//     experts, itself left out) in place of the window lift: -0.6 / -0.6, times it: -0.9 / -0.8
+//     (experts routed together do not announce each other's later routes); the router's rank of
+//     each routed expert (slot 0 = most probable) as a further hazard dimension: 64.9 / 68.5 (it
+//     predicts the next visit's reuse, but the cells already do); hazard tables per layer (drawn
+//     towards the pooled one with 2 to 50 observations): -0.5 to 0.0; half-lives of p of 8 / 32
+//     visits with the lift: 65.1 / 65.5 and 68.2 / 68.9.
+//   * What is left: the features above (own rates, age, frequency, next-visit and window
+//     affinity of the layer's recent sets), however combined, stop at about 65.5% on Qwen at
+//     2000 MiB (0.84 of Belady); the oracles say the rest is in the next two to four tokens'
+//     routing, which these signals predict weakly (the fitted Poisson regression's deviance is
+//     3% below that of p alone). Given the next token's actual routing (an oracle), the earlier
+//     index reached 0.85 of Belady on Qwen (66.5% at 2000 MiB), so even a perfect next-token predictor leaves
 //     most of the gap, which is about reuse two and more tokens ahead. Where the misses are (an
 //     offline model without the lift, Qwen, 2000 MiB): none for entries reused by the next token,
 //     as for Belady; 12% to 67% of the reuses 2 to 8 tokens later, which Belady nearly all hits
@@ -400,7 +453,10 @@ static void score_residents(mf_cache * c, int32_t cur) {
         }
         const int32_t cell  = cell_of(c, i, c->visits[l] + 1u);
         const float   bytes = c->entry_bytes[l] ? (float) c->entry_bytes[l] : 1.0f;
-        c->score[p]         = keep_value(c->h3[cell], recent_rate(c, i, l, prior), d, L) / bytes;
+        // the recent rate, lifted by what the layer's recent routing says of the coming visits
+        float         rate  = recent_rate(c, i, l, prior) * c->affinity.wlift[i];
+        rate                = rate < 1.0f ? rate : 1.0f;
+        c->score[p]         = keep_value(c->h3[cell], rate, d, L) / bytes;
     }
 }
 

@@ -24,6 +24,11 @@
 // (classes per power of two or of sqrt(2) measured the same at 2000 MiB, see mf_affinity.c)
 #define MF_LIFTS        4
 #define MF_LIFT_NEUTRAL 2  // the class of lift 1 (no evidence either way)
+// the window of the context lift: visits 2 to MF_WIN_H after a layer's visit (the next one is
+// the lift's). Short: at the budgets where the policy matters the cache holds two to three
+// tokens' working sets, so the reuses that decide evictions are a few tokens ahead (2..3 and 2..4
+// measured within 0.05 points, 2..8 0.2 below; see the DESIGN comment of mf_cache.c)
+#define MF_WIN_H 4
 
 // per layer: how the experts of one visit predict those of the next (see mf_affinity.c)
 typedef struct mf_affinity {
@@ -36,6 +41,18 @@ typedef struct mf_affinity {
     uint8_t *  last;     // [n_layer * n_expert] the layer's last routed set
     uint8_t *  lift;     // [n_layer * n_expert] lift class of each entry at its layer's next visit
     float *    scratch;  // [n_expert]
+    // the context window (visits 2..MF_WIN_H after a visit)
+    uint32_t * count;    // [n_layer] visits so far (never halved: indexes the ring)
+    uint8_t *  hist;     // [n_layer * MF_WIN_H * n_expert] the layer's last MF_WIN_H routed sets (ring)
+    uint16_t * wpair;    // [n_layer * n_expert * n_expert] routes of f in the windows of visits routing e
+    uint16_t * wsrc;     // [n_layer * n_expert] visits routing e whose window is complete
+    uint16_t * wmarg;    // [n_layer * n_expert] routes of f in complete windows
+    uint16_t * wseen;    // [n_layer] complete windows
+    float *    ctx;      // [n_layer * n_expert] the context's sum per expert f (see window_route)
+    float *    ctx_sum;  // [n_layer * 3] its normalizers: sinv, weights, noise
+    float *    wlift;    // [n_layer * n_expert] the context's lift of each entry's rate in its window
+    uint8_t *  win;      // [n_expert] scratch
+    int32_t *  idx;      // [n_expert] scratch
 } mf_affinity;
 
 int  mf_affinity_init(mf_affinity * a, int32_t n_layer, int32_t n_expert);
