@@ -132,10 +132,10 @@ def test_replay_reproduces_the_published_lru_curve(tmp_path: Path) -> None:
         assert summary["never_below_lru"] is True and summary["no_zero_cliff"] is True
         policies = {r["policy"] for r in data["traces"][name]["results"]}
         assert policies == {"layer", "lru", "lfu", "random", "belady"}
-    # regression guards at the measured level (bench/reports/trace-replay.md: 0.831 / 0.868 with the
-    # recent rate beyond the next visit, 0.825 / 0.859 with the aged (age, class) hazard instead)
-    assert data["traces"]["qwen"]["summary"]["share_of_belady_at_2000"] >= 0.828
-    assert data["traces"]["gemma"]["summary"]["share_of_belady_at_2000"] >= 0.862
+    # regression guards at the measured level (bench/reports/trace-replay.md: 0.839 / 0.870 with the
+    # window lift on the recent rate, 0.832 / 0.868 without it)
+    assert data["traces"]["qwen"]["summary"]["share_of_belady_at_2000"] >= 0.836
+    assert data["traces"]["gemma"]["summary"]["share_of_belady_at_2000"] >= 0.866
     assert out.with_suffix(".png").stat().st_size > 0
 
 
