@@ -303,7 +303,7 @@ def generate(llm: Any, args: argparse.Namespace, load_s: float) -> GenerateRepor
     out = [token]
     emit(token)
     while len(out) < args.n_predict and (args.ignore_eos or token not in eog):
-        storage1 = _storage_read_bytes()
+        storage1 = 0 if streaming else _storage_read_bytes()
         t1 = time.perf_counter()
         llm.eval([token])
         seconds = time.perf_counter() - t1
