@@ -113,6 +113,29 @@ static uint8_t lift_class(float lift) {
     return (uint8_t) (cls < 0 ? 0 : cls >= MF_LIFTS ? MF_LIFTS - 1 : cls);
 }
 
+// forget at the cache model's pace: counts stay below 2 windows, well inside uint16_t
+static void halve_counts(uint16_t * pair, uint16_t * src, uint16_t * marg, uint16_t * seen, int32_t E) {
+    for (size_t i = 0; i < (size_t) E * (size_t) E; i++) {
+        pair[i] /= 2;
+    }
+    for (int32_t e = 0; e < E; e++) {
+        src[e] /= 2;
+        marg[e] /= 2;
+    }
+    *seen /= 2;
+}
+
+// the experts set in `in` (E flags or counts), listed in idx; returns how many
+static int32_t list_set(const uint8_t * in, int32_t E, int32_t * idx) {
+    int32_t m = 0;
+    for (int32_t f = 0; f < E; f++) {
+        if (in[f]) {
+            idx[m++] = f;
+        }
+    }
+    return m;
+}
+
 // the context window: learns from the window that is complete with this visit and sets, for every
 // expert, how much likelier than usual the layer's recent sets make its routes in the window that
 // follows the next visit
@@ -125,14 +148,7 @@ static void window_route(mf_affinity * a, int32_t layer, const uint8_t * want, i
     uint8_t *      hist  = a->hist + row * MF_WIN_H;
     const uint32_t v     = a->count[layer]++;
     if (halve) {
-        for (size_t i = 0; i < (size_t) E * (size_t) E; i++) {
-            wpair[i] /= 2;
-        }
-        for (int32_t e = 0; e < E; e++) {
-            wsrc[e] /= 2;
-            wmarg[e] /= 2;
-        }
-        a->wseen[layer] /= 2;
+        halve_counts(wpair, wsrc, wmarg, &a->wseen[layer], E);
     }
     // the ring holds visits v - MF_WIN_H .. v - 1; this visit takes the oldest one's slot
     uint8_t * slot = hist + (size_t) (v % MF_WIN_H) * (size_t) E;
@@ -150,12 +166,7 @@ static void window_route(mf_affinity * a, int32_t layer, const uint8_t * want, i
         }
         // a window routes at most (MF_WIN_H - 1) * k experts: the counts are updated through that list
         int32_t * idx = a->idx;
-        int32_t   m   = 0;
-        for (int32_t f = 0; f < E; f++) {
-            if (win[f]) {
-                idx[m++] = f;
-            }
-        }
+        const int32_t m = list_set(win, E, idx);
         for (int32_t j = 0; j < m; j++) {
             wmarg[idx[j]] += win[idx[j]];
         }
@@ -254,27 +265,14 @@ void mf_affinity_route(mf_affinity * a, int32_t layer, const uint8_t * want, int
     uint16_t *    marg = a->marg + row;
     uint8_t *     last = a->last + row;
 
-    // forget at the cache model's pace: counts stay below 2 windows, well inside uint16_t
     if (halve) {
-        for (size_t i = 0; i < (size_t) E * (size_t) E; i++) {
-            pair[i] /= 2;
-        }
-        for (int32_t e = 0; e < E; e++) {
-            src[e] /= 2;
-            marg[e] /= 2;
-        }
-        a->seen[layer] /= 2;
+        halve_counts(pair, src, marg, &a->seen[layer], E);
     }
     // the transition from the layer's previous visit to this one
     if (a->seen[layer] > 0) {
         // through the list of this visit's experts (k of n_expert)
         int32_t * idx = a->idx;
-        int32_t   m   = 0;
-        for (int32_t f = 0; f < E; f++) {
-            if (want[f]) {
-                idx[m++] = f;
-            }
-        }
+        const int32_t m = list_set(want, E, idx);
         for (int32_t e = 0; e < E; e++) {
             if (!last[e]) {
                 continue;

@@ -242,7 +242,8 @@ static void dbuf_set_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * t
     (void) mf_predict_note(b->s, t);
 }
 
-static void dbuf_get_tensor(ggml_backend_buffer_t buffer, const struct ggml_tensor * t, void * data, size_t offset,
+// dense and row buffers hold a tensor's bytes at its data pointer
+static void host_get_tensor(ggml_backend_buffer_t buffer, const struct ggml_tensor * t, void * data, size_t offset,
                             size_t size) {
     (void) buffer;
     memcpy(data, (const char *) t->data + offset, size);
@@ -264,7 +265,7 @@ static const struct ggml_backend_buffer_i dbuf_iface = {
     .init_tensor   = NULL,
     .memset_tensor = dbuf_memset_tensor,
     .set_tensor    = dbuf_set_tensor,
-    .get_tensor    = dbuf_get_tensor,
+    .get_tensor    = host_get_tensor,
     .set_tensor_2d = NULL,
     .get_tensor_2d = NULL,
     .cpy_tensor    = NULL,
@@ -339,12 +340,6 @@ static enum ggml_status rbuf_init_tensor(ggml_backend_buffer_t buffer, struct gg
     return GGML_STATUS_SUCCESS;
 }
 
-static void rbuf_get_tensor(ggml_backend_buffer_t buffer, const struct ggml_tensor * t, void * data, size_t offset,
-                            size_t size) {
-    (void) buffer;
-    memcpy(data, (const char *) t->data + offset, size);
-}
-
 static void rbuf_memset_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * t, uint8_t value, size_t offset,
                                size_t size) {
     (void) value;
@@ -361,7 +356,7 @@ static const struct ggml_backend_buffer_i rbuf_iface = {
     .memset_tensor = rbuf_memset_tensor,
     // the file is the tensor: the loader's bytes are the same ones, and copying them would read it all
     .set_tensor    = xbuf_set_tensor,
-    .get_tensor    = rbuf_get_tensor,
+    .get_tensor    = host_get_tensor,
     .set_tensor_2d = NULL,
     .get_tensor_2d = NULL,
     .cpy_tensor    = NULL,
