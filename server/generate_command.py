@@ -251,8 +251,9 @@ def _record(token: int, seconds: float, t: DecodeTelemetry | None, storage_read:
         flash_wait_s=t.flash_wait_ns / 1e9,
         cache_s=t.cache_ns / 1e9,
         bytes_read=t.bytes_read,
-        hits=t.hits,
-        misses=t.misses,
+        # None: routing was not watched (every expert resident), not "no hits"
+        hits=t.hits if t.routed else None,
+        misses=t.misses if t.routed else None,
         evictions=t.evictions,
         prefetched=t.prefetched,
         prefetch_used=t.prefetch_used,
@@ -265,8 +266,12 @@ def _telemetry_line(i: int, r: TokenRecord) -> str:
         line += (
             f" | compute {r.compute_s * 1e3:7.1f} ms | flash wait {(r.flash_wait_s or 0) * 1e3:7.1f} ms"
             f" | cache {(r.cache_s or 0) * 1e3:6.1f} ms | read {(r.bytes_read or 0) / _MB:7.1f} MB"
-            f" | hits {r.hits}/{(r.hits or 0) + (r.misses or 0)}"
-            f" (prefetched {r.prefetch_used}/{r.prefetched})"
+            + (
+                f" | hits {r.hits}/{(r.hits or 0) + (r.misses or 0)}"
+                f" (prefetched {r.prefetch_used}/{r.prefetched})"
+                if r.hits is not None
+                else " | every expert resident"
+            )
         )
     return line
 
@@ -353,10 +358,15 @@ def _summary(r: GenerateReport) -> str:
     if r.budget_bytes is not None:
         t = r.totals
         routed = max(1, t["hits"] + t["misses"])
+        hits = (
+            f"hit rate {t['hits'] / routed:.1%} (cache {(t['hits'] - t['prefetch_used']) / routed:.1%}, "
+            f"prefetch {t['prefetch_used']} of {t['prefetched']} read ahead used)"
+        )
+        if t["routing_off"]:
+            watched = f": before, over {t['routes']} routes, {hits}" if t["routes"] else ""
+            hits = f"every expert resident, routing no longer watched{watched}"
         lines.append(
-            f"experts: budget {r.budget_bytes / 2**20:.0f} MiB ({r.budget_reason}); hit rate "
-            f"{t['hits'] / routed:.1%} (cache {(t['hits'] - t['prefetch_used']) / routed:.1%}, prefetch "
-            f"{t['prefetch_used']} of {t['prefetched']} read ahead used); "
+            f"experts: budget {r.budget_bytes / 2**20:.0f} MiB ({r.budget_reason}); {hits}; "
             f"read {t['bytes_read'] / _MB:.0f} MB; "
             f"flash wait {t['wait_ns'] / 1e9:.2f} s; cache {t['manage_ns'] / 1e9:.2f} s; "
             f"O_DIRECT {'on' if t['direct_io'] else 'off'}"

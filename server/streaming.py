@@ -81,6 +81,9 @@ class DecodeTelemetry:
     evictions: int
     prefetched: int  # experts read ahead for the next layer
     prefetch_used: int  # routed experts a prefetch had read
+    # False once every expert is resident under a budget holding them all: the streamer no longer
+    # watches routing (nothing left to read), so hits and misses are not counted
+    routed: bool = True
 
 
 def parse_policy(name: str) -> Policy:
@@ -146,6 +149,7 @@ class StreamingLlama(llama_cpp.Llama):
                     evictions=d.evictions,
                     prefetched=d.prefetched,
                     prefetch_used=d.prefetch_used,
+                    routed=d.routes > 0,
                 )
             )
 

@@ -57,6 +57,8 @@ STAT_FIELDS = (
     "prefetched",
     "prefetch_used",
     "mapped_bytes",
+    "hold_all",
+    "routing_off",
 )
 
 

@@ -92,11 +92,21 @@ class StreamerStats:
     prefetched: int
     prefetch_used: int
     mapped_bytes: int
+    hold_all: int  # 1: the budget holds every expert (huge pages, no page moves, no evictions)
+    routing_off: int  # 1: all of them resident, routing is no longer observed (hits stop counting)
 
     def __sub__(self, other: StreamerStats) -> StreamerStats:
         a, b = asdict(self), asdict(other)
         # gauges stay as they are now; counters become deltas
-        gauges = {"resident_bytes", "direct_io", "dense_bytes", "page_moves", "mapped_bytes"}
+        gauges = {
+            "resident_bytes",
+            "direct_io",
+            "dense_bytes",
+            "page_moves",
+            "mapped_bytes",
+            "hold_all",
+            "routing_off",
+        }
         return StreamerStats(**{k: a[k] if k in gauges else a[k] - b[k] for k in a})
 
     @property

@@ -331,8 +331,67 @@ def test_gate_preloaded_experts(qwen: Path, reference: Callable[..., Result]) ->
     finally:
         llm.close()
     assert got == expected
-    assert after.misses == 0 and after.evictions == 0 and after.hits > 0
+    assert after.misses == 0 and after.evictions == 0
     assert after.bytes_read == loaded.bytes_read, "nothing is read after the preload"
+    # holding every expert, all resident: nothing left to route, so nothing is watched
+    assert loaded.hold_all == 1 and loaded.routing_off == 1 and after.routing_off == 1
+    assert after.routes == 0 and after.page_moves == 0
+
+
+# ------------------------------------------------------------------------------------ hold all
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_gate_hold_all_stops_routing_once_resident(
+    qwen: Path, reference: Callable[..., Result], overlap: bool
+) -> None:
+    """A budget holding every expert loads them on demand, then stops watching routing (no graph
+    splits); dropping the cache makes it watch and read again. Output identical throughout."""
+    expected = reference(qwen)
+    llm = streamed(qwen, StreamingOptions(budget_bytes=BUDGET_ALL, overlap=overlap))
+    try:
+        first = greedy(llm, PROMPT, N_TOKENS)
+        stats = llm.stats()
+        watched = [t.routed for t in llm.telemetry]
+        llm.streamer.drop_cache()
+        dropped = llm.stats()
+        second = greedy(llm, PROMPT, N_TOKENS)
+        again = llm.stats()
+    finally:
+        llm.close()
+    assert first == expected and second == expected
+    assert stats.hold_all == 1 and stats.page_moves == 0 and stats.violations == 0
+    # the prompt routes to every expert of the tiny model: watched first, not after
+    assert stats.routing_off == 1 and stats.resident_bytes == stats.bytes_read
+    assert watched[0] and not watched[-1], watched
+    assert dropped.routing_off == 0 and dropped.resident_bytes == 0
+    assert again.routing_off == 1 and again.bytes_read == 2 * stats.bytes_read and again.routes > stats.routes
+
+
+def test_hold_all_asks_for_huge_pages(qwen: Path) -> None:
+    """Held whole, expert memory is mapped asking for transparent huge pages; under a budget that
+    evicts it is not (evictions would split them), and page moves stay on."""
+    if not Path("/sys/kernel/mm/transparent_hugepage").exists():
+        pytest.skip("this kernel has no transparent huge pages")
+
+    def huge_page_bytes() -> int:
+        total, size = 0, 0
+        for line in Path("/proc/self/smaps").read_text().splitlines():
+            if line.startswith("Size:"):
+                size = int(line.split()[1]) * 1024
+            elif line.startswith("VmFlags:") and " hg" in f" {line[8:]}":
+                total += size
+        return total
+
+    sizes: dict[bool, int] = {}
+    for whole in (False, True):
+        budget = BUDGET_ALL if whole else expert_layer_bytes(qwen)
+        llm = streamed(qwen, StreamingOptions(budget_bytes=budget))
+        try:
+            sizes[whole] = huge_page_bytes()
+            stats, experts = llm.stats(), llm.streamer.expert_bytes
+        finally:
+            llm.close()
+        assert stats.hold_all == int(whole) and stats.routing_off == 0
+    assert sizes[True] - sizes[False] >= experts
 
 
 def test_preload_needs_a_budget_for_every_expert(qwen: Path) -> None:

@@ -16,7 +16,11 @@ if TYPE_CHECKING:
 
 
 def _decode(run: Run) -> dict[str, float] | None:
-    """Per-token means of a run's decode steps (seconds, bytes, hits)."""
+    """Per-token means of a run's decode steps (seconds, bytes, hits).
+
+    Hit rates are over the tokens whose routing was watched, and absent when none was (every
+    expert resident: the streamer stops watching).
+    """
     if not run.ok:
         return None
     toks = run.report.get("per_token") or []
@@ -27,8 +31,7 @@ def _decode(run: Run) -> dict[str, float] | None:
     def mean(key: str) -> float:
         return sum(float(t.get(key) or 0) for t in toks) / n
 
-    hits, misses, used = mean("hits"), mean("misses"), mean("prefetch_used")
-    return {
+    out = {
         "tok_s_median": 1.0 / statistics.median(float(t["seconds"]) for t in toks),
         "tok_s_mean": n / sum(float(t["seconds"]) for t in toks),
         "seconds": mean("seconds"),
@@ -36,10 +39,19 @@ def _decode(run: Run) -> dict[str, float] | None:
         "flash_wait_s": mean("flash_wait_s"),
         "cache_s": mean("cache_s"),
         "bytes_read": mean("bytes_read"),
-        "miss_rate": misses / (hits + misses) if hits + misses else 0.0,
+    }
+    watched = [t for t in toks if t.get("hits") is not None]
+    if not watched and run.report.get("mode") == "streaming":
+        return out
+    hits = sum(float(t.get("hits") or 0) for t in watched)
+    misses = sum(float(t.get("misses") or 0) for t in watched)
+    used = sum(float(t.get("prefetch_used") or 0) for t in watched)
+    routed = hits + misses
+    return out | {
+        "miss_rate": misses / routed if routed else 0.0,
         # resident before any read of this token: the cache's own hits, prefetches apart
-        "cache_hit_rate": (hits - used) / (hits + misses) if hits + misses else 0.0,
-        "prefetch_hit_rate": used / (hits + misses) if hits + misses else 0.0,
+        "cache_hit_rate": (hits - used) / routed if routed else 0.0,
+        "prefetch_hit_rate": used / routed if routed else 0.0,
     }
 
 
@@ -171,9 +183,9 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
             ),
             "overlap_efficiency": _ratio(ideal, sd["seconds"] if sd else None),
             "memory_discipline": memory,
-            "hit_rate": 1.0 - sd["miss_rate"] if sd else None,
-            "cache_hit_rate": sd["cache_hit_rate"] if sd else None,
-            "prefetch_hit_rate": sd["prefetch_hit_rate"] if sd else None,
+            "hit_rate": 1.0 - sd["miss_rate"] if sd and "miss_rate" in sd else None,
+            "cache_hit_rate": sd.get("cache_hit_rate") if sd else None,
+            "prefetch_hit_rate": sd.get("prefetch_hit_rate") if sd else None,
             "read_fraction": sd["bytes_read"] / routed if sd and routed else None,
             "per_token_split_s": {k: sd[k] for k in ("compute_s", "flash_wait_s", "cache_s")} if sd else None,
             # what the kernel read for stock mmap per decoded token (its page faults)

@@ -194,7 +194,9 @@ def _targets(targets: list[dict[str, Any]]) -> list[str]:
 
 def _hits(d: dict[str, float]) -> str:
     """Routed experts found resident: by the cache's own keeping + by a prefetch."""
-    return f"{d.get('cache_hit_rate', 1 - d['miss_rate']):.1%} + {d.get('prefetch_hit_rate', 0.0):.1%}"
+    if "miss_rate" not in d:
+        return "all resident"  # the streamer stops watching routing once it holds every expert
+    return f"{d['cache_hit_rate']:.1%} + {d['prefetch_hit_rate']:.1%}"
 
 
 def chart(result: BenchResult, path: Path) -> None:

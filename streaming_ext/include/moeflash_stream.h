@@ -104,6 +104,13 @@ typedef struct mf_stats {
     uint64_t prefetched;     // entries read ahead of their layer's routing (predicted)
     uint64_t prefetch_used;  // of them, routed by the layer they were read for
     uint64_t mapped_bytes;   // bytes of tensors mapped from the file (row buffer type), not read
+    // 1 when the budget holds every expert (fixed at mf_streamer_check_loaded): nothing is ever
+    // evicted, so expert memory is plain read-write anonymous memory with transparent huge pages
+    // (MADV_HUGEPAGE) and no page moves
+    uint64_t hold_all;
+    // 1 once, holding every expert, all of them are resident: the callback stops asking for the
+    // routing nodes, so routes, hits and misses stop counting (mf_streamer_drop_cache resumes it)
+    uint64_t routing_off;
 } mf_stats;
 
 // Creates a streamer for cfg->model_path: indexes the GGUF (all splits), checks sizes and

@@ -1,16 +1,19 @@
-// The streamer's two ggml buffer types.
+// The streamer's three ggml buffer types.
 //
 // DESIGN
 // MF_EXPERTS holds the expert tensors (blk.N.ffn_*_exps.weight). Its max buffer size is 1 byte, so
 // ggml gives every expert tensor a buffer of its own, and each buffer is a MAP_NORESERVE
 // reservation: no memory until a slice is read (PROT_NONE, or read-write and registered with the
-// page mover's userfaultfd: mf_pages.c; either way a touch of an absent slice faults). init_tensor moves the tensor's data
+// page mover's userfaultfd: mf_pages.c; either way a touch of an absent slice faults), except
+// under a budget that holds every expert: then plain read-write memory asking for huge pages
+// (mf_buft_hold_all; see "Holding every expert" in mf_streamer.c). init_tensor moves the data
 // pointer inside its reservation so that it is congruent to the tensor's file offset modulo the
 // page size: then a page-aligned O_DIRECT read of a slice lands straight in place (the edge bytes
 // it also brings belong to the neighbouring slices and are their correct bytes: weights are
 // immutable). set_tensor ignores the loader's pointer into its (unread) file mapping.
-// MF_DENSE holds everything else in anonymous memory, read once from the file in set_tensor
-// (O_DIRECT through a bounce buffer when possible) so it never depends on the page cache.
+// MF_DENSE holds everything else in anonymous memory (asking for huge pages: all of it is used by
+// every token), read once from the file in set_tensor (O_DIRECT through a bounce buffer when
+// possible) so it never depends on the page cache.
 // MF_ROWS holds a tensor that a token only reads one row of (the token embeddings of a model
 // whose output matrix is its own tensor): like an expert tensor it gets a reservation of its own,
 // and init_tensor maps the file read-only over it, MADV_RANDOM, so a token costs one page read and
@@ -213,6 +216,20 @@ static size_t xbuft_alloc_size(ggml_backend_buffer_type_t buft, const struct ggm
     return ggml_nbytes(t) + 2 * MF_PAGE;  // room to shift the data pointer and read whole pages
 }
 
+int mf_buft_hold_all(mf_streamer * s) {
+    for (int32_t j = 0; j < s->n_xt; j++) {
+        mf_xtensor * xt = s->xts[j];
+        // read-write from the start (not PROT_NONE per absent slice): mprotect per slice would cut
+        // the reservation into one mapping per slice, and a huge page needs 2 MiB of one mapping
+        if (mprotect(xt->reserve, xt->reserve_size, PROT_READ | PROT_WRITE) != 0) {
+            return -errno;
+        }
+        // an optimisation only: where the kernel gives no huge pages the slices sit in 4 KiB ones
+        (void) madvise(xt->reserve, xt->reserve_size, MADV_HUGEPAGE);
+    }
+    return 0;
+}
+
 // ---------------------------------------------------------------- dense
 static const char * dbuft_name(ggml_backend_buffer_type_t buft) {
     (void) buft;
@@ -295,8 +312,15 @@ static ggml_backend_buffer_t anon_buffer(ggml_backend_buffer_type_t buft, const 
 }
 
 static ggml_backend_buffer_t dbuft_alloc(ggml_backend_buffer_type_t buft, size_t size) {
-    const size_t reserve_size = size ? (size + MF_PAGE - 1) & ~(size_t) (MF_PAGE - 1) : MF_PAGE;
-    return anon_buffer(buft, &dbuf_iface, size, reserve_size, PROT_READ | PROT_WRITE, 0, "dense weights");
+    const size_t          reserve_size = size ? (size + MF_PAGE - 1) & ~(size_t) (MF_PAGE - 1) : MF_PAGE;
+    ggml_backend_buffer_t buffer =
+        anon_buffer(buft, &dbuf_iface, size, reserve_size, PROT_READ | PROT_WRITE, 0, "dense weights");
+    if (buffer) {
+        // every byte of it is read at load and used by every token: huge pages cost no memory and
+        // spare the matmuls TLB misses (an optimisation only, so its failure is ignored)
+        (void) madvise(((mf_buf *) buffer->context)->reserve, reserve_size, MADV_HUGEPAGE);
+    }
+    return buffer;
 }
 
 static size_t dbuft_alignment(ggml_backend_buffer_type_t buft) {

@@ -224,6 +224,9 @@ void mf_pages_drop(mf_pages * pg, char * a, char * b);
 void mf_pages_trim(mf_pages * pg);
 void mf_pages_trim_to(mf_pages * pg, size_t keep_pages);
 void mf_pages_close(mf_pages * pg);
+// stops moving for good (a budget that holds every expert never evicts): closing userfaultfd
+// unregisters every range, whose present pages stay in place; `why` says so
+void mf_pages_stop(mf_pages * pg, const char * why, char * note, size_t note_size);
 
 // ---------------------------------------------------------------- the streamer (mf_streamer.c)
 typedef struct mf_job {
@@ -255,6 +258,10 @@ struct mf_streamer {
     uint64_t      expert_bytes;
     mf_cache *    cache;
     uint8_t *     want;  // [n_expert] scratch for routing
+    // the budget holds every expert (see mf_stats.hold_all); set before any expert is read
+    bool          hold_all;
+    // every expert resident under hold_all: the eval callback asks for no node (decode thread)
+    atomic_bool   routing_off;
 
     // prediction of the next layer's experts (mf_predict.c)
     const struct ggml_tensor ** noted;  // dense router and norm tensors seen while loading
@@ -307,6 +314,8 @@ struct mf_streamer {
 void mf_buft_init(mf_streamer * s);
 bool mf_buft_is_expert(ggml_backend_buffer_type_t buft);
 mf_xtensor * mf_buffer_xtensor(ggml_backend_buffer_t buffer);  // the tensor of an expert buffer
+// expert reservations as plain read-write memory asking for huge pages (hold_all); 0 or -errno
+int          mf_buft_hold_all(mf_streamer * s);
 
 // streamer helpers used by mf_buft.c
 int      mf_streamer_register_xt(mf_streamer * s, mf_xtensor * xt);

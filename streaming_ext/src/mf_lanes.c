@@ -42,6 +42,9 @@ static int slice_make_rw(mf_xtensor * xt, int32_t e) {
     if (mf_pages_moving(&xt->s->pages)) {
         return mf_pages_fill(&xt->s->pages, p0, p1);
     }
+    if (xt->s->hold_all) {
+        return 0;  // the whole reservation is read-write (mf_buft_hold_all)
+    }
     return mprotect(p0, (size_t) (p1 - p0), PROT_READ | PROT_WRITE) == 0 ? 0 : -errno;
 }
 
@@ -64,7 +67,9 @@ static void release_run(mf_streamer * s, char * a, char * b) {
     }
     // errors here are not fatal: the pages stay readable with correct bytes, only memory is lost
     madvise(a, (size_t) (b - a), MADV_DONTNEED);
-    mprotect(a, (size_t) (b - a), PROT_NONE);
+    if (!s->hold_all) {
+        mprotect(a, (size_t) (b - a), PROT_NONE);
+    }
 }
 
 // returns slice e's pages, keeping those shared with a live neighbour (nothing when e is live).

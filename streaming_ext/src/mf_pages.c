@@ -240,6 +240,25 @@ void mf_pages_trim(mf_pages * pg) {
     pthread_mutex_unlock(&pg->mu);
 }
 
+void mf_pages_stop(mf_pages * pg, const char * why, char * note, size_t note_size) {
+    pthread_mutex_lock(&pg->mu);
+    if (pg->uffd >= 0) {
+        close(pg->uffd);  // unregisters every range: a page nobody loaded now reads as zeros
+        pg->uffd = -1;
+    }
+    if (pg->pool) {
+        munmap(pg->pool, pg->pool_cap * MF_PAGE);
+    }
+    if (pg->zero_src) {
+        munmap(pg->zero_src, MF_PAGES_ZERO_SRC);
+    }
+    pg->pool     = NULL;
+    pg->zero_src = NULL;
+    pg->pool_cap = pg->pool_lo = pg->pool_n = 0;
+    pthread_mutex_unlock(&pg->mu);
+    snprintf(note, note_size, "%s", why);
+}
+
 void mf_pages_close(mf_pages * pg) {
     if (pg->pool) {
         munmap(pg->pool, pg->pool_cap * MF_PAGE);

@@ -16,6 +16,19 @@
 // the next loads take them from (userfaultfd moves, mf_pages.c), or, where the kernel cannot move
 // pages, back to the kernel (MADV_DONTNEED) behind PROT_NONE. A computation that touches a slice
 // nobody loaded faults (SIGBUS or SIGSEGV).
+// Holding every expert (a budget >= all of them, hold_all): nothing is ever evicted, so there is
+// nothing to recycle and no reason to cut expert memory into per-slice mappings. The reservations
+// become plain read-write memory asking for transparent huge pages (mf_buft_hold_all), and once
+// every expert is resident the callback stops asking for the routing nodes: each asked node cuts
+// the graph in two, 48 graph computes per token instead of one on qwen30b-shape. That is what
+// made a model held whole slower than stock llama.cpp's resident run, whose page cache is mapped
+// in 2 MiB pages after a cold read (17.5 GB FilePmdMapped), while ours sat in 4 KiB ones: the
+// matmuls took 13-40% more CPU time per token in a noisy spell, the splits about 3%. Measured
+// (qwen30b-shape, every expert preloaded against the resident run, alternated, 48 tokens each):
+// 0.87 / 0.99 / 1.10 / 0.92 of the resident run before, 0.98 / 1.00 / 0.97 / 0.96 after (17.2
+// GB AnonHugePages). Without the PROT_NONE guard a slice nobody loaded reads as zeros, so the
+// checks before each expert matmul (check_mmid, the routes' waits) keep a computation off it
+// until routing stops, and routing only stops when every slice is READY.
 // Errors. Nothing here aborts. A failed read marks its slice FAILED, records the first error, and
 // makes the next callback return false (which stops the graph); mf_streamer_take_error hands the
 // error to Python, which fails that request. Failed entries are forgotten by the cache and
@@ -161,6 +174,24 @@ static void prefetch_next(mf_streamer * s, int32_t il, const struct ggml_tensor 
     ADD(s->st_prefetched, s->cache->n_load);
 }
 
+// hold_all: once every expert is READY, routing has nothing left to decide (no read, no eviction)
+static void stop_routing_if_all_resident(mf_streamer * s) {
+    if (!s->hold_all || atomic_load_explicit(&s->routing_off, memory_order_relaxed) ||
+        atomic_load_explicit(&s->st_resident_bytes, memory_order_relaxed) < s->expert_bytes) {
+        return;
+    }
+    mf_wait_all(s);
+    mf_reap_failures(s);
+    for (int32_t j = 0; j < s->n_xt; j++) {
+        for (int32_t e = 0; e < s->xts[j]->n_expert; e++) {
+            if (atomic_load_explicit(&s->xts[j]->state[e], memory_order_acquire) != MF_SLICE_READY) {
+                return;  // a read failed or is pending: keep routing
+            }
+        }
+    }
+    atomic_store_explicit(&s->routing_off, true, memory_order_relaxed);
+}
+
 static bool route(mf_streamer * s, int32_t il, const struct ggml_tensor * ids) {
     if (has_error(s)) {
         return false;  // stop the graph: the request fails with the recorded error
@@ -175,6 +206,7 @@ static bool route(mf_streamer * s, int32_t il, const struct ggml_tensor * ids) {
     const uint64_t t0     = mf_now_ns();
     uint64_t       waited = mf_wait_all(s);  // the previous layer's reads (normally long done)
     mf_reap_failures(s);
+    stop_routing_if_all_resident(s);  // from the next node on; this route still counts its hits
     // a route's releases refill the pool ahead of its reads, so what is left from the last one is
     // spare (evictions and loads balance in bytes, not always in pages: slices of different sizes,
     // shared edge pages); keeping little of it keeps memory within the budget
@@ -251,6 +283,9 @@ static void check_mmid(mf_streamer * s, const struct ggml_tensor * node) {
 
 bool mf_streamer_eval_cb(struct ggml_tensor * t, bool ask, void * user_data) {
     mf_streamer * s = user_data;
+    if (atomic_load_explicit(&s->routing_off, memory_order_relaxed)) {
+        return !ask;  // ask for nothing (no split); go on if asked to
+    }
     if (ask) {
         if (t->op == GGML_OP_MUL_MAT_ID) {
             check_mmid(s, t);
@@ -385,9 +420,20 @@ int mf_streamer_check_loaded(mf_streamer * s) {
         entry_bytes[l]     = s->layers[l].entry_bytes;
         s->entry_bytes_max = entry_bytes[l] > s->entry_bytes_max ? entry_bytes[l] : s->entry_bytes_max;
     }
+    // see "Holding every expert" above; decided before any expert is read
+    s->hold_all = s->cfg.budget_bytes >= s->expert_bytes;
+    if (s->hold_all) {
+        mf_pages_stop(&s->pages, "no page moves: the budget holds every expert (huge pages where the kernel has them)",
+                      s->pages_note, sizeof s->pages_note);
+        const int hrc = mf_buft_hold_all(s);
+        if (hrc != 0) {
+            snprintf(s->last_error, sizeof s->last_error, "cannot make expert memory read-write: %s", strerror(-hrc));
+            return hrc;
+        }
+    }
     // the pool holds what evictions give up until loads take it: at most the budget, plus the
     // pages a route evicts before its loads take them back
-    if (mf_pages_pool(&s->pages, (size_t) s->cfg.budget_bytes + 2 * (size_t) s->layer_bytes_max) != 0) {
+    if (!s->hold_all && mf_pages_pool(&s->pages, (size_t) s->cfg.budget_bytes + 2 * (size_t) s->layer_bytes_max) != 0) {
         snprintf(s->last_error, sizeof s->last_error, "cannot reserve the page pool: %s", strerror(errno));
         return -ENOMEM;
     }
@@ -600,6 +646,8 @@ void mf_streamer_get_stats(const mf_streamer * s, mf_stats * out) {
     out->prefetched     = LOAD(st_prefetched);
     out->prefetch_used  = LOAD(st_prefetch_used);
     out->mapped_bytes   = LOAD(st_mapped_bytes);
+    out->hold_all       = s->hold_all ? 1 : 0;
+    out->routing_off    = atomic_load_explicit(&s->routing_off, memory_order_relaxed) ? 1 : 0;
 #undef LOAD
 }
 
@@ -636,14 +684,17 @@ int mf_streamer_preload(mf_streamer * s) {
     const int rc = mf_streamer_take_error(s, msg, sizeof msg);
     if (rc != 0) {
         snprintf(s->last_error, sizeof s->last_error, "%s", msg);
+        return rc;
     }
-    return rc;
+    stop_routing_if_all_resident(s);
+    return 0;
 }
 
 void mf_streamer_drop_cache(mf_streamer * s) {
     if (!s->cache) {
         return;
     }
+    atomic_store_explicit(&s->routing_off, false, memory_order_relaxed);  // reads are needed again
     mf_wait_all(s);
     mf_reap_failures(s);
     mf_cache_evict_all(s->cache);
