@@ -200,9 +200,11 @@ def run_bench(
     cache_note = drop_page_cache()
     ceiling = measure_ceiling(cfg, int(model_info["bytes_per_expert_slice"]), progress)
     runs: list[Run] = []
-    # in rounds: a system measured twice is measured again after the others, not right after itself
+    # in rounds: a system measured twice is measured again after the others, not right after itself;
+    # every other round in reverse order, so that a drift of the machine's speed during the rounds
+    # favours neither reference in the paired ratios (ratios.py)
     for repeat in range(max((s.repeats for s in systems.uncapped), default=0)):
-        for system in systems.uncapped:
+        for system in systems.uncapped if repeat % 2 == 0 else systems.uncapped[::-1]:
             if repeat < system.repeats:
                 runs.append(run_system(system, cfg, None, progress, repeat))
     for cap in cfg.caps:

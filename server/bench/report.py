@@ -106,10 +106,11 @@ def markdown(result: BenchResult, command: str) -> str:
         + ", resident "
         + _fmt(ra.get("resident_prefill_512_tok_s"))
         + f" (ratio {_fmt(ra.get('prefill_512_residency'), '.2f')})",
-        f"- residency overhead (all-cached / resident, the faster run of each): "
+        f"- residency overhead (all-cached / resident, the median over rounds of adjacent runs): "
         f"{_fmt(ra.get('residency_overhead'), '.3f')}"
         + (
-            f"; run by run: {', '.join(_fmt(x, '.3f') for x in ra['residency_overhead_rounds'])}"
+            f"; round by round: {', '.join(_fmt(x, '.3f') for x in ra['residency_overhead_rounds'])}"
+            f"; the faster run of each: {_fmt(ra.get('residency_overhead_fastest'), '.3f')}"
             if len(ra.get("residency_overhead_rounds") or []) > 1
             else ""
         ),

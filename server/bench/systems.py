@@ -27,10 +27,11 @@ class System:
     # only starts an asynchronous readahead, and a short prompt let decode begin while it ran
     # (the resident reference sped up from 0.42 to 0.15 s per token over 31 tokens)
     warm_page_cache: bool = False
-    # runs of it, interleaved with the other uncapped systems' (ratios take the fastest): the
-    # residency ratio divides two runs of ~0.1 s per token, and this machine's speed drifts by
-    # more than the 5% it judges (one all-cached run measured 0.875 of the resident run, the same
-    # two systems re-run minutes later 0.96-0.99)
+    # runs of it, in rounds interleaved with the other uncapped systems' (the residency ratio is
+    # the median over rounds, other ratios take the fastest run): the residency ratio divides two
+    # runs of ~0.1 s per token, and this machine's speed drifts by more than the 5% it judges
+    # (one all-cached run measured 0.875 of the resident run, the same two systems re-run
+    # minutes later 0.96-0.99)
     repeats: int = 1
 
     def argv(
@@ -79,7 +80,7 @@ def default_systems(mmap_tokens: int, levers: bool = True) -> SystemSet:
             ("--resident",),
             description="stock llama.cpp, model fully in RAM (page cache warmed first)",
             warm_page_cache=True,
-            repeats=2,
+            repeats=3,
         ),
         System(
             "streaming-all-cached",
@@ -87,7 +88,7 @@ def default_systems(mmap_tokens: int, levers: bool = True) -> SystemSet:
             # every expert read at load: decode then measures compute alone
             ("--budget", "all", "--preload"),
             description="moeflash with every expert cached (compute-bound reference)",
-            repeats=2,
+            repeats=3,
         ),
         System(
             "resident-prefill-512",
