@@ -108,8 +108,9 @@ typedef struct mf_stats {
     // evicted, so expert memory is plain read-write anonymous memory with transparent huge pages
     // (MADV_HUGEPAGE) and no page moves
     uint64_t hold_all;
-    // 1 once, holding every expert, all of them are resident: the callback stops asking for the
-    // routing nodes, so routes, hits and misses stop counting (mf_streamer_drop_cache resumes it)
+    // 1 while routing is not watched: the budget holds every expert and all are resident, so the
+    // callback asks for no routing node and routes, hits and misses stop counting (until
+    // mf_streamer_drop_cache, which turns watching back on)
     uint64_t routing_off;
 } mf_stats;
 
