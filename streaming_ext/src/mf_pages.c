@@ -240,10 +240,10 @@ void mf_pages_trim(mf_pages * pg) {
     pthread_mutex_unlock(&pg->mu);
 }
 
-void mf_pages_stop(mf_pages * pg, const char * why, char * note, size_t note_size) {
-    pthread_mutex_lock(&pg->mu);
+// closes userfaultfd (which unregisters every range) and unmaps the pool and the zero source
+static void release_mover(mf_pages * pg) {
     if (pg->uffd >= 0) {
-        close(pg->uffd);  // unregisters every range: a page nobody loaded now reads as zeros
+        close(pg->uffd);  // from now on a page nobody loaded reads as zeros
         pg->uffd = -1;
     }
     if (pg->pool) {
@@ -255,20 +255,17 @@ void mf_pages_stop(mf_pages * pg, const char * why, char * note, size_t note_siz
     pg->pool     = NULL;
     pg->zero_src = NULL;
     pg->pool_cap = pg->pool_lo = pg->pool_n = 0;
+}
+
+void mf_pages_stop(mf_pages * pg, const char * why, char * note, size_t note_size) {
+    pthread_mutex_lock(&pg->mu);
+    release_mover(pg);
     pthread_mutex_unlock(&pg->mu);
     snprintf(note, note_size, "%s", why);
 }
 
 void mf_pages_close(mf_pages * pg) {
-    if (pg->pool) {
-        munmap(pg->pool, pg->pool_cap * MF_PAGE);
-    }
-    if (pg->zero_src) {
-        munmap(pg->zero_src, MF_PAGES_ZERO_SRC);
-    }
-    if (pg->uffd >= 0) {
-        close(pg->uffd);
-    }
+    release_mover(pg);
     pthread_mutex_destroy(&pg->mu);
     memset(pg, 0, sizeof *pg);
     pg->uffd = -1;
