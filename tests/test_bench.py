@@ -5,6 +5,7 @@ reproduction of the published LRU curve."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import statistics
@@ -16,8 +17,10 @@ from pathlib import Path
 import pytest
 
 from server.bench.cgroup import probe
+from server.bench.command import describe_model
 from server.bench.replay import Route, Trace
 from server.bench.systems import default_systems
+from server.modelgen import QType, preset
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO.parent / "shared" / "data" / "route-traces"
@@ -115,6 +118,20 @@ def test_bench_runs_every_system_on_a_tiny_model(tiny_model: Callable[..., Path]
     assert "## Targets" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".md").read_text().startswith("# moeflash bench")
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("down", [None, QType.Q8_0], ids=["uniform", "sizes-differ-by-layer"])
+def test_model_description_counts_every_layers_experts(
+    tiny_model: Callable[..., Path], down: QType | None
+) -> None:
+    # a real Q4_K_M file's layers differ in expert size (Q6_K down on half of them): the report's
+    # routed bytes per token are k of each layer's experts, not k x layers x the largest layer's
+    overrides = {"down_qtype": down} if down else {}
+    spec = dataclasses.replace(preset("tiny-qwen3moe"), **overrides)
+    info = describe_model(tiny_model("tiny-qwen3moe", **overrides), ctx_size=512)
+    assert info["routed_bytes_per_token"] == spec.routed_bytes_per_token
+    assert info["bytes_per_expert"] == spec.bytes_per_expert
+    assert info["expert_bytes"] == spec.n_expert * sum(spec.expert_bytes_of(il) for il in range(spec.n_layer))
 
 
 def test_bench_refuses_a_missing_model(tmp_path: Path) -> None:

@@ -88,6 +88,8 @@ def test_shape_flags_override_the_preset(tmp_path: Path) -> None:
         "q8_0",
         "--dense-qtype",
         "F16",
+        "--down-qtype",
+        "f16",
         "--vocab",
         "1000",
         "--seed",
@@ -104,9 +106,12 @@ def test_shape_flags_override_the_preset(tmp_path: Path) -> None:
         n_vocab=1000,
         expert_qtype=QType.Q8_0,
         dense_qtype=QType.F16,
+        down_qtype=QType.F16,
     )
     assert out.stat().st_size == estimate_size(spec)
-    assert "gpt-oss, 2 layers" in proc.stdout and "experts 2/8 x ff 64 (Q8_0; dense F16)" in proc.stdout
+    assert "gpt-oss, 2 layers" in proc.stdout
+    assert "experts 2/8 x ff 64 (Q8_0, down F16 on 1 of 2 layers; dense F16)" in proc.stdout
+    assert "per expert (mean over layers)" in proc.stdout
 
 
 def test_embd_change_rederives_head_dim(tmp_path: Path) -> None:

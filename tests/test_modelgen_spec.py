@@ -11,6 +11,7 @@ import pytest
 from server.errors import ModelGenError
 from server.modelgen import ARCHITECTURES, ModelSpec, QType, estimate_size, preset, preset_names
 from server.modelgen.command import parse_size
+from server.modelgen.spec import more_bits_layer
 from server.modelgen.tokenizer import FAMILY_BY_ARCH, base_vocab_size
 
 TINY = [name for name in preset_names() if name.startswith("tiny-")]
@@ -127,11 +128,55 @@ def _bad(name: str, message: str, **changes: Any) -> Any:
         _bad("tiny-qwen2moe", r"qwen2moe needs n_head \* head_dim == n_embd", head_dim=32),
         _bad("tiny-qwen3moe", r"alignment must be a power of two", alignment=48),
         _bad("tiny-qwen3moe", r"rms_eps must be positive", rms_eps=0.0),
+        _bad("tiny-qwen3moe", r"MXFP4 experts are only supported for gpt-oss", down_qtype=QType.MXFP4),
+        _bad("tiny-qwen3moe", r"down_qtype F32 is not a weight type", down_qtype=QType.F32),
+        _bad("tiny-qwen3moe", r"down_qtype must be a QType or None", down_qtype="Q8_0"),
+        _bad(
+            "tiny-qwen3moe",
+            r"n_ff_exp = 48 is not a multiple of Q4_0's block of 32",
+            n_ff_exp=48,
+            expert_qtype=QType.F16,
+            down_qtype=QType.Q4_0,
+        ),
     ],
 )
 def test_impossible_shapes_are_refused(name: str, changes: dict[str, Any], message: str) -> None:
     with pytest.raises(ModelGenError, match=message):
         dataclasses.replace(preset(name), **changes)
+
+
+def test_more_bits_layers_follow_llama_cpps_q4_k_m_recipe() -> None:
+    # the Qwen3-30B-A3B Q4_K_M route trace's header (../shared/data/route-traces) gives 3059712
+    # bytes per expert (Q6_K down) on exactly these layers and 2654208 (Q4_K down) on the others
+    qwen_q6_k = [*range(6), *range(8, 42, 3), *range(42, 48)]
+    assert [il for il in range(48) if more_bits_layer(il, 48)] == qwen_q6_k
+    assert [il for il in range(4) if more_bits_layer(il, 4)] == [2, 3]
+
+
+def test_q4km_shape_has_the_real_files_expert_bytes() -> None:
+    # the Qwen3-30B-A3B Q4_K_M route trace's header: 3059712 bytes per expert on the layers with
+    # Q6_K down, 2654208 on the others
+    spec = preset("qwen30b-q4km-shape")
+    assert {spec.expert_bytes_of(il) for il in range(48)} == {3059712, 2654208}
+    assert [spec.expert_bytes_of(il) == 3059712 for il in range(48)] == [
+        more_bits_layer(il, 48) for il in range(48)
+    ]
+    assert dataclasses.replace(spec, down_qtype=None, expert_qtype=QType.Q4_0) == dataclasses.replace(
+        preset("qwen30b-shape"), name=spec.name
+    )
+
+
+def test_down_qtype_sizes_the_layers_apart() -> None:
+    base = preset("qwen30b-shape")
+    mixed = dataclasses.replace(base, down_qtype=QType.Q8_0)
+    gate_up = 2 * 768 * 2048 // 32 * 18
+    assert mixed.expert_bytes_of(0) == gate_up + 2048 * 768 // 32 * 34  # layer 0: more bits
+    assert mixed.expert_bytes_of(6) == gate_up + 2048 * 768 // 32 * 18 == base.expert_bytes_of(6)
+    assert mixed.down_qtype_of(0) is QType.Q8_0 and mixed.down_qtype_of(6) is QType.Q4_0
+    assert mixed.routed_bytes_per_token == 8 * (24 * mixed.expert_bytes_of(0) + 24 * mixed.expert_bytes_of(6))
+    assert mixed.bytes_per_expert == mixed.routed_bytes_per_token // (8 * 48)
+    assert "down Q8_0 on 24 of 48 layers" in mixed.describe() and "down" not in base.describe()
+    assert estimate_size(mixed) - estimate_size(base) == 24 * 128 * 2048 * 768 // 32 * (34 - 18)
 
 
 def test_several_problems_are_reported_together() -> None:
@@ -155,7 +200,7 @@ def test_qtype_table_matches_ggml() -> None:
 def test_qtype_parse() -> None:
     assert QType.parse("q4_0") is QType.Q4_0
     with pytest.raises(
-        ModelGenError, match=r"unknown quantization type 'Q5_K'; valid: F16, Q8_0, Q4_0, MXFP4"
+        ModelGenError, match=r"unknown quantization type 'Q5_K'; valid: F16, Q8_0, Q4_0, MXFP4, Q4_K, Q6_K"
     ):
         QType.parse("Q5_K")
 

@@ -60,14 +60,25 @@ def test_file_parses_and_holds_the_planned_tensors(name: str, tiny_model: TinyMo
     assert bytes(arch.parts[arch.data[0]]).decode() == spec.arch
 
 
-def test_bytes_per_expert_matches_the_expert_slices(tiny_model: TinyModelFactory) -> None:
-    for name in ("tiny-qwen3moe", "tiny-hyv3", "tiny-gptoss"):
-        spec = preset(name)
-        reader = gguf.GGUFReader(tiny_model(name))
+@pytest.mark.parametrize(
+    ("name", "down"),
+    [("tiny-qwen3moe", None), ("tiny-hyv3", None), ("tiny-gptoss", None), ("tiny-qwen3moe", QType.Q8_0)],
+)
+def test_expert_bytes_match_the_expert_slices(
+    tiny_model: TinyModelFactory, name: str, down: QType | None
+) -> None:
+    overrides = {"down_qtype": down} if down else {}  # the plain presets' files are shared
+    spec = dataclasses.replace(preset(name), **overrides)
+    reader = gguf.GGUFReader(tiny_model(name, **overrides))
+    per_layer = []
+    for il in range(spec.n_layer):
         experts = [
-            t for t in reader.tensors if t.name.startswith("blk.0.") and t.name.endswith("_exps.weight")
+            t for t in reader.tensors if t.name.startswith(f"blk.{il}.") and t.name.endswith("_exps.weight")
         ]
-        assert sum(int(t.n_bytes) // spec.n_expert for t in experts) == spec.bytes_per_expert
+        per_layer.append(sum(int(t.n_bytes) // spec.n_expert for t in experts))
+        assert per_layer[-1] == spec.expert_bytes_of(il)
+    assert spec.routed_bytes_per_token == spec.n_expert_used * sum(per_layer)
+    assert (len(set(per_layer)) > 1) == (down is not None)
 
 
 def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path: Path) -> None:

@@ -3,8 +3,9 @@
 Every gate decodes greedily with the resident reference (load mode MMAP, use_extra_bufts off, no
 callback) and with the streamer under one setting, and compares the tokens AND a sha256 of every
 logits row. Each lever of the streamer (cache policy and size, reader mode, lanes, overlap,
-micro-batch size, architecture, split files, KV-cache reuse) has a gate here; the negative
-control proves a gate fails when an expert is deliberately not loaded.
+micro-batch size, architecture, expert sizes that differ by layer, split files, KV-cache reuse)
+has a gate here; the negative control proves a gate fails when an expert is deliberately not
+loaded.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 from gguf import GGUFReader
 
 from server.errors import ModelLoadError
+from server.modelgen.spec import QType
 from server.streaming import (
     BUDGET_ALL,
     EXPERT_PATTERN,
@@ -75,6 +77,10 @@ def gate(path: Path, options: StreamingOptions, reference: Callable[..., Result]
     assert got[1] == expected[1], f"logits differ with {options}"
     assert stats.violations == 0 and stats.errors == 0
     return stats
+
+
+def _tensor_bytes(path: Path) -> dict[str, int]:
+    return {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +280,42 @@ def test_gate_every_architecture(
     gate(path, StreamingOptions(), reference)
 
 
+@pytest.mark.parametrize(
+    ("preset", "experts", "down", "policy", "overlap"),
+    [
+        pytest.param("tiny-qwen3moe", "Q4_K", "Q6_K", "layer", False, id="qwen3moe-q4_k_m-layer-serial"),
+        pytest.param("tiny-qwen3moe", "Q4_K", "Q6_K", "lru", True, id="qwen3moe-q4_k_m-lru-overlap"),
+        pytest.param("tiny-qwen3moe", "Q4_0", "F16", "layer", True, id="qwen3moe-q4_0-f16-layer-overlap"),
+        pytest.param("tiny-gptoss", "MXFP4", "Q8_0", "layer", True, id="gptoss-mxfp4-q8_0-layer-overlap"),
+    ],
+)
+def test_gate_expert_sizes_differ_by_layer(
+    tiny_model: Callable[..., Path],
+    reference: Callable[..., Result],
+    preset: str,
+    experts: str,
+    down: str,
+    policy: str,
+    overlap: bool,
+) -> None:
+    """Real Q4_K_M files store ffn_down_exps in Q6_K on half the layers: an expert's slices differ
+    in type and size, and so do the layers' experts. Under a budget of one and a half of the
+    largest layers, admitting a big layer's expert can take more than one small victim."""
+    # K-quants pack 256 values per block: the tiny expert width grows to one block
+    width = {"n_ff_exp": 256} if experts == "Q4_K" else {}
+    path = tiny_model(preset, expert_qtype=QType[experts], down_qtype=QType[down], **width)
+    sizes = _tensor_bytes(path)
+    downs = {sizes[f"blk.{il}.ffn_down_exps.weight"] for il in range(4)}
+    assert len(downs) == 2, "two down sizes across the layers"
+    largest = expert_layer_bytes(path)
+    all_experts = sum(n for name, n in sizes.items() if name.endswith("_exps.weight"))
+    assert 4 * largest > all_experts, "the layers' experts are not all the largest size"
+    options = StreamingOptions(budget_bytes=largest * 3 // 2, policy=policy, overlap=overlap, lanes=4)
+    stats = gate(path, options, reference)
+    assert stats.evictions > 0 and stats.misses > 0
+    assert stats.resident_bytes <= largest * 3 // 2
+
+
 def test_gate_split_gguf(tiny_model: Callable[..., Path], reference: Callable[..., Result]) -> None:
     whole = tiny_model("tiny-qwen3moe")
     first = tiny_model("tiny-qwen3moe", split_max_size=whole.stat().st_size // 3)
@@ -284,10 +326,6 @@ def test_gate_split_gguf(tiny_model: Callable[..., Path], reference: Callable[..
 
 
 # ------------------------------------------------------------------------------------ embeddings
-def _tensor_bytes(path: Path) -> dict[str, int]:
-    return {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
-
-
 @pytest.mark.parametrize("tied", [False, True], ids=["own-output", "tied"])
 def test_gate_token_embeddings(
     tiny_model: Callable[..., Path], reference: Callable[..., Result], tied: bool

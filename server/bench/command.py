@@ -122,15 +122,18 @@ def describe_model(path: Path, ctx_size: int) -> dict[str, Any]:
     k = int(meta.get(f"{arch}.expert_used_count", "0"))
     streamer = Streamer(path, StreamerConfig())
     try:
-        expert_bytes, layer_bytes = streamer.expert_bytes, streamer.layer_bytes
+        expert_bytes = streamer.expert_bytes
     finally:
         streamer.close()
     n_expert = int(meta.get(f"{arch}.expert_count", "1"))
     files = split_files(path)
     file_bytes = sum(p.stat().st_size for p in files)
-    slice_sizes = [t.n_bytes // n_expert for t in reader.tensors if re.search(r"_exps\.weight$", t.name)]
-    per_expert = layer_bytes // n_expert
-    n_moe_layers = expert_bytes // layer_bytes if layer_bytes else 0
+    experts = [t for t in reader.tensors if re.search(r"_exps\.weight$", t.name)]
+    slice_sizes = [t.n_bytes // n_expert for t in experts]
+    # layers may differ in expert size (Q4_K_M keeps ffn_down in Q6_K on half of them): the mean
+    # expert, and the exact bytes a token routes to (k of each layer's experts)
+    n_moe_layers = len({t.name.split(".")[1] for t in experts})
+    per_expert = expert_bytes // (n_expert * n_moe_layers) if n_moe_layers else 0
     return {
         "name": meta.get("general.name", path.stem),
         "path": str(path),
@@ -140,7 +143,7 @@ def describe_model(path: Path, ctx_size: int) -> dict[str, Any]:
         "n_expert_used": k,
         "bytes_per_expert": per_expert,
         "bytes_per_expert_slice": max(slice_sizes) if slice_sizes else per_expert,
-        "routed_bytes_per_token": per_expert * k * n_moe_layers,
+        "routed_bytes_per_token": expert_bytes * k // n_expert,
         "expert_bytes": expert_bytes,
         "dense_bytes": file_bytes - expert_bytes,
         "kv_bytes": kv_cache_bytes(meta, ctx_size),

@@ -112,7 +112,7 @@ def _block(spec: ModelSpec, il: int) -> list[TensorSpec]:
     else:
         t.append(TensorSpec(p + "ffn_gate_exps.weight", (e, ff, n_exp), experts, in_std))
         t.append(TensorSpec(p + "ffn_up_exps.weight", (e, ff, n_exp), experts, in_std))
-    t.append(TensorSpec(p + "ffn_down_exps.weight", (ff, e, n_exp), experts, ff_std))
+    t.append(TensorSpec(p + "ffn_down_exps.weight", (ff, e, n_exp), spec.down_qtype_of(il), ff_std))
     if arch == "gpt-oss":
         t += [
             bias("ffn_gate_exps.bias", (ff, n_exp)),

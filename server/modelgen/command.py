@@ -92,6 +92,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--qtype", choices=qtypes, type=str.upper, help="expert weight type")
     p.add_argument("--dense-qtype", choices=qtypes, type=str.upper, help="non-expert weight matrix type")
     p.add_argument(
+        "--down-qtype",
+        choices=qtypes,
+        type=str.upper,
+        help="ffn_down_exps type on the layers a Q4_K_M file gives more bits (the first and last "
+        "eighth, every third between), as real Q4_K_M models do: expert sizes then differ by layer",
+    )
+    p.add_argument(
         "--tied-embeddings", action="store_true", help="no output.weight (embeddings as output matrix)"
     )
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0); same seed, same bytes")
@@ -124,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
     files = str(paths[0]) if len(paths) == 1 else f"{paths[0]} .. {paths[-1].name} ({len(paths)} files)"
     print(
         f"wrote {files}: {_human(size)}; {spec.describe()}; "
-        f"{_human(spec.bytes_per_expert)} per expert, {_human(spec.routed_bytes_per_token)} routed per token"
+        f"{_human(spec.bytes_per_expert)} per expert{' (mean over layers)' if spec.down_qtype else ''}, "
+        f"{_human(spec.routed_bytes_per_token)} routed per token"
     )
     return 0
 
@@ -146,6 +154,8 @@ def spec_from_args(args: argparse.Namespace) -> ModelSpec:
         changes["expert_qtype"] = QType.parse(args.qtype)
     if args.dense_qtype is not None:
         changes["dense_qtype"] = QType.parse(args.dense_qtype)
+    if args.down_qtype is not None:
+        changes["down_qtype"] = QType.parse(args.down_qtype)
     if args.tied_embeddings:
         changes["tied_embeddings"] = True
     return dataclasses.replace(base, **changes)

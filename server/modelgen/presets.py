@@ -3,8 +3,9 @@
 The `*-shape` presets copy the published architecture of the real model (layers, widths, heads,
 experts, vocabulary, context) with random weights. Their experts use the real release's
 storage (Q4_0 stands in for Qwen's and Mixtral's Q4_K_M: same 4.5 bits per weight; gpt-oss
-ships MXFP4). Their dense weights are Q8_0, as llama.cpp's MXFP4_MOE recipe stores gpt-oss's:
-at real vocabulary sizes the embedding and output matrices are the biggest dense tensors.
+ships MXFP4; qwen30b-q4km-shape has the real Q4_K_M file's expert bytes, K-quants and all).
+Their dense weights are Q8_0, as llama.cpp's MXFP4_MOE recipe stores gpt-oss's: at real
+vocabulary sizes the embedding and output matrices are the biggest dense tensors.
 
 The tiny presets (a few MB) load and decode in milliseconds; every width is a multiple of the
 32-value quant block. tiny-gptoss keeps gpt-oss's quirk of a q projection wider than n_embd.
@@ -144,6 +145,17 @@ def _all() -> tuple[Preset, ...]:
             "qwen30b-shape",
             "Qwen3-30B-A3B's shape: qwen3moe, 48 layers, 128 experts (8 used), Q4_0 experts, Q8_0 dense",
             qwen30b,
+        ),
+        Preset(
+            "qwen30b-q4km-shape",
+            "qwen30b-shape stored as the real Q4_K_M file's experts: Q4_K gate/up, Q6_K down on 24 "
+            "of 48 layers (Q4_K elsewhere), so 2.92 or 2.53 MiB per expert by layer",
+            dataclasses.replace(
+                qwen30b,
+                expert_qtype=QType.Q4_K,
+                down_qtype=QType.Q6_K,
+                name="qwen30b-q4km-shape",
+            ),
         ),
         Preset(
             "qwen30b-8l-shape",

@@ -8,6 +8,11 @@ with raw random bits from the bit generator (~3 GB/s) and then given a fixed sca
 - MXFP4 (e8m0 exponent, 16 bytes of FP4 e2m1 nibbles): the nibbles' values are symmetric around
   zero with rms 5.85 in ggml's doubled table; the exponent is the power of two closest to
   std / 5.85 (ggml multiplies by 2^(e - 128)).
+- Q6_K (256 values: 6-bit quants, 16 int8 sub-block scales, f16 d last): value d * sc * (q - 32)
+  with q uniform in [0, 63] (rms 18.5) and sc uniform int8 (rms 73.9, random sign).
+- Q4_K (256 values: f16 d and dmin first, eight 6-bit scale/min pairs, 4-bit quants): value
+  d * sc * q - dmin * m with q in [0, 15] and sc, m in [0, 63]; dmin = 7.5 d zeroes the mean
+  (E[sc q] = 7.5 E[m]), and the rms is 258 d (exact: sqrt(E[(sc q - 7.5 m)^2])).
 
 Q8_0 and Q4_0 quants have a mean of -0.5 quant steps; each block's scale takes a random sign
 (the top bit of the random bits already in the scale's place) so the weights have zero mean
@@ -36,6 +41,12 @@ CHUNK_BYTES = 16 << 20
 _Q8_0_RMS = math.sqrt(sum(q * q for q in range(-128, 128)) / 256)
 _Q4_0_RMS = math.sqrt(sum(q * q for q in range(-8, 8)) / 16)
 _MXFP4_RMS = math.sqrt(sum(v * v for v in (0, 1, 2, 3, 4, 6, 8, 12)) / 8)
+_Q6_K_RMS = _Q8_0_RMS * math.sqrt(sum((q - 32) ** 2 for q in range(64)) / 64)
+# E[(sc q - 7.5 m)^2] = E[sc^2] E[q^2] - 15 E[sc] E[q] E[m] + 56.25 E[m^2], sc, m ~ U{0..63}, q ~ U{0..15}
+_U63_M1, _U63_M2 = 31.5, sum(v * v for v in range(64)) / 64
+_Q4_K_RMS = math.sqrt(
+    _U63_M2 * sum(q * q for q in range(16)) / 16 - 15 * _U63_M1 * 7.5 * _U63_M1 + 56.25 * _U63_M2
+)
 
 
 def tensor_rng(seed: int, name: str) -> np.random.Generator:
@@ -68,7 +79,7 @@ def _block_chunks(rng: np.random.Generator, t: TensorSpec) -> Iterator[np.ndarra
     q = t.qtype
     n_blocks = t.n_elements // q.block_size
     per_chunk = max(1, CHUNK_BYTES // q.type_size)
-    stamp = _exponent_stamp(t.std) if q is QType.MXFP4 else _scale_stamp(t.std, q)
+    stamp = _STAMPS[q](t.std)
     for start in range(0, n_blocks, per_chunk):
         count = min(per_chunk, n_blocks - start)
         blocks = _random_bytes(rng, count * q.type_size).reshape(count, q.type_size)
@@ -86,18 +97,51 @@ def _exponent_stamp(std: float) -> Callable[[np.ndarray], None]:
     return stamp
 
 
-def _scale_stamp(std: float, q: QType) -> Callable[[np.ndarray], None]:
-    """Sets every Q8_0/Q4_0 block's f16 scale (bytes 0-1) to +-std/rms, keeping the random sign bit."""
-    rms = _Q8_0_RMS if q is QType.Q8_0 else _Q4_0_RMS
-    magnitude = np.array([std / rms], dtype="<f2").view("<u2")[0] & np.uint16(0x7FFF)
+def _f16_bits(value: float) -> np.uint16:
+    """The f16 bits of |value|."""
+    return np.uint16(np.array([value], dtype="<f2").view("<u2")[0] & 0x7FFF)
+
+
+def _scale_stamp(rms: float, word: int) -> Callable[[float], Callable[[np.ndarray], None]]:
+    """Sets every block's f16 scale (u16 number `word` of the block) to +-std/rms, keeping the
+    random sign bit (Q8_0, Q4_0: word 0; Q6_K: d is the last u16 and its int8 scales are signed,
+    so its sign bit is cleared)."""
+
+    def for_std(std: float) -> Callable[[np.ndarray], None]:
+        magnitude = _f16_bits(std / rms)
+        keep = np.uint16(0x8000 if word == 0 else 0)
+
+        def stamp(blocks: np.ndarray) -> None:
+            # every type stamped here has an even block size, so each block is a row of u16 words
+            scales = blocks.view("<u2")[:, word]
+            scales &= keep
+            scales |= magnitude
+
+        return stamp
+
+    return for_std
+
+
+def _q4_k_stamp(std: float) -> Callable[[np.ndarray], None]:
+    """Sets every Q4_K block's d to +-std/rms (random sign) and its dmin to 7.5 d (zero mean)."""
+    d, dmin = _f16_bits(std / _Q4_K_RMS), _f16_bits(7.5 * std / _Q4_K_RMS)
 
     def stamp(blocks: np.ndarray) -> None:
-        # type_size is even for Q8_0/Q4_0, so each block's first u16 is its scale
-        scales = blocks.view("<u2")[:, 0]
-        scales &= np.uint16(0x8000)
-        scales |= magnitude
+        words = blocks.view("<u2")
+        sign = words[:, 0] & np.uint16(0x8000)
+        words[:, 0] = sign | d
+        words[:, 1] = sign | dmin
 
     return stamp
+
+
+_STAMPS: dict[QType, Callable[[float], Callable[[np.ndarray], None]]] = {
+    QType.Q8_0: _scale_stamp(_Q8_0_RMS, 0),
+    QType.Q4_0: _scale_stamp(_Q4_0_RMS, 0),
+    QType.Q6_K: _scale_stamp(_Q6_K_RMS, 104),  # d: bytes 208-209 of 210
+    QType.Q4_K: _q4_k_stamp,
+    QType.MXFP4: _exponent_stamp,
+}
 
 
 def _f16_chunks(rng: np.random.Generator, t: TensorSpec) -> Iterator[np.ndarray]:

@@ -28,6 +28,8 @@ class QType(enum.Enum):
     Q4_0 = (2, 32, 18)
     Q8_0 = (8, 32, 34)
     MXFP4 = (39, 32, 17)
+    Q4_K = (12, 256, 144)
+    Q6_K = (14, 256, 210)
 
     @property
     def ggml_type(self) -> int:
@@ -55,10 +57,11 @@ class QType(enum.Enum):
 
 
 # types a weight matrix may be stored in (F32 is reserved for norms, biases and routers)
-WEIGHT_QTYPES = (QType.F16, QType.Q8_0, QType.Q4_0, QType.MXFP4)
+WEIGHT_QTYPES = (QType.F16, QType.Q8_0, QType.Q4_0, QType.MXFP4, QType.Q4_K, QType.Q6_K)
 
-# llama_ftype (include/llama.h) written to general.file_type, keyed by the expert type
-FILE_TYPES = {QType.F16: 1, QType.Q4_0: 2, QType.Q8_0: 7, QType.MXFP4: 38}
+# llama_ftype (include/llama.h) written to general.file_type, keyed by the expert type (Q4_K
+# experts: Q4_K_M, the recipe whose ffn_down layout `down_qtype` reproduces)
+FILE_TYPES = {QType.F16: 1, QType.Q4_0: 2, QType.Q8_0: 7, QType.MXFP4: 38, QType.Q4_K: 15, QType.Q6_K: 18}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +70,13 @@ class ModelSpec:
 
     Dimensions follow llama.cpp's hparams. `head_dim=None` means n_embd // n_head. The expert
     matrices use `expert_qtype`, the other weight matrices `dense_qtype`; norms, biases, routers
-    and attention sinks are always F32. `n_ff_shexp` is the shared expert's FFN width
-    (qwen2moe, hy_v3; 0 elsewhere). `n_swa` is gpt-oss's sliding-window length.
-    `tied_embeddings` leaves out output.weight: the embeddings double as the output matrix.
+    and attention sinks are always F32. `down_qtype` (None: `expert_qtype`) stores ffn_down_exps
+    on the layers llama.cpp's Q4_K_M recipe gives more bits (`more_bits_layer`), as real
+    Q4_K_M files do (Qwen3-30B-A3B: Q6_K down on 24 of 48 layers, Q4_K on the rest), so one
+    expert's slices differ in type and the layers differ in expert size. `n_ff_shexp` is the
+    shared expert's FFN width (qwen2moe, hy_v3; 0 elsewhere). `n_swa` is gpt-oss's
+    sliding-window length. `tied_embeddings` leaves out output.weight: the embeddings double as
+    the output matrix.
     """
 
     arch: str
@@ -85,6 +92,7 @@ class ModelSpec:
     n_ctx: int
     expert_qtype: QType
     dense_qtype: QType
+    down_qtype: QType | None = None
     n_ff_shexp: int = 0
     n_swa: int = 128
     rope_freq_base: float = 1_000_000.0
@@ -112,17 +120,27 @@ class ModelSpec:
     def n_embd_kv(self) -> int:
         return self.n_head_kv * self.head_size
 
-    @property
-    def bytes_per_expert(self) -> int:
-        """Bytes of one expert's slices in one layer (gate + up + down weights, biases excluded)."""
+    def down_qtype_of(self, layer: int) -> QType:
+        """The storage type of layer `layer`'s ffn_down_exps."""
+        if self.down_qtype is not None and more_bits_layer(layer, self.n_layer):
+            return self.down_qtype
+        return self.expert_qtype
+
+    def expert_bytes_of(self, layer: int) -> int:
+        """Bytes of one expert's slices in layer `layer` (gate + up + down weights, biases excluded)."""
         gate_up = 2 * self.n_ff_exp * self.expert_qtype.row_bytes(self.n_embd)
-        down = self.n_embd * self.expert_qtype.row_bytes(self.n_ff_exp)
+        down = self.n_embd * self.down_qtype_of(layer).row_bytes(self.n_ff_exp)
         return gate_up + down
 
     @property
     def routed_bytes_per_token(self) -> int:
         """Expert bytes one decoded token reads when nothing is cached (used experts x layers)."""
-        return self.bytes_per_expert * self.n_expert_used * self.n_layer
+        return self.n_expert_used * sum(self.expert_bytes_of(il) for il in range(self.n_layer))
+
+    @property
+    def bytes_per_expert(self) -> int:
+        """Bytes of one expert in one layer, the mean over the layers (they differ with down_qtype)."""
+        return self.routed_bytes_per_token // (self.n_expert_used * self.n_layer)
 
     def describe(self) -> str:
         """One-line human summary of the shape."""
@@ -131,9 +149,22 @@ class ModelSpec:
             f"{self.arch}, {self.n_layer} layers, n_embd {self.n_embd}, "
             f"heads {self.n_head}/{self.n_head_kv} x {self.head_size}, "
             f"experts {self.n_expert_used}/{self.n_expert} x ff {self.n_ff_exp}{shexp} "
-            f"({self.expert_qtype.name}; dense {self.dense_qtype.name}), "
+            f"({self.expert_qtype.name}{self._down_note()}; dense {self.dense_qtype.name}), "
             f"vocab {self.n_vocab}, ctx {self.n_ctx}"
         )
+
+    def _down_note(self) -> str:
+        if self.down_qtype is None or self.down_qtype is self.expert_qtype:
+            return ""
+        n = sum(more_bits_layer(il, self.n_layer) for il in range(self.n_layer))
+        return f", down {self.down_qtype.name} on {n} of {self.n_layer} layers"
+
+
+def more_bits_layer(layer: int, n_layer: int) -> bool:
+    """llama.cpp's use_more_bits (src/llama-quant.cpp): the layers whose ffn_down a Q4_K_M file
+    stores in Q6_K: the first and last eighth, and every third layer between."""
+    eighth = n_layer // 8
+    return layer < eighth or layer >= 7 * n_layer // 8 or (layer - eighth) % 3 == 2
 
 
 def _problems(s: ModelSpec) -> list[str]:
@@ -151,6 +182,8 @@ def _problems(s: ModelSpec) -> list[str]:
     for field in ("expert_qtype", "dense_qtype"):
         if not isinstance(getattr(s, field), QType):
             out.append(f"{field} must be a QType")
+    if s.down_qtype is not None and not isinstance(s.down_qtype, QType):
+        out.append("down_qtype must be a QType or None")
     if out:
         return out
 
@@ -181,15 +214,18 @@ def _problems(s: ModelSpec) -> list[str]:
     if s.arch == "gpt-oss" and s.n_swa < 1:
         out.append(f"gpt-oss needs a positive sliding window n_swa (got {s.n_swa})")
 
-    for field, qtype in (("expert_qtype", s.expert_qtype), ("dense_qtype", s.dense_qtype)):
+    typed = [("expert_qtype", s.expert_qtype), ("dense_qtype", s.dense_qtype)]
+    if s.down_qtype is not None:
+        typed.append(("down_qtype", s.down_qtype))
+    for field, qtype in typed:
         if qtype not in WEIGHT_QTYPES:
             out.append(
                 f"{field} {qtype.name} is not a weight type ({', '.join(q.name for q in WEIGHT_QTYPES)})"
             )
-    if s.expert_qtype is QType.MXFP4 and s.arch != "gpt-oss":
+    if QType.MXFP4 in (s.expert_qtype, s.down_qtype) and s.arch != "gpt-oss":
         out.append(f"MXFP4 experts are only supported for gpt-oss, not {s.arch}")
     if s.dense_qtype is QType.MXFP4:
-        out.append("MXFP4 is for expert tensors only; use F16, Q8_0 or Q4_0 for dense_qtype")
+        out.append("MXFP4 is for expert tensors only; use F16, Q8_0, Q4_0, Q4_K or Q6_K for dense_qtype")
 
     # every quantized matrix's row (ne0) must hold whole blocks
     if not out:
@@ -202,12 +238,13 @@ def _problems(s: ModelSpec) -> list[str]:
                     f"{label} = {n} is not a multiple of {s.dense_qtype.name}'s block of "
                     f"{s.dense_qtype.block_size}"
                 )
-        for label, n in {"n_embd": s.n_embd, "n_ff_exp": s.n_ff_exp}.items():
-            if n % s.expert_qtype.block_size:
-                out.append(
-                    f"{label} = {n} is not a multiple of {s.expert_qtype.name}'s block of "
-                    f"{s.expert_qtype.block_size}"
-                )
+        # gate and up rows are n_embd wide, down rows n_ff_exp
+        widths = [("n_embd", s.n_embd, s.expert_qtype), ("n_ff_exp", s.n_ff_exp, s.expert_qtype)]
+        if s.down_qtype is not None:
+            widths.append(("n_ff_exp", s.n_ff_exp, s.down_qtype))
+        for label, n, qtype in dict.fromkeys(widths):
+            if n % qtype.block_size:
+                out.append(f"{label} = {n} is not a multiple of {qtype.name}'s block of {qtype.block_size}")
 
     if s.n_vocab >= 2**31:
         out.append(f"n_vocab {s.n_vocab} does not fit llama.cpp's int32 token ids")
