@@ -102,14 +102,14 @@ def _f16_bits(value: float) -> np.uint16:
     return np.uint16(np.array([value], dtype="<f2").view("<u2")[0] & 0x7FFF)
 
 
-def _scale_stamp(rms: float, word: int) -> Callable[[float], Callable[[np.ndarray], None]]:
-    """Sets every block's f16 scale (u16 number `word` of the block) to +-std/rms, keeping the
-    random sign bit (Q8_0, Q4_0: word 0; Q6_K: d is the last u16 and its int8 scales are signed,
-    so its sign bit is cleared)."""
+def _scale_stamp(rms: float, word: int, signed: bool) -> Callable[[float], Callable[[np.ndarray], None]]:
+    """Sets every block's f16 scale (u16 number `word` of the block) to std/rms, with the random
+    sign bit already in its place if `signed` (Q8_0, Q4_0: unsigned quants), else positive (Q6_K:
+    its int8 sub-block scales carry random signs already)."""
 
     def for_std(std: float) -> Callable[[np.ndarray], None]:
         magnitude = _f16_bits(std / rms)
-        keep = np.uint16(0x8000 if word == 0 else 0)
+        keep = np.uint16(0x8000 if signed else 0)
 
         def stamp(blocks: np.ndarray) -> None:
             # every type stamped here has an even block size, so each block is a row of u16 words
@@ -136,9 +136,9 @@ def _q4_k_stamp(std: float) -> Callable[[np.ndarray], None]:
 
 
 _STAMPS: dict[QType, Callable[[float], Callable[[np.ndarray], None]]] = {
-    QType.Q8_0: _scale_stamp(_Q8_0_RMS, 0),
-    QType.Q4_0: _scale_stamp(_Q4_0_RMS, 0),
-    QType.Q6_K: _scale_stamp(_Q6_K_RMS, 104),  # d: bytes 208-209 of 210
+    QType.Q8_0: _scale_stamp(_Q8_0_RMS, 0, signed=True),
+    QType.Q4_0: _scale_stamp(_Q4_0_RMS, 0, signed=True),
+    QType.Q6_K: _scale_stamp(_Q6_K_RMS, 104, signed=False),  # d: bytes 208-209 of 210
     QType.Q4_K: _q4_k_stamp,
     QType.MXFP4: _exponent_stamp,
 }
