@@ -107,10 +107,12 @@ bench-small: setup-dev
 	$(VENV)/bin/moeflash bench --shape qwen30b-8l-shape --caps 0.35,0.5 --tokens 16 --mmap-tokens 3 \
 		--out bench/reports/small
 
-# The full report (an 18 GB model, ~25 minutes) and the trace replay.
+# The full report (an 18 GB model, ~25 minutes) and the trace replay. BENCH_SHAPE=qwen30b-q4km-shape
+# runs the same on the real Q4_K_M file's expert layout (19 GB; bench/reports/qwen30b-q4km-shape.*)
+BENCH_SHAPE ?= qwen30b-shape
 bench: setup-dev
-	$(VENV)/bin/moeflash bench --shape qwen30b-shape --caps 0.25,0.5 --tokens 32 --mmap-tokens 6 \
-		--out bench/reports/qwen30b-shape
+	$(VENV)/bin/moeflash bench --shape $(BENCH_SHAPE) --caps 0.25,0.5 --tokens 32 --mmap-tokens 6 \
+		--out bench/reports/$(BENCH_SHAPE)
 
 replay: setup-dev
 	$(VENV)/bin/moeflash bench --replay ../shared/data/route-traces/qwen.route.csv \
