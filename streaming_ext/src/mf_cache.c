@@ -120,7 +120,10 @@
 //     experts, itself left out) in place of the window lift: -0.6 / -0.6, times it: -0.9 / -0.8
 //     (experts routed together do not announce each other's later routes); the router's rank of
 //     each routed expert (slot 0 = most probable) as a further hazard dimension: 64.9 / 68.5 (it
-//     predicts the next visit's reuse, but the cells already do); hazard tables per layer (drawn
+//     predicts the next visit's reuse, but the cells already do); the router's weight of each
+//     routed expert in its recent rate (a route counting k x weight, mixed half and half with 1
+//     or alone, capped at 1 or not; the traces carry the weights, session 7's replay, not kept):
+//     65.28 to 65.46 / 68.22 to 68.59, never above the plain count; hazard tables per layer (drawn
 //     towards the pooled one with 2 to 50 observations): -0.5 to 0.0; half-lives of p of 8 / 32
 //     visits with the lift: 65.1 / 65.5 and 68.2 / 68.9.
 //   * What is left: the features above (own rates, age, frequency, next-visit and window
