@@ -128,17 +128,39 @@ static const struct ggml_tensor * norm_like(const mf_router * r, const char * su
     return NULL;
 }
 
-// eight partial sums: the compiler may not reorder one float sum, and this dot product is the
-// whole cost of a prediction (n_expert x n_embd per scored token)
+// The dot product is the whole cost of a prediction (n_expert x n_embd per scored token). Four
+// vector accumulators of eight floats (GCC/Clang vector types: SSE or NEON pairs, or one AVX
+// register): the compiler may not reorder one float sum, and one accumulator would wait on each
+// add's latency; four keep the multipliers busy. On x86-64 a copy for AVX2 is picked at load
+// time where the CPU has it (the build's baseline is SSE2). A 512-token prompt of
+// qwen30b-q4km-shape (moeflash generate, budget 2719 MiB, two runs each): cache management
+// 0.76-0.80 s with one 8-float accumulator, 0.45-0.47 s with these
+typedef float mf_v8 __attribute__((vector_size(32)));
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+#endif
 static float dot(const float * a, const float * b, int64_t n) {
-    float   p[8] = { 0 };
-    int64_t i    = 0;
-    for (; i + 8 <= n; i += 8) {
-        for (int32_t u = 0; u < 8; u++) {
-            p[u] += a[i + u] * b[i + u];
-        }
+    mf_v8   s0 = { 0 }, s1 = { 0 }, s2 = { 0 }, s3 = { 0 };
+    int64_t i  = 0;
+    for (; i + 32 <= n; i += 32) {
+        mf_v8 x0, x1, x2, x3, y0, y1, y2, y3;
+        // memcpy: unaligned loads without breaking aliasing rules
+        memcpy(&x0, a + i, sizeof x0);
+        memcpy(&x1, a + i + 8, sizeof x1);
+        memcpy(&x2, a + i + 16, sizeof x2);
+        memcpy(&x3, a + i + 24, sizeof x3);
+        memcpy(&y0, b + i, sizeof y0);
+        memcpy(&y1, b + i + 8, sizeof y1);
+        memcpy(&y2, b + i + 16, sizeof y2);
+        memcpy(&y3, b + i + 24, sizeof y3);
+        s0 += x0 * y0;
+        s1 += x1 * y1;
+        s2 += x2 * y2;
+        s3 += x3 * y3;
     }
-    float acc = ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]));
+    const mf_v8 sum = (s0 + s1) + (s2 + s3);
+    float       acc = ((sum[0] + sum[4]) + (sum[1] + sum[5])) + ((sum[2] + sum[6]) + (sum[3] + sum[7]));
     for (; i < n; i++) {
         acc += a[i] * b[i];
     }
