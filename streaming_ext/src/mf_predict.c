@@ -134,11 +134,11 @@ static const struct ggml_tensor * norm_like(const mf_router * r, const char * su
 // add's latency; four keep the multipliers busy. On x86-64 a copy for AVX2 is picked at load
 // time where the CPU has it (the build's baseline is SSE2). A 512-token prompt of
 // qwen30b-q4km-shape (moeflash generate, budget 2719 MiB, two runs each): cache management
-// 0.76-0.80 s with one 8-float accumulator, 0.45-0.47 s with these
+// 0.76-0.80 s with one 8-float accumulator, 0.45-0.50 s with these
 typedef float mf_v8 __attribute__((vector_size(32)));
 
 #if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target_clones("arch=x86-64-v3", "default")))
+__attribute__((target_clones("avx2", "default")))
 #endif
 static float dot(const float * a, const float * b, int64_t n) {
     mf_v8   s0 = { 0 }, s1 = { 0 }, s2 = { 0 }, s3 = { 0 };
@@ -205,8 +205,9 @@ int32_t mf_predict_next(mf_streamer * s, int32_t il, const struct ggml_tensor * 
     memset(want, 0, (size_t) s->n_expert);
     // every token of the batch is scored, prompts included: a prompt's reads are the biggest to
     // hide, and scoring costs n_expert x n_embd per token, under 1% of the layer's own expert
-    // matmuls (k x 3 x n_embd x n_ff_exp); a 512-token batch on qwen30b-shape spends ~15 ms
-    // per layer on it and reads 1.4x fewer bytes than a sampled guess widened to cover the batch.
+    // matmuls (k x 3 x n_embd x n_ff_exp); a 512-token batch on qwen30b-shape spent ~15 ms per
+    // layer on it before dot() had four accumulators, and reads 1.4x fewer bytes than a sampled
+    // guess widened to cover the batch.
     // Scoring stops once every expert is wanted: the rest of the batch cannot add one. With few
     // experts that comes early (Mixtral's 8, k = 2: a few tokens); qwen30b-q4km-shape's 512-token
     // prompt predicts about 119 of 128 per layer, so there it scores every token
