@@ -59,6 +59,7 @@ STAT_FIELDS = (
     "mapped_bytes",
     "hold_all",
     "routing_off",
+    "pages_zeroed",
 )
 
 

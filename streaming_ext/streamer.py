@@ -94,6 +94,7 @@ class StreamerStats:
     mapped_bytes: int
     hold_all: int  # 1: the budget holds every expert (huge pages, no page moves, no evictions)
     routing_off: int  # 1: all of them resident, routing is no longer observed (hits stop counting)
+    pages_zeroed: int  # pages loads got fresh (zero-filled) because the page pool had none
 
     def __sub__(self, other: StreamerStats) -> StreamerStats:
         a, b = asdict(self), asdict(other)

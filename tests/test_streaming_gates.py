@@ -195,6 +195,33 @@ def test_gate_page_recycling(
     assert (stats.pages_moved > 0) == move_pages
 
 
+@pytest.mark.parametrize("n_ff_exp", [128, 512], ids=["4.5-page-slices", "18-page-slices"])
+def test_released_neighbours_hand_their_pages_on(
+    tiny_model: Callable[..., Path], reference: Callable[..., Result], n_ff_exp: int
+) -> None:
+    """A prompt longer than a micro-batch routes every layer to all its experts, so under one
+    layer's budget each route evicts the whole previous layer: neighbouring slices released
+    together. The page two neighbours share leaves with the first; the second's release must
+    still park the rest of its pages for the next loads. Only the first fill of the empty cache
+    (and loads that run ahead of the releases queued before them) may need fresh zeroed pages."""
+    path = tiny_model("tiny-qwen3moe", n_ff_exp=n_ff_exp)
+    layer = expert_layer_bytes(path)
+    options = StreamingOptions(budget_bytes=layer, move_pages=True, lanes=4)
+    settings = {"n_ctx": 1024, "n_batch": 512, "n_ubatch": 512}
+    prompt = [(13 * i + 5) % 300 for i in range(600)]
+    llm = streamed(path, options, **settings)
+    try:
+        moving, page_path = llm.stats().page_moves, llm.streamer.page_path()
+    finally:
+        llm.close()
+    if not moving:
+        pytest.skip(f"this kernel cannot move pages: {page_path}")
+    stats = gate(path, options, reference, prompt=prompt, **settings)
+    layer_pages = layer // 4096
+    assert stats.pages_moved + stats.pages_zeroed > 10 * layer_pages, "every route loads a whole layer"
+    assert stats.pages_zeroed < 3 * layer_pages, (stats.pages_zeroed, stats.pages_moved)
+
+
 @pytest.mark.parametrize("policy", ["layer", "lru"])
 @pytest.mark.parametrize("move_pages", [True, False], ids=["moved", "released"])
 def test_gate_shared_pages_under_stress(

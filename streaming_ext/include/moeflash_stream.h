@@ -112,6 +112,9 @@ typedef struct mf_stats {
     // callback asks for no routing node and routes, hits and misses stop counting (until
     // mf_streamer_drop_cache, which turns watching back on)
     uint64_t routing_off;
+    // pages a load got fresh and zero-filled because no evicted page was parked in the pool (with
+    // page moves): the cache's first fill, then only what evictions failed to hand over
+    uint64_t pages_zeroed;
 } mf_stats;
 
 // Creates a streamer for cfg->model_path: indexes the GGUF (all splits), checks sizes and

@@ -202,6 +202,7 @@ typedef struct mf_pages {
     size_t               pool_lo;   // oldest parked page
     size_t               pool_n;    // parked pages
     atomic_uint_fast64_t moved;     // pages moved from the pool into slices
+    atomic_uint_fast64_t zeroed;    // fresh zero-filled pages installed (the pool had none)
     char *               zero_src;  // MF_PAGES_ZERO_SRC bytes never written: reads as zeros
 } mf_pages;
 

@@ -131,11 +131,13 @@ static int zero_fill(mf_pages * pg, char * a, char * b) {
                                   .len  = len,
                                   .mode = UFFDIO_COPY_MODE_DONTWAKE };
         if (ioctl(pg->uffd, UFFDIO_COPY, &cp) == 0) {
+            atomic_fetch_add_explicit(&pg->zeroed, len / MF_PAGE, memory_order_relaxed);
             a += len;
             continue;
         }
         const int err = errno;
         if (cp.copy > 0) {
+            atomic_fetch_add_explicit(&pg->zeroed, (size_t) cp.copy / MF_PAGE, memory_order_relaxed);
             a += cp.copy;
         }
         if (err == EEXIST) {
@@ -199,8 +201,15 @@ void mf_pages_drop(mf_pages * pg, char * a, char * b) {
             const int rc = move(pg, pg->pool + hi * MF_PAGE, a, n * MF_PAGE, &done);
             pg->pool_n += done / MF_PAGE;
             a += done;
-            if (rc != 0 && rc != -EAGAIN) {
-                break;  // e.g. a hole in the source (a read that never filled it): drop the rest
+            if (rc == -ENOENT) {
+                // a hole, skipped: most often the first page, shared with the slice before, whose
+                // release in the same route took it (this slice was already absent then). Giving
+                // up here dropped the whole slice instead: releasing a layer's neighbouring experts
+                // together, as a long prompt's routes do, then pooled one page in seven, and
+                // loads zero-filled the rest (qwen30b-q4km-shape, a 512-token prompt: 13.5 GB)
+                a += MF_PAGE;
+            } else if (rc != 0 && rc != -EAGAIN) {
+                break;  // anything else: drop the rest
             }
         }
         pthread_mutex_unlock(&pg->mu);

@@ -643,6 +643,7 @@ void mf_streamer_get_stats(const mf_streamer * s, mf_stats * out) {
     out->direct_io      = s->direct ? 1 : 0;
     out->page_moves     = mf_pages_moving(&s->pages) ? 1 : 0;
     out->pages_moved    = atomic_load_explicit(&s->pages.moved, memory_order_relaxed);
+    out->pages_zeroed   = atomic_load_explicit(&s->pages.zeroed, memory_order_relaxed);
     out->prefetched     = LOAD(st_prefetched);
     out->prefetch_used  = LOAD(st_prefetch_used);
     out->mapped_bytes   = LOAD(st_mapped_bytes);
