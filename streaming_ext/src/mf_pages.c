@@ -12,8 +12,10 @@
 //   touch of a page nobody loaded raises SIGBUS: a missed load still faults, as with PROT_NONE.
 // - A move needs a hole at the destination and a page at the source. Pages shared by two
 //   neighbouring slices (at most one at each end of a slice) may already be present: the move or
-//   zero-fill stops there (EEXIST), skips that page and goes on. When the pool runs dry, the rest
-//   gets fresh zeroed pages (UFFDIO_COPY from a range that reads as zeros).
+//   zero-fill stops there (EEXIST), skips that page and goes on. Releasing two neighbours, the
+//   shared page leaves with the first, so the second's range starts with a hole: that move stops
+//   there (ENOENT), skips the hole and goes on as well. When the pool runs dry, the rest gets
+//   fresh zeroed pages (UFFDIO_COPY from a range that reads as zeros; counted in pages_zeroed).
 // - Anything unexpected (no userfaultfd, no UFFD_FEATURE_MOVE, a failed move) falls back to the
 //   plain path: releases drop pages, loads fill holes with fresh pages. No error is fatal.
 // The pool is a ring of pages in a MAP_NORESERVE range (oldest taken first, new ones appended),
