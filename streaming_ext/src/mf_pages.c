@@ -207,7 +207,7 @@ void mf_pages_drop(mf_pages * pg, char * a, char * b) {
                 // a hole, skipped: most often the first page, shared with the slice before, whose
                 // release in the same route took it (this slice was already absent then). Giving
                 // up here dropped the whole slice instead: releasing a layer's neighbouring experts
-                // together, as a long prompt's routes do, then pooled one page in seven, and
+                // together, as a long prompt's routes do, then pooled one page in eight, and
                 // loads zero-filled the rest (qwen30b-q4km-shape, a 512-token prompt: 13.5 GB)
                 a += MF_PAGE;
             } else if (rc != 0 && rc != -EAGAIN) {
