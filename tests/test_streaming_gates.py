@@ -79,6 +79,17 @@ def gate(path: Path, options: StreamingOptions, reference: Callable[..., Result]
     return stats
 
 
+def skip_unless_pages_move(path: Path, options: StreamingOptions, **kw: Any) -> None:
+    """Skips the test when this kernel cannot move pages between slices (userfaultfd)."""
+    llm = streamed(path, options, **kw)
+    try:
+        moving, page_path = llm.stats().page_moves, llm.streamer.page_path()
+    finally:
+        llm.close()
+    if not moving:
+        pytest.skip(f"this kernel cannot move pages: {page_path}")
+
+
 def _tensor_bytes(path: Path) -> dict[str, int]:
     return {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
 
@@ -182,13 +193,8 @@ def test_gate_page_recycling(
     options = StreamingOptions(
         budget_bytes=expert_layer_bytes(path), move_pages=move_pages, overlap=overlap, lanes=4
     )
-    llm = streamed(path, options)
-    try:
-        moving, page_path = llm.stats().page_moves, llm.streamer.page_path()
-    finally:
-        llm.close()
-    if move_pages and not moving:
-        pytest.skip(f"this kernel cannot move pages: {page_path}")
+    if move_pages:
+        skip_unless_pages_move(path, options)
     stats = gate(path, options, reference)
     assert stats.evictions > 0
     assert stats.page_moves == int(move_pages)
@@ -209,13 +215,7 @@ def test_released_neighbours_hand_their_pages_on(
     options = StreamingOptions(budget_bytes=layer, move_pages=True, lanes=4)
     settings = {"n_ctx": 1024, "n_batch": 512, "n_ubatch": 512}
     prompt = [(13 * i + 5) % 300 for i in range(600)]
-    llm = streamed(path, options, **settings)
-    try:
-        moving, page_path = llm.stats().page_moves, llm.streamer.page_path()
-    finally:
-        llm.close()
-    if not moving:
-        pytest.skip(f"this kernel cannot move pages: {page_path}")
+    skip_unless_pages_move(path, options, **settings)
     stats = gate(path, options, reference, prompt=prompt, **settings)
     layer_pages = layer // 4096
     assert stats.pages_moved + stats.pages_zeroed > 10 * layer_pages, "every route loads a whole layer"
