@@ -23,13 +23,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ReasoningStyle = Literal["none", "think", "harmony"]
+ReasoningStyle = Literal["none", "think", "harmony", "gemma"]
 
 
 def reasoning_style(template: str) -> ReasoningStyle:
-    """How the model separates reasoning: harmony channels (gpt-oss), <think> tags, or not."""
+    """How the model separates reasoning: harmony channels (gpt-oss), Gemma 4's thought channel,
+    <think> tags, or not."""
     if "<|channel|>" in template:
         return "harmony"
+    if "<|channel>" in template:
+        return "gemma"
     if "<think>" in template:
         return "think"
     return "none"

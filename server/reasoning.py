@@ -56,7 +56,8 @@ class ThinkSplitter:
     def __init__(self, start_in_reasoning: bool = False) -> None:
         self._reasoning = start_in_reasoning
         self._buf = ""
-        # templates put "\n\n" after </think>; it is not part of the answer
+        # models put newlines after either marker ("<think>\n", "</think>\n\n"); they are
+        # part of neither the reasoning nor the answer
         self._strip_newlines = False
 
     def feed(self, text: str) -> list[Piece]:
@@ -70,14 +71,14 @@ class ThinkSplitter:
             self._emit(out, self._buf[:at])
             self._buf = self._buf[at + len(marker) :]
             self._reasoning = not self._reasoning
-            self._strip_newlines = not self._reasoning
+            self._strip_newlines = True
         hold = _held_suffix(self._buf, (self.CLOSE if self._reasoning else self.OPEN,))
         self._emit(out, self._buf[: len(self._buf) - hold])
         self._buf = self._buf[len(self._buf) - hold :]
         return out
 
     def _emit(self, out: list[Piece], text: str) -> None:
-        if self._strip_newlines and not self._reasoning:
+        if self._strip_newlines:
             text = text.lstrip("\n")
             self._strip_newlines = not text
         if text:
@@ -88,6 +89,13 @@ class ThinkSplitter:
         self._emit(out, self._buf)
         self._buf = ""
         return out
+
+
+class GemmaSplitter(ThinkSplitter):
+    """Gemma 4: reasoning in the thought channel, <|channel>thought ... <channel|>, content after
+    (the markers are USER_DEFINED tokens, so they reach the text without special rendering)."""
+
+    OPEN, CLOSE = "<|channel>thought", "<channel|>"
 
 
 class HarmonySplitter:
@@ -161,8 +169,9 @@ def make_splitter(style: str, prompt: str) -> Splitter:
     """The splitter for a template's reasoning style; `prompt` tells if a <think> is open."""
     if style == "harmony":
         return HarmonySplitter()
-    if style == "think":
+    if style in ("think", "gemma"):
+        kind = ThinkSplitter if style == "think" else GemmaSplitter
         tail = prompt.rstrip()
-        opened = tail.rfind(ThinkSplitter.OPEN) > tail.rfind(ThinkSplitter.CLOSE)
-        return ThinkSplitter(start_in_reasoning=opened)
+        opened = tail.rfind(kind.OPEN) > tail.rfind(kind.CLOSE)
+        return kind(start_in_reasoning=opened)
     return PlainSplitter()

@@ -17,7 +17,7 @@ from server.model_loader import load_model
 from server.settings import load_settings
 from tests.test_server_support import RunningServer, running_server, wait_for
 
-PRESETS = ["tiny-qwen3moe", "tiny-gptoss", "tiny-mixtral", "tiny-qwen2moe", "tiny-hyv3"]
+PRESETS = ["tiny-qwen3moe", "tiny-gptoss", "tiny-mixtral", "tiny-qwen2moe", "tiny-hyv3", "tiny-gemma4"]
 
 
 @pytest.mark.parametrize("preset", PRESETS)

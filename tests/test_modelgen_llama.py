@@ -65,7 +65,7 @@ def test_routing_varies_across_tokens_and_layers(
     assert full_layers[0] != full_layers[1]  # layers route independently
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3moe", "tiny-gptoss", "tiny-hyv3"])
+@pytest.mark.parametrize("name", ["tiny-qwen3moe", "tiny-gptoss", "tiny-hyv3", "tiny-gemma4"])
 def test_split_model_decodes_like_its_unsplit_twin(
     name: str, tiny_model: TinyModelFactory, llama_factory: LoadLlama
 ) -> None:
@@ -99,6 +99,7 @@ def test_alignment_does_not_change_the_model(tiny_model: TinyModelFactory, llama
         ("tiny-mixtral", QType.Q8_0, QType.F16),
         ("tiny-qwen2moe", QType.Q4_0, QType.Q4_0),
         ("tiny-hyv3", QType.F16, QType.Q8_0),
+        ("tiny-gemma4", QType.Q5_0, QType.F16),
     ],
 )
 def test_every_quant_type_loads(

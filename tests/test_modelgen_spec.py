@@ -24,7 +24,9 @@ def test_required_presets_exist() -> None:
         "tiny-mixtral",
         "tiny-qwen2moe",
         "tiny-hyv3",
+        "tiny-gemma4",
         "qwen30b-shape",
+        "gemma4-26b-shape",
         "gptoss-120b-shape",
         "gptoss-20b-shape",
         "gptoss-shape",
@@ -131,6 +133,21 @@ def _bad(name: str, message: str, **changes: Any) -> Any:
         _bad("tiny-qwen3moe", r"MXFP4 experts are only supported for gpt-oss", down_qtype=QType.MXFP4),
         _bad("tiny-qwen3moe", r"down_qtype F32 is not a weight type", down_qtype=QType.F32),
         _bad("tiny-qwen3moe", r"down_qtype must be a QType or None", down_qtype="Q8_0"),
+        _bad("tiny-qwen3moe", r"down_qtype_rest must be a QType or None", down_qtype_rest="Q8_0"),
+        _bad("tiny-qwen3moe", r"head_dim_swa is for gemma4's sliding-window layers", head_dim_swa=32),
+        _bad("tiny-gptoss", r"n_head_kv_swa is for gemma4's sliding-window layers", n_head_kv_swa=2),
+        _bad("tiny-gemma4", r"gemma4 needs at least 2 layers \(got 1\)", n_layer=1),
+        _bad("tiny-gemma4", r"gemma4 needs a positive sliding window", n_swa=0),
+        _bad("tiny-gemma4", r"n_head 4 is not a multiple of n_head_kv_swa 3", n_head_kv_swa=3),
+        _bad("tiny-gemma4", r"head_dim_swa 33 must be even", head_dim_swa=33),
+        _bad("tiny-gemma4", r"head_dim_swa must be a positive integer or None \(got 0\)", head_dim_swa=0),
+        _bad("tiny-gemma4", r"gemma4 has a shared expert: n_ff_shexp must be positive", n_ff_shexp=0),
+        _bad(
+            "tiny-gemma4",
+            r"n_ff_exp = 96 is not a multiple of Q4_K's block of 256",
+            expert_qtype=QType.Q4_K,
+            down_qtype=QType.Q8_0,
+        ),
         _bad(
             "tiny-qwen3moe",
             r"n_ff_exp = 48 is not a multiple of Q4_0's block of 32",
@@ -151,6 +168,24 @@ def test_more_bits_layers_follow_llama_cpps_q4_k_m_recipe() -> None:
     qwen_q6_k = [*range(6), *range(8, 42, 3), *range(42, 48)]
     assert [il for il in range(48) if more_bits_layer(il, 48)] == qwen_q6_k
     assert [il for il in range(4) if more_bits_layer(il, 4)] == [2, 3]
+
+
+def test_gemma4_shape_has_the_real_files_expert_bytes() -> None:
+    # the Gemma-4-26B-A4B Q4_K_M route trace's header (../shared/data/route-traces): 4336640 bytes
+    # per expert (Q4_K gate_up, Q8_0 down) on layers 0-6 and every third from 9 to 27, 3593216
+    # (Q5_0 down) on the others: use_more_bits over its 60 ffn_down tensors
+    spec = preset("gemma4-26b-shape")
+    big = [*range(7), *range(9, 28, 3)]
+    assert [il for il in range(30) if spec.expert_bytes_of(il) == 4336640] == big
+    assert {spec.expert_bytes_of(il) for il in range(30) if il not in big} == {3593216}
+    # five sliding-window layers to each full-attention one, the last layer full
+    assert [il for il in range(30) if not spec.is_swa_layer(il)] == [5, 11, 17, 23, 29]
+    assert (spec.head_size_of(0), spec.n_head_kv_of(0), spec.head_size_of(5), spec.n_head_kv_of(5)) == (
+        256,
+        8,
+        512,
+        2,
+    )
 
 
 def test_q4km_shape_has_the_real_files_expert_bytes() -> None:
@@ -199,9 +234,8 @@ def test_qtype_table_matches_ggml() -> None:
 
 def test_qtype_parse() -> None:
     assert QType.parse("q4_0") is QType.Q4_0
-    with pytest.raises(
-        ModelGenError, match=r"unknown quantization type 'Q5_K'; valid: F16, Q8_0, Q4_0, MXFP4, Q4_K, Q6_K"
-    ):
+    valid = "F16, Q8_0, Q5_0, Q4_0, MXFP4, Q4_K, Q6_K"
+    with pytest.raises(ModelGenError, match=rf"unknown quantization type 'Q5_K'; valid: {valid}"):
         QType.parse("Q5_K")
 
 

@@ -15,7 +15,12 @@ from server.modelgen.tokenizer import BYTE_TO_UNICODE, MERGES, TokenType, build_
 from tests.conftest import TinyModelFactory
 
 LoadLlama = Callable[..., llama_cpp.Llama]
-FAMILY_PRESETS = {"chatml": "tiny-qwen3moe", "harmony": "tiny-gptoss", "mistral": "tiny-mixtral"}
+FAMILY_PRESETS = {
+    "chatml": "tiny-qwen3moe",
+    "harmony": "tiny-gptoss",
+    "mistral": "tiny-mixtral",
+    "gemma4": "tiny-gemma4",
+}
 
 CONVERSATION: list[dict[str, Any]] = [
     {"role": "system", "content": "Be brief."},
@@ -70,6 +75,10 @@ EXPECTED = {
         "<|start|>assistant"
     ),
     "mistral": "<s>[INST] Be brief.\n\nHi [/INST] Hello!</s>[INST] Weather in Paris? [/INST]",
+    "gemma4": (
+        "<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\nHello!<turn|>\n"
+        "<|turn>user\nWeather in Paris?<turn|>\n<|turn>model\n<|channel>thought\n<channel|>"
+    ),
 }
 
 ROUND_TRIP_TEXTS = [
@@ -115,14 +124,15 @@ def test_template_renders_a_conversation(family: str, vocab_llm: llama_cpp.Llama
 def test_rendered_prompt_uses_single_special_tokens(family: str, vocab_llm: llama_cpp.Llama) -> None:
     prompt = _render(vocab_llm, CONVERSATION)
     tokens = vocab_llm.tokenize(prompt.encode(), add_bos=False, special=True)
-    marker = {"chatml": "<|im_start|>", "harmony": "<|start|>", "mistral": "</s>"}[family]
+    markers = {"chatml": "<|im_start|>", "harmony": "<|start|>", "mistral": "</s>", "gemma4": "<|turn>"}
+    marker = markers[family]
     marker_ids = vocab_llm.tokenize(marker.encode(), add_bos=False, special=True)
     assert len(marker_ids) == 1
     assert tokens.count(marker_ids[0]) == prompt.count(marker)
     assert vocab_llm.detokenize(tokens, special=True).decode() == prompt
 
 
-@pytest.mark.parametrize("family", ["chatml", "harmony"])
+@pytest.mark.parametrize("family", ["chatml", "harmony", "gemma4"])
 def test_template_renders_tools_and_tool_turns(family: str, vocab_llm: llama_cpp.Llama) -> None:
     prompt = _render(vocab_llm, TOOL_TURNS, tools=TOOLS)
     if family == "chatml":
@@ -133,6 +143,13 @@ def test_template_renders_tools_and_tool_turns(family: str, vocab_llm: llama_cpp
         )
         assert "<|im_start|>user\n<tool_response>\nsunny, 21 C\n</tool_response><|im_end|>" in prompt
         assert prompt.endswith("<|im_start|>assistant\n")
+    elif family == "gemma4":
+        assert '<|turn>system\nBe brief.<|tool>declaration:get_weather{"name": "get_weather"' in prompt
+        # the call and its result share one model turn, which the model then continues
+        assert prompt.endswith(
+            '<|turn>model\n<|tool_call>call:get_weather{"city": "Paris"}<tool_call|>'
+            '<|tool_response>response:get_weather{value:<|"|>sunny, 21 C<|"|>}<tool_response|>'
+        )
     else:
         assert "namespace functions {\n\n// Current weather of a city\ntype get_weather = (_: {" in prompt
         assert (
@@ -209,6 +226,7 @@ def test_merges_shorten_common_text(vocab_llm: llama_cpp.Llama) -> None:
             ["<|end|>"],
         ),
         ("mistral", "<s>", "</s>", ["</s>"], ["<s>"]),
+        ("gemma4", "<bos>", "<eos>", ["<eos>", "<turn|>", "<|tool_response>"], ["<|turn>", "<bos>"]),
     ],
 )
 def test_special_token_roles(
@@ -226,9 +244,9 @@ def test_special_token_roles(
     assert not any(llama_cpp.llama_vocab_is_eog(vocab, token(t)) for t in not_eog)
 
 
-def test_add_bos_only_for_mistral(family: str, vocab_llm: llama_cpp.Llama) -> None:
+def test_add_bos_only_for_mistral_and_gemma(family: str, vocab_llm: llama_cpp.Llama) -> None:
     with_bos = vocab_llm.tokenize(b"x", add_bos=True)
-    assert (with_bos[0] == vocab_llm.token_bos()) == (family == "mistral")
+    assert (with_bos[0] == vocab_llm.token_bos()) == (family in ("mistral", "gemma4"))
 
 
 def test_chat_completion_runs_end_to_end(
@@ -246,7 +264,7 @@ def test_chat_completion_runs_end_to_end(
     )
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "llama", "gemma4"])
 def test_vocab_layout(arch: str) -> None:
     n_vocab = 151936 if arch == "qwen3moe" else 700
     vocab = build_vocab(arch, n_vocab)

@@ -15,9 +15,9 @@ import pytest
 from server.errors import ModelGenError
 from server.modelgen import QType, estimate_size, generate_model, preset, preset_names
 from server.modelgen import writer as writer_module
-from server.modelgen.archs import TensorSpec
 from server.modelgen.layout import plan_layout
 from server.modelgen.quant import tensor_chunks
+from server.modelgen.spec import TensorSpec
 from tests.conftest import TinyModelFactory
 
 TINY = [name for name in preset_names() if name.startswith("tiny-")]
@@ -62,7 +62,13 @@ def test_file_parses_and_holds_the_planned_tensors(name: str, tiny_model: TinyMo
 
 @pytest.mark.parametrize(
     ("name", "down"),
-    [("tiny-qwen3moe", None), ("tiny-hyv3", None), ("tiny-gptoss", None), ("tiny-qwen3moe", QType.Q8_0)],
+    [
+        ("tiny-qwen3moe", None),
+        ("tiny-hyv3", None),
+        ("tiny-gptoss", None),
+        ("tiny-gemma4", None),
+        ("tiny-qwen3moe", QType.Q8_0),
+    ],
 )
 def test_expert_bytes_match_the_expert_slices(
     tiny_model: TinyModelFactory, name: str, down: QType | None
@@ -101,7 +107,7 @@ def test_experts_are_distinct_slices(tiny_model: TinyModelFactory) -> None:
             assert len({s.tobytes() for s in slices}) == spec.n_expert
 
 
-@pytest.mark.parametrize("qtype", [QType.F16, QType.Q8_0, QType.Q4_0, QType.MXFP4])
+@pytest.mark.parametrize("qtype", [QType.F16, QType.Q8_0, QType.Q5_0, QType.Q4_0, QType.MXFP4])
 def test_weight_spread_matches_the_plan(qtype: QType) -> None:
     # dequantize what the generator wrote and compare with the planned std (zero mean)
     t = TensorSpec("blk.0.ffn_up_exps.weight", (256, 64, 4), qtype, std=0.05)

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from server.chat_template import reasoning_style
 from server.errors import ConfigError
-from server.reasoning import HarmonySplitter, PlainSplitter, ThinkSplitter, make_splitter
+from server.modelgen import templates
+from server.reasoning import GemmaSplitter, HarmonySplitter, PlainSplitter, ThinkSplitter, make_splitter
 from server.settings import load_settings, parse_size
 from server.tools import ChatOutput, ToolCallArgs, ToolCallStart
 
@@ -40,6 +42,31 @@ def test_think_blocks_go_to_reasoning_whatever_the_delta_size(size: int) -> None
 def test_a_think_block_opened_by_the_prompt() -> None:
     splitter = make_splitter("think", "<|im_start|>assistant\n<think>\n")
     assert _joined(_feed_in_pieces(splitter, "hmm</think>yes", 2)) == {"reasoning": "hmm", "content": "yes"}
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+def test_gemma_thought_channel_goes_to_reasoning(size: int) -> None:
+    text = "<|channel>thought\nstep 1 <channel 2>\n<channel|>The answer <|channel is 42."
+    assert _joined(_feed_in_pieces(GemmaSplitter(), text, size)) == {
+        "reasoning": "step 1 <channel 2>\n",
+        "content": "The answer <|channel is 42.",
+    }
+
+
+def test_gemma_prefilled_empty_thought_is_closed() -> None:
+    # enable_thinking off: the template writes an empty thought channel; all output is content
+    prompt = "<|turn>user\nHi<turn|>\n<|turn>model\n<|channel>thought\n<channel|>"
+    assert isinstance(make_splitter("gemma", prompt), GemmaSplitter)
+    assert _joined(_feed_in_pieces(make_splitter("gemma", prompt), "Hello!", 2)) == {"content": "Hello!"}
+    opened = make_splitter("gemma", "<|turn>model\n<|channel>thought\n")
+    assert _joined(_feed_in_pieces(opened, "hmm<channel|>yes", 2)) == {"reasoning": "hmm", "content": "yes"}
+
+
+def test_reasoning_style_of_each_template_family() -> None:
+    assert reasoning_style(templates.CHATML) == "think"
+    assert reasoning_style(templates.HARMONY) == "harmony"
+    assert reasoning_style(templates.GEMMA4) == "gemma"
+    assert reasoning_style(templates.MISTRAL) == "none"
 
 
 @pytest.mark.parametrize("size", [1, 5, 1000])

@@ -32,7 +32,7 @@ from tests.models import LLAMA_DEFAULTS, expert_layer_bytes, greedy, last_logits
 
 PROMPT = [(7 * i + 40) % 300 for i in range(24)]
 N_TOKENS = 10
-ARCH_PRESETS = ["tiny-qwen3moe", "tiny-gptoss", "tiny-mixtral", "tiny-qwen2moe", "tiny-hyv3"]
+ARCH_PRESETS = ["tiny-qwen3moe", "tiny-gptoss", "tiny-mixtral", "tiny-qwen2moe", "tiny-hyv3", "tiny-gemma4"]
 
 Result = tuple[list[int], str]
 
@@ -137,6 +137,19 @@ def test_gate_prefetch(
     if policy == "none":
         # nothing is cached: every hit is a prefetched expert
         assert stats.hits == stats.prefetch_used
+
+
+def test_gate_prefetch_follows_gemma4s_router_input(
+    tiny_model: Callable[..., Path], reference: Callable[..., Result]
+) -> None:
+    """gemma4's router reads rms_norm(attn_out), scaled, times its own per-channel scale: the
+    prediction must apply the next layer's scale, not reuse this layer's scaled input (60 of the
+    108 experts read ahead were used that way on this model, 80 with the next layer's scale)."""
+    path = tiny_model("tiny-gemma4")
+    options = StreamingOptions(budget_bytes=expert_layer_bytes(path), policy="none")
+    stats = gate(path, options, reference)
+    assert stats.hits == stats.prefetch_used
+    assert stats.prefetch_used >= 0.7 * stats.prefetched, (stats.prefetch_used, stats.prefetched)
 
 
 @pytest.mark.parametrize("policy", ["layer", "lru"])
@@ -308,12 +321,14 @@ def test_gate_every_architecture(
 
 
 @pytest.mark.parametrize(
-    ("preset", "experts", "down", "policy", "overlap"),
+    ("preset", "experts", "down", "rest", "policy", "overlap"),
     [
-        pytest.param("tiny-qwen3moe", "Q4_K", "Q6_K", "layer", False, id="qwen3moe-q4_k_m-layer-serial"),
-        pytest.param("tiny-qwen3moe", "Q4_K", "Q6_K", "lru", True, id="qwen3moe-q4_k_m-lru-overlap"),
-        pytest.param("tiny-qwen3moe", "Q4_0", "F16", "layer", True, id="qwen3moe-q4_0-f16-layer-overlap"),
-        pytest.param("tiny-gptoss", "MXFP4", "Q8_0", "layer", True, id="gptoss-mxfp4-q8_0-layer-overlap"),
+        pytest.param("tiny-qwen3moe", "Q4_K", "Q6_K", None, "layer", False, id="qwen3moe-q4_k_m-serial"),
+        pytest.param("tiny-qwen3moe", "Q4_K", "Q6_K", None, "lru", True, id="qwen3moe-q4_k_m-lru-overlap"),
+        pytest.param("tiny-qwen3moe", "Q4_0", "F16", None, "layer", True, id="qwen3moe-q4_0-f16-overlap"),
+        pytest.param("tiny-gptoss", "MXFP4", "Q8_0", None, "layer", True, id="gptoss-mxfp4-q8_0-overlap"),
+        # Gemma-4's Q4_K_M: Q4_K gate_up, and a down width (704 there) no K-quant holds
+        pytest.param("tiny-gemma4", "Q4_K", "Q8_0", "Q5_0", "layer", True, id="gemma4-q4_k_m-overlap"),
     ],
 )
 def test_gate_expert_sizes_differ_by_layer(
@@ -322,15 +337,20 @@ def test_gate_expert_sizes_differ_by_layer(
     preset: str,
     experts: str,
     down: str,
+    rest: str | None,
     policy: str,
     overlap: bool,
 ) -> None:
     """Real Q4_K_M files store ffn_down_exps in Q6_K on half the layers: an expert's slices differ
     in type and size, and so do the layers' experts. Under a budget of one and a half of the
     largest layers, admitting a big layer's expert can take more than one small victim."""
-    # K-quants pack 256 values per block: the tiny expert width grows to one block
-    width = {"n_ff_exp": 256} if experts == "Q4_K" else {}
-    path = tiny_model(preset, expert_qtype=QType[experts], down_qtype=QType[down], **width)
+    # K-quants pack 256 values per block: the tiny expert width grows to one block where the
+    # down rows are K-quants too
+    width = {"n_ff_exp": 256} if experts == "Q4_K" and rest is None else {}
+    types = {"expert_qtype": QType[experts], "down_qtype": QType[down]}
+    if rest is not None:
+        types["down_qtype_rest"] = QType[rest]
+    path = tiny_model(preset, **types, **width)
     sizes = _tensor_bytes(path)
     downs = {sizes[f"blk.{il}.ffn_down_exps.weight"] for il in range(4)}
     assert len(downs) == 2, "two down sizes across the layers"

@@ -4,7 +4,7 @@ Sources (llama.cpp 0c1e570): src/models/{qwen3moe,openai-moe,llama,qwen2moe,hy-v
 tensors each architecture creates (every tensor in the file must be used, or loading fails
 with "wrong number of tensors"), src/llama-arch.cpp for names and keys, src/llama-model.cpp
 for the shared hparams. Key value types must match exactly: llama.cpp rejects a u64 where it
-reads a u32.
+reads a u32. gemma4, which differs from these in most respects, is in gemma4.py.
 
 Initial value spreads: weights are zero-mean with std 1/sqrt(fan_in), so every projection
 keeps unit-scale activations; the token embedding has std 1 and the output head gives logits
@@ -14,39 +14,15 @@ are F32 with logits of std ~2: expert choice varies from token to token and laye
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
+from server.modelgen import gemma4
 from server.modelgen.gguf_format import KV, ValueType
-from server.modelgen.spec import FILE_TYPES, ModelSpec, QType
+from server.modelgen.spec import FILE_TYPES, ModelSpec, QType, TensorSpec
 from server.modelgen.tokenizer import Vocab
 
 # llama_expert_gating_func_type (src/llama-hparams.h)
 GATING_SIGMOID = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    """One tensor to generate: name, ggml-order shape, storage type, and its value spread."""
-
-    name: str
-    ne: tuple[int, ...]
-    qtype: QType
-    std: float
-    mean: float = 0.0
-
-    @property
-    def n_elements(self) -> int:
-        return math.prod(self.ne)
-
-    @property
-    def nbytes(self) -> int:
-        return self.n_elements // self.qtype.block_size * self.qtype.type_size
-
-    @property
-    def is_expert(self) -> bool:
-        """A routed-expert weight (the tensors a streamer pages in per expert slice)."""
-        return self.name.endswith("_exps.weight")
 
 
 def tensor_plan(spec: ModelSpec) -> list[TensorSpec]:
@@ -54,9 +30,16 @@ def tensor_plan(spec: ModelSpec) -> list[TensorSpec]:
     e, v = spec.n_embd, spec.n_vocab
     dense = spec.dense_qtype
     f32 = QType.F32
-    out = [TensorSpec("token_embd.weight", (e, v), dense, std=1.0)]
-    for il in range(spec.n_layer):
-        out.extend(_block(spec, il))
+    if spec.arch == "gemma4":
+        # gemma4 multiplies the embeddings by sqrt(n_embd)
+        out = [TensorSpec("token_embd.weight", (e, v), dense, std=1.0 / math.sqrt(e))]
+        out += gemma4.global_tensors(spec)
+        for il in range(spec.n_layer):
+            out.extend(gemma4.block(spec, il))
+    else:
+        out = [TensorSpec("token_embd.weight", (e, v), dense, std=1.0)]
+        for il in range(spec.n_layer):
+            out.extend(_block(spec, il))
     out.append(TensorSpec("output_norm.weight", (e,), f32, std=0.1, mean=1.0))
     if not spec.tied_embeddings:
         out.append(TensorSpec("output.weight", (e, v), dense, std=3.0 / math.sqrt(e)))
@@ -137,13 +120,17 @@ def model_kvs(spec: ModelSpec, vocab: Vocab) -> list[KV]:
     """The metadata of an unsplit file: general.*, the architecture's hparams, tokenizer.*."""
     a = spec.arch
     u32, f32 = ValueType.UINT32, ValueType.FLOAT32
-    kvs = [
+    general = [
         KV("general.architecture", ValueType.STRING, a),
         KV("general.name", ValueType.STRING, spec.name or f"moeflash-synthetic-{a}"),
         KV("general.file_type", u32, FILE_TYPES[spec.expert_qtype]),
         KV("general.quantization_version", u32, 2),
         KV("general.alignment", u32, spec.alignment),
         KV(f"{a}.vocab_size", u32, spec.n_vocab),
+    ]
+    if a == "gemma4":
+        return general + gemma4.kvs(spec) + tokenizer_kvs(vocab)
+    kvs = general + [
         KV(f"{a}.context_length", u32, spec.n_ctx),
         KV(f"{a}.embedding_length", u32, spec.n_embd),
         KV(f"{a}.block_count", u32, spec.n_layer),

@@ -20,6 +20,7 @@ _TINY_PRESET_BY_ARCH = {
     "llama": "tiny-mixtral",
     "qwen2moe": "tiny-qwen2moe",
     "hy_v3": "tiny-hyv3",
+    "gemma4": "tiny-gemma4",
 }
 
 # CLI flag -> ModelSpec field, for the integer shape overrides
@@ -36,6 +37,8 @@ _SHAPE_FLAGS = {
     "vocab": "n_vocab",
     "ctx": "n_ctx",
     "swa": "n_swa",
+    "head_dim_swa": "head_dim_swa",
+    "heads_kv_swa": "n_head_kv_swa",
     "alignment": "alignment",
 }
 
@@ -83,10 +86,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--experts", type=int, help="experts per layer")
     p.add_argument("--experts-used", type=int, help="experts routed per token")
     p.add_argument("--ff-exp", type=int, help="expert FFN width")
-    p.add_argument("--ff-shexp", type=int, help="shared expert FFN width (qwen2moe, hy_v3)")
+    p.add_argument(
+        "--ff-shexp", type=int, help="shared expert FFN width (qwen2moe, hy_v3; gemma4's dense MLP)"
+    )
     p.add_argument("--vocab", type=int, help="vocabulary size")
     p.add_argument("--ctx", type=int, help="training context length written to the GGUF")
-    p.add_argument("--swa", type=int, help="sliding-window length (gpt-oss)")
+    p.add_argument("--swa", type=int, help="sliding-window length (gpt-oss, gemma4)")
+    p.add_argument("--head-dim-swa", type=int, help="per-head width of gemma4's sliding-window layers")
+    p.add_argument("--heads-kv-swa", type=int, help="key/value heads of gemma4's sliding-window layers")
     p.add_argument("--alignment", type=int, help="tensor data alignment in bytes (power of two, default 32)")
     qtypes = [q.name for q in WEIGHT_QTYPES]
     p.add_argument("--qtype", choices=qtypes, type=str.upper, help="expert weight type")
@@ -97,6 +104,13 @@ def register(subparsers: Any) -> None:
         type=str.upper,
         help="ffn_down_exps type on the layers a Q4_K_M file gives more bits (the first and last "
         "eighth, every third between), as real Q4_K_M models do: expert sizes then differ by layer",
+    )
+    p.add_argument(
+        "--down-qtype-rest",
+        choices=qtypes,
+        type=str.upper,
+        help="ffn_down_exps type on the other layers (default: --qtype), for widths a K-quant "
+        "cannot hold (Gemma-4's 704: Q5_0)",
     )
     p.add_argument(
         "--tied-embeddings", action="store_true", help="no output.weight (embeddings as output matrix)"
@@ -129,9 +143,10 @@ def run(args: argparse.Namespace) -> int:
     )
     size = sum(p.stat().st_size for p in paths)
     files = str(paths[0]) if len(paths) == 1 else f"{paths[0]} .. {paths[-1].name} ({len(paths)} files)"
+    varies = len({spec.expert_bytes_of(il) for il in range(spec.n_layer)}) > 1
     print(
         f"wrote {files}: {_human(size)}; {spec.describe()}; "
-        f"{_human(spec.bytes_per_expert)} per expert{' (mean over layers)' if spec.down_qtype else ''}, "
+        f"{_human(spec.bytes_per_expert)} per expert{' (mean over layers)' if varies else ''}, "
         f"{_human(spec.routed_bytes_per_token)} routed per token"
     )
     return 0
@@ -156,6 +171,8 @@ def spec_from_args(args: argparse.Namespace) -> ModelSpec:
         changes["dense_qtype"] = QType.parse(args.dense_qtype)
     if args.down_qtype is not None:
         changes["down_qtype"] = QType.parse(args.down_qtype)
+    if args.down_qtype_rest is not None:
+        changes["down_qtype_rest"] = QType.parse(args.down_qtype_rest)
     if args.tied_embeddings:
         changes["tied_embeddings"] = True
     return dataclasses.replace(base, **changes)

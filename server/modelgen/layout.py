@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from server.errors import ModelGenError
-from server.modelgen.archs import TensorSpec, model_kvs, tensor_plan
+from server.modelgen.archs import model_kvs, tensor_plan
 from server.modelgen.gguf_format import KV, TensorInfo, ValueType, encode_header, pad_to
-from server.modelgen.spec import ModelSpec
+from server.modelgen.spec import ModelSpec, TensorSpec
 from server.modelgen.tokenizer import Vocab, build_vocab
 
 # gguf-split caps: split.no / split.count are u16, and the file names carry 5 digits

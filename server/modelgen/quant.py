@@ -5,6 +5,8 @@ with raw random bits from the bit generator (~3 GB/s) and then given a fixed sca
 
 - Q8_0 (f16 d, 32 x int8): quants uniform in [-128, 127] (rms 73.9); d = std / 73.9.
 - Q4_0 (f16 d, 16 bytes of nibbles, value d * (q - 8)): q - 8 uniform in [-8, 7] (rms 4.64).
+- Q5_0 (f16 d, 4 bytes of fifth bits, 16 bytes of nibbles, value d * (q - 16)): q - 16 uniform
+  in [-16, 15] (rms 9.24).
 - MXFP4 (e8m0 exponent, 16 bytes of FP4 e2m1 nibbles): the nibbles' values are symmetric around
   zero with rms 5.85 in ggml's doubled table; the exponent is the power of two closest to
   std / 5.85 (ggml multiplies by 2^(e - 128)).
@@ -14,7 +16,7 @@ with raw random bits from the bit generator (~3 GB/s) and then given a fixed sca
   d * sc * q - dmin * m with q in [0, 15] and sc, m in [0, 63]; dmin = 7.5 d zeroes the mean
   (E[sc q] = 7.5 E[m]), and the rms is 258 d (exact: sqrt(E[(sc q - 7.5 m)^2])).
 
-Q8_0 and Q4_0 quants have a mean of -0.5 quant steps; each block's scale takes a random sign
+Q8_0, Q5_0 and Q4_0 quants have a mean of -0.5 quant steps; each block's scale takes a random sign
 (the top bit of the random bits already in the scale's place) so the weights have zero mean
 and no rank-one bias common to all rows. F16 uses uniform values, F32 (small tensors only:
 norms, biases, routers) normal ones.
@@ -31,8 +33,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from server.modelgen.archs import TensorSpec
-from server.modelgen.spec import QType
+from server.modelgen.spec import QType, TensorSpec
 
 # bytes generated per step: big enough to amortise numpy call overhead, small enough that the
 # few chunks in flight keep RSS at tens of MB
@@ -40,6 +41,7 @@ CHUNK_BYTES = 16 << 20
 
 _Q8_0_RMS = math.sqrt(sum(q * q for q in range(-128, 128)) / 256)
 _Q4_0_RMS = math.sqrt(sum(q * q for q in range(-8, 8)) / 16)
+_Q5_0_RMS = math.sqrt(sum(q * q for q in range(-16, 16)) / 32)
 _MXFP4_RMS = math.sqrt(sum(v * v for v in (0, 1, 2, 3, 4, 6, 8, 12)) / 8)
 _Q6_K_RMS = _Q8_0_RMS * math.sqrt(sum((q - 32) ** 2 for q in range(64)) / 64)
 # E[(sc q - 7.5 m)^2] = E[sc^2] E[q^2] - 15 E[sc] E[q] E[m] + 56.25 E[m^2], sc, m ~ U{0..63}, q ~ U{0..15}
@@ -104,7 +106,7 @@ def _f16_bits(value: float) -> np.uint16:
 
 def _scale_stamp(rms: float, word: int, signed: bool) -> Callable[[float], Callable[[np.ndarray], None]]:
     """Sets every block's f16 scale (u16 number `word` of the block) to std/rms, with the random
-    sign bit already in its place if `signed` (Q8_0, Q4_0: unsigned quants), else positive (Q6_K:
+    sign bit already in its place if `signed` (Q8_0, Q5_0, Q4_0: unsigned quants), else positive (Q6_K:
     its int8 sub-block scales carry random signs already)."""
 
     def for_std(std: float) -> Callable[[np.ndarray], None]:
@@ -138,6 +140,7 @@ def _q4_k_stamp(std: float) -> Callable[[np.ndarray], None]:
 _STAMPS: dict[QType, Callable[[float], Callable[[np.ndarray], None]]] = {
     QType.Q8_0: _scale_stamp(_Q8_0_RMS, 0, signed=True),
     QType.Q4_0: _scale_stamp(_Q4_0_RMS, 0, signed=True),
+    QType.Q5_0: _scale_stamp(_Q5_0_RMS, 0, signed=True),
     QType.Q6_K: _scale_stamp(_Q6_K_RMS, 104, signed=False),  # d: bytes 208-209 of 210
     QType.Q4_K: _q4_k_stamp,
     QType.MXFP4: _exponent_stamp,

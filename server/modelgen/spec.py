@@ -1,4 +1,5 @@
-"""What a synthetic model looks like: `ModelSpec` (a frozen, self-validating shape) and `QType`."""
+"""What a synthetic model looks like: `ModelSpec` (a frozen, self-validating shape), `QType`, and
+`TensorSpec` (one tensor of the plan archs.py makes from a ModelSpec)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,15 @@ LLAMA_MAX_LAYERS = 512
 LLAMA_MAX_EXPERTS = 1024
 
 # the architectures the generator writes, as llama.cpp spells them in general.architecture
-ARCHITECTURES = ("qwen3moe", "gpt-oss", "llama", "qwen2moe", "hy_v3")
+ARCHITECTURES = ("qwen3moe", "gpt-oss", "llama", "qwen2moe", "hy_v3", "gemma4")
 
-# architectures whose MoE block has an always-active shared expert (n_ff_shexp > 0 required)
-SHARED_EXPERT_ARCHS = frozenset({"qwen2moe", "hy_v3"})
+# architectures whose MoE block has an always-active shared expert (n_ff_shexp > 0 required);
+# gemma4's is a dense MLP beside the experts (ffn_gate/up/down, feed_forward_length)
+SHARED_EXPERT_ARCHS = frozenset({"qwen2moe", "hy_v3", "gemma4"})
+
+# gemma4 attends through a sliding window on five layers of six; every sixth and the last layer
+# attend to the whole context (Gemma-4-26B-A4B: layers 5, 11, 17, 23, 29 of 30)
+GEMMA4_FULL_ATTN_PERIOD = 6
 
 
 class QType(enum.Enum):
@@ -26,6 +32,7 @@ class QType(enum.Enum):
     F32 = (0, 1, 4)
     F16 = (1, 1, 2)
     Q4_0 = (2, 32, 18)
+    Q5_0 = (6, 32, 22)
     Q8_0 = (8, 32, 34)
     MXFP4 = (39, 32, 17)
     Q4_K = (12, 256, 144)
@@ -57,11 +64,19 @@ class QType(enum.Enum):
 
 
 # types a weight matrix may be stored in (F32 is reserved for norms, biases and routers)
-WEIGHT_QTYPES = (QType.F16, QType.Q8_0, QType.Q4_0, QType.MXFP4, QType.Q4_K, QType.Q6_K)
+WEIGHT_QTYPES = (QType.F16, QType.Q8_0, QType.Q5_0, QType.Q4_0, QType.MXFP4, QType.Q4_K, QType.Q6_K)
 
 # llama_ftype (include/llama.h) written to general.file_type, keyed by the expert type (Q4_K
 # experts: Q4_K_M, the recipe whose ffn_down layout `down_qtype` reproduces)
-FILE_TYPES = {QType.F16: 1, QType.Q4_0: 2, QType.Q8_0: 7, QType.MXFP4: 38, QType.Q4_K: 15, QType.Q6_K: 18}
+FILE_TYPES = {
+    QType.F16: 1,
+    QType.Q4_0: 2,
+    QType.Q8_0: 7,
+    QType.Q5_0: 8,
+    QType.MXFP4: 38,
+    QType.Q4_K: 15,
+    QType.Q6_K: 18,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +88,14 @@ class ModelSpec:
     and attention sinks are always F32. `down_qtype` (None: `expert_qtype`) stores ffn_down_exps
     on the layers llama.cpp's Q4_K_M recipe gives more bits (`more_bits_layer`), as real
     Q4_K_M files do (Qwen3-30B-A3B: Q6_K down on 24 of 48 layers, Q4_K on the rest), so one
-    expert's slices differ in type and the layers differ in expert size. `n_ff_shexp` is the
-    shared expert's FFN width (qwen2moe, hy_v3; 0 elsewhere). `n_swa` is gpt-oss's
-    sliding-window length. `tied_embeddings` leaves out output.weight: the embeddings double as
-    the output matrix.
+    expert's slices differ in type and the layers differ in expert size; `down_qtype_rest`
+    (None: `expert_qtype`) is ffn_down_exps' type on the other layers, for widths a K-quant
+    cannot store (Gemma-4's 704: Q5_0, and Q8_0 where Q4_K_M asks for Q6_K). `n_ff_shexp` is
+    the shared expert's FFN width (qwen2moe, hy_v3; gemma4's dense MLP beside the experts; 0
+    elsewhere). `n_swa` is the sliding-window length (gpt-oss, gemma4). gemma4's full-attention
+    layers use `head_dim` and `n_head_kv`, its sliding-window layers `head_dim_swa` and
+    `n_head_kv_swa` (None: the same); other architectures leave those None. `tied_embeddings`
+    leaves out output.weight: the embeddings double as the output matrix.
     """
 
     arch: str
@@ -93,8 +112,11 @@ class ModelSpec:
     expert_qtype: QType
     dense_qtype: QType
     down_qtype: QType | None = None
+    down_qtype_rest: QType | None = None
     n_ff_shexp: int = 0
     n_swa: int = 128
+    head_dim_swa: int | None = None
+    n_head_kv_swa: int | None = None
     rope_freq_base: float = 1_000_000.0
     rms_eps: float = 1e-6
     alignment: int = 32
@@ -120,11 +142,38 @@ class ModelSpec:
     def n_embd_kv(self) -> int:
         return self.n_head_kv * self.head_size
 
+    def is_swa_layer(self, layer: int) -> bool:
+        """Whether layer `layer` attends through the sliding window (gemma4's pattern; gpt-oss's is
+        llama.cpp's built-in one and not written to the file)."""
+        if self.arch != "gemma4":
+            return False
+        return layer != self.n_layer - 1 and (layer + 1) % GEMMA4_FULL_ATTN_PERIOD != 0
+
+    def head_size_of(self, layer: int) -> int:
+        """Per-head q/k/v width of layer `layer`."""
+        if self.is_swa_layer(layer) and self.head_dim_swa is not None:
+            return self.head_dim_swa
+        return self.head_size
+
+    def n_head_kv_of(self, layer: int) -> int:
+        """Key/value heads of layer `layer`."""
+        if self.is_swa_layer(layer) and self.n_head_kv_swa is not None:
+            return self.n_head_kv_swa
+        return self.n_head_kv
+
     def down_qtype_of(self, layer: int) -> QType:
         """The storage type of layer `layer`'s ffn_down_exps."""
-        if self.down_qtype is not None and more_bits_layer(layer, self.n_layer):
+        if self.down_qtype is not None and more_bits_layer(layer, self.n_ffn_down):
             return self.down_qtype
-        return self.expert_qtype
+        return self.down_qtype_rest or self.expert_qtype
+
+    @property
+    def n_ffn_down(self) -> int:
+        """How many ffn_down tensors the Q4_K_M recipe counts layers over: gemma4 has two per layer
+        (its dense MLP's and the experts'), and the published Gemma-4-26B-A4B Q4_K_M file was made
+        with a llama.cpp that counted both (its layers 0-6, 9, 12, ..., 27 have the bigger
+        experts: use_more_bits over 60, as the route trace's header shows)."""
+        return 2 * self.n_layer if self.arch == "gemma4" else self.n_layer
 
     def expert_bytes_of(self, layer: int) -> int:
         """Bytes of one expert's slices in layer `layer` (gate + up + down weights, biases excluded)."""
@@ -154,10 +203,12 @@ class ModelSpec:
         )
 
     def _down_note(self) -> str:
-        if self.down_qtype is None or self.down_qtype is self.expert_qtype:
-            return ""
-        n = sum(more_bits_layer(il, self.n_layer) for il in range(self.n_layer))
-        return f", down {self.down_qtype.name} on {n} of {self.n_layer} layers"
+        rest = self.down_qtype_rest or self.expert_qtype
+        note = "" if rest is self.expert_qtype else f", down {rest.name}"
+        if self.down_qtype is None or self.down_qtype is rest:
+            return note
+        n = sum(more_bits_layer(il, self.n_ffn_down) for il in range(self.n_layer))
+        return f"{note}, down {self.down_qtype.name} on {n} of {self.n_layer} layers"
 
 
 def more_bits_layer(layer: int, n_layer: int) -> bool:
@@ -182,8 +233,15 @@ def _problems(s: ModelSpec) -> list[str]:
     for field in ("expert_qtype", "dense_qtype"):
         if not isinstance(getattr(s, field), QType):
             out.append(f"{field} must be a QType")
-    if s.down_qtype is not None and not isinstance(s.down_qtype, QType):
-        out.append("down_qtype must be a QType or None")
+    for field in ("down_qtype", "down_qtype_rest"):
+        if getattr(s, field) is not None and not isinstance(getattr(s, field), QType):
+            out.append(f"{field} must be a QType or None")
+    for field in ("head_dim_swa", "n_head_kv_swa"):
+        value = getattr(s, field)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            out.append(f"{field} must be a positive integer or None (got {value!r})")
+        elif value is not None and s.arch != "gemma4":
+            out.append(f"{field} is for gemma4's sliding-window layers; {s.arch} has none (leave it None)")
     if out:
         return out
 
@@ -199,10 +257,14 @@ def _problems(s: ModelSpec) -> list[str]:
             out.append(f"n_embd {s.n_embd} is not divisible by n_head {s.n_head} (or give head_dim)")
     elif not isinstance(s.head_dim, int) or isinstance(s.head_dim, bool) or s.head_dim < 1:
         out.append(f"head_dim must be a positive integer or None (got {s.head_dim!r})")
-    if s.n_head % s.n_head_kv:
-        out.append(f"n_head {s.n_head} is not a multiple of n_head_kv {s.n_head_kv}")
+    for field in ("n_head_kv", "n_head_kv_swa"):
+        kv = getattr(s, field)
+        if kv is not None and s.n_head % kv:
+            out.append(f"n_head {s.n_head} is not a multiple of {field} {kv}")
     if not out and s.head_size % 2:
         out.append(f"head_dim {s.head_size} must be even (RoPE rotates pairs)")
+    if s.head_dim_swa is not None and s.head_dim_swa % 2:
+        out.append(f"head_dim_swa {s.head_dim_swa} must be even (RoPE rotates pairs)")
     if not out and s.arch == "qwen2moe" and s.n_embd_q != s.n_embd:
         out.append(f"qwen2moe needs n_head * head_dim == n_embd ({s.n_head} * {s.head_size} != {s.n_embd})")
 
@@ -211,18 +273,20 @@ def _problems(s: ModelSpec) -> list[str]:
             out.append(f"{s.arch} has a shared expert: n_ff_shexp must be positive (got {s.n_ff_shexp})")
     elif s.n_ff_shexp != 0:
         out.append(f"{s.arch} has no shared expert: n_ff_shexp must be 0 (got {s.n_ff_shexp})")
-    if s.arch == "gpt-oss" and s.n_swa < 1:
-        out.append(f"gpt-oss needs a positive sliding window n_swa (got {s.n_swa})")
+    if s.arch in ("gpt-oss", "gemma4") and s.n_swa < 1:
+        out.append(f"{s.arch} needs a positive sliding window n_swa (got {s.n_swa})")
+    if s.arch == "gemma4" and s.n_layer < 2:
+        # llama.cpp's gemma4 KV cache needs a sliding-window layer besides the last (full) one
+        out.append(f"gemma4 needs at least 2 layers (got {s.n_layer})")
 
     typed = [("expert_qtype", s.expert_qtype), ("dense_qtype", s.dense_qtype)]
-    if s.down_qtype is not None:
-        typed.append(("down_qtype", s.down_qtype))
+    typed += [(f, getattr(s, f)) for f in ("down_qtype", "down_qtype_rest") if getattr(s, f) is not None]
     for field, qtype in typed:
         if qtype not in WEIGHT_QTYPES:
             out.append(
                 f"{field} {qtype.name} is not a weight type ({', '.join(q.name for q in WEIGHT_QTYPES)})"
             )
-    if QType.MXFP4 in (s.expert_qtype, s.down_qtype) and s.arch != "gpt-oss":
+    if QType.MXFP4 in (s.expert_qtype, s.down_qtype, s.down_qtype_rest) and s.arch != "gpt-oss":
         out.append(f"MXFP4 experts are only supported for gpt-oss, not {s.arch}")
     if s.dense_qtype is QType.MXFP4:
         out.append("MXFP4 is for expert tensors only; use F16, Q8_0, Q4_0, Q4_K or Q6_K for dense_qtype")
@@ -230,6 +294,8 @@ def _problems(s: ModelSpec) -> list[str]:
     # every quantized matrix's row (ne0) must hold whole blocks
     if not out:
         rows = {"n_embd": s.n_embd, "n_head * head_dim": s.n_embd_q}
+        if s.head_dim_swa is not None:
+            rows["n_head * head_dim_swa"] = s.n_head * s.head_dim_swa
         if s.n_ff_shexp:
             rows["n_ff_shexp"] = s.n_ff_shexp
         for label, n in rows.items():
@@ -239,9 +305,9 @@ def _problems(s: ModelSpec) -> list[str]:
                     f"{s.dense_qtype.block_size}"
                 )
         # gate and up rows are n_embd wide, down rows n_ff_exp
-        widths = [("n_embd", s.n_embd, s.expert_qtype), ("n_ff_exp", s.n_ff_exp, s.expert_qtype)]
-        if s.down_qtype is not None:
-            widths.append(("n_ff_exp", s.n_ff_exp, s.down_qtype))
+        down = {s.down_qtype_of(il) for il in range(s.n_layer)}
+        widths = [("n_embd", s.n_embd, s.expert_qtype)]
+        widths += [("n_ff_exp", s.n_ff_exp, q) for q in sorted(down, key=lambda q: q.name)]
         for label, n, qtype in dict.fromkeys(widths):
             if n % qtype.block_size:
                 out.append(f"{label} = {n} is not a multiple of {qtype.name}'s block of {qtype.block_size}")
@@ -260,3 +326,27 @@ def _problems(s: ModelSpec) -> list[str]:
     if not (math.isfinite(s.rms_eps) and s.rms_eps > 0):
         out.append(f"rms_eps must be positive (got {s.rms_eps})")
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One tensor to generate: name, ggml-order shape, storage type, and its value spread."""
+
+    name: str
+    ne: tuple[int, ...]
+    qtype: QType
+    std: float
+    mean: float = 0.0
+
+    @property
+    def n_elements(self) -> int:
+        return math.prod(self.ne)
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_elements // self.qtype.block_size * self.qtype.type_size
+
+    @property
+    def is_expert(self) -> bool:
+        """A routed-expert weight (the tensors a streamer pages in per expert slice)."""
+        return self.name.endswith("_exps.weight")

@@ -160,3 +160,66 @@ MISTRAL = """\
 {%- endif %}
 {%- endfor %}
 """
+
+# Gemma 4: BOS, turns as <|turn>role ... <turn|> with the assistant as 'model', a system turn
+# that also declares the tools, tool calls as <|tool_call>call:name{json}<tool_call|> (the real
+# template writes the arguments in its own notation, strings in <|"|> quotes) and each
+# tool result as <|tool_response>response:name{...}<tool_response|> inside the same model turn
+# (the model's next message continues it), reasoning in <|channel>thought ... <channel|> dropped
+# from the history, and an empty thought channel pre-filled unless `enable_thinking` is set.
+GEMMA4 = """\
+{{- bos_token }}
+{%- set has_system = messages and messages[0].role in ['system', 'developer'] %}
+{%- if has_system or tools %}
+{{- '<|turn>system\\n' }}
+{%- if has_system %}
+{{- messages[0].content | trim }}
+{%- endif %}
+{%- for tool in tools or [] %}
+{%- set fn = tool.function if tool.function is defined else tool %}
+{{- '<|tool>declaration:' + fn.name + (fn | tojson) + '<tool|>' }}
+{%- endfor %}
+{{- '<turn|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(tool_name='tool') %}
+{%- for message in messages %}
+{%- set next = messages[loop.index0 + 1] if not loop.last else none %}
+{%- if loop.first and has_system %}
+{%- elif message.role == 'user' or message.role == 'system' or message.role == 'developer' %}
+{{- '<|turn>' + message.role + '\\n' + (message.content | trim) + '<turn|>\\n' }}
+{%- elif message.role == 'assistant' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+{{- '<|turn>model\\n' }}
+{%- endif %}
+{%- set content = message.content or '' %}
+{%- if '<channel|>' in content %}
+{%- set content = content.split('<channel|>')[-1] %}
+{%- endif %}
+{{- content | trim }}
+{%- for tool_call in message.tool_calls or [] %}
+{%- set call = tool_call.function if tool_call.function is defined else tool_call %}
+{%- set ns.tool_name = call.name %}
+{{- '<|tool_call>call:' + call.name }}
+{{- call.arguments if call.arguments is string else (call.arguments | tojson) }}
+{{- '<tool_call|>' }}
+{%- endfor %}
+{%- if not message.tool_calls or next is none or next.role != 'tool' %}
+{{- '<turn|>\\n' }}
+{%- endif %}
+{%- elif message.role == 'tool' %}
+{%- set name = message.name if message.name is defined and message.name else ns.tool_name %}
+{{- '<|tool_response>response:' + name + '{value:<|"|>' + message.content + '<|"|>}<tool_response|>' }}
+{%- if next is not none and next.role != 'tool' and next.role != 'assistant' %}
+{{- '<turn|>\\n' }}
+{%- endif %}
+{%- else %}
+{{- raise_exception('unsupported role: ' + message.role) }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt and not (messages and messages[-1].role == 'tool') %}
+{{- '<|turn>model\\n' }}
+{%- if not (enable_thinking is defined and enable_thinking) %}
+{{- '<|channel>thought\\n<channel|>' }}
+{%- endif %}
+{%- endif %}
+"""

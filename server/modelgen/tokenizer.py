@@ -103,12 +103,45 @@ MISTRAL = Family(
     chat_template=templates.MISTRAL,
 )
 
+# Gemma 4's turn and channel markers. Its conversion (llama.cpp conversion/gemma.py) marks the
+# channel, tool-call and tool-response markers and the string quote USER_DEFINED so they are
+# rendered for the chat parser; llama.cpp ends generation at <eos>, <turn|> and <|tool_response>
+# (src/llama-vocab.cpp). The real tokenizer is SentencePiece-style BPE ("gemma4"); the synthetic
+# vocabulary stays byte-level with Qwen's pre-tokenizer, which a streamer never sees.
+GEMMA4 = Family(
+    name="gemma4",
+    pre="qwen2",
+    specials=(
+        ("<pad>", _C),
+        ("<eos>", _C),
+        ("<bos>", _C),
+        ("<|turn>", _C),
+        ("<turn|>", _C),
+        ("<|tool>", _C),
+        ("<tool|>", _C),
+        ("<|channel>", _U),
+        ("<channel|>", _U),
+        ("<|tool_call>", _U),
+        ("<tool_call|>", _U),
+        ("<|tool_response>", _U),
+        ("<tool_response|>", _U),
+        ('<|"|>', _U),
+    ),
+    bos="<bos>",
+    eos="<eos>",
+    eot="<turn|>",
+    pad="<pad>",
+    add_bos=True,
+    chat_template=templates.GEMMA4,
+)
+
 FAMILY_BY_ARCH = {
     "qwen3moe": CHATML,
     "qwen2moe": CHATML,
     "hy_v3": CHATML,
     "gpt-oss": HARMONY,
     "llama": MISTRAL,
+    "gemma4": GEMMA4,
 }
 
 # Fragments whose left-to-right merges form the merge list (earlier = higher priority).

@@ -174,14 +174,17 @@ typedef struct mf_xtensor {
     atomic_int *         state;    // [n_expert] enum mf_slice_state
 } mf_xtensor;
 
-#define MF_MAX_NORMS 6
+// a layer's norm-like vectors kept for the router's input: gemma4 has ten per layer (q/k norms,
+// pre- and post- norms around attention, MLP and experts, the router input scale), and the one
+// the router uses comes late in its file order
+#define MF_MAX_NORMS 16
 
 // a layer's router weights (dense, F32), for predicting its experts one layer ahead (mf_predict.c)
 typedef struct mf_router {
     const struct ggml_tensor * gate;     // blk.N.ffn_gate_inp.weight [n_embd, n_expert]
     const struct ggml_tensor * bias;     // blk.N.ffn_gate_inp.bias, or NULL
     const struct ggml_tensor * probs_b;  // blk.N.exp_probs_b.bias (sigmoid selection bias), or NULL
-    const struct ggml_tensor * norms[MF_MAX_NORMS];  // blk.N.*norm.weight
+    const struct ggml_tensor * norms[MF_MAX_NORMS];  // blk.N.*norm.weight, blk.N.ffn_gate_inp.scale
     int32_t                    n_norms;
     bool                       usable;
 } mf_router;
