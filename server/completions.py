@@ -43,6 +43,7 @@ from server.tools import (
     ToolCallArgs,
     ToolCallStart,
     auto_tool_grammar,
+    call_syntax,
     check_grammar,
     json_object_grammar,
     schema_grammar,
@@ -300,6 +301,7 @@ async def create_chat_completion(
         mode=mode,
         forced_name=forced_name,
         parse_tools=bool(tools) and template.style != "harmony",
+        syntax=call_syntax(template.style),
         parallel=parallel,
     )
     job = ctx.engine.submit(

@@ -11,7 +11,8 @@ tool_choice and what constrains the output:
   auto          free text; for Hermes/Qwen templates a LAZY grammar (llama.cpp's
                 grammar_lazy_patterns) makes everything after <tool_call> valid calls of the
                 given tools; native calls are parsed from the text (<tool_call>{...}</tool_call>,
-                or to=functions.X for harmony, which has no grammar yet)
+                Gemma 4's <|tool_call>call:NAME{...}<tool_call|>, or to=functions.X for harmony;
+                the last two have no grammar yet)
   named         the output IS the arguments, constrained by the function's parameters schema
   required      {"name": ..., "arguments": {...}} for one of the tools, or an array of them
                 when parallel_tool_calls is true
@@ -22,9 +23,11 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from server import gemma_calls
 from server.errors import InvalidRequest
 from server.protocol import NamedToolChoice, Tool
 from server.reasoning import Splitter
@@ -36,6 +39,36 @@ if TYPE_CHECKING:
 MAX_PARALLEL_CALLS = 8
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _hermes_call(body: str) -> tuple[str, Any] | None:
+    try:
+        call = json.loads(body)
+        name = call["name"]
+        arguments = call.get("arguments", {})
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return (name, arguments) if isinstance(name, str) else None
+
+
+@dataclass(frozen=True)
+class CallSyntax:
+    """How a model family writes native tool calls in its text: the markers around one call,
+    and the reader of what is between them ((name, arguments), or None: not a call)."""
+
+    open: str
+    close: str
+    parse: Callable[[str], tuple[str, Any] | None]
+
+
+HERMES_CALLS = CallSyntax(_OPEN, _CLOSE, _hermes_call)
+GEMMA4_CALLS = CallSyntax("<|tool_call>", "<tool_call|>", gemma_calls.parse_call)
+
+
+def call_syntax(style: str) -> CallSyntax:
+    """The native tool-call syntax of a template's family, by its reasoning style (harmony's calls
+    are channel headers, which its splitter reads)."""
+    return GEMMA4_CALLS if style == "gemma" else HERMES_CALLS
 
 
 def new_call_id() -> str:
@@ -300,12 +333,14 @@ class ChatOutput:
         mode: str = "text",
         forced_name: str | None = None,
         parse_tools: bool = False,
+        syntax: CallSyntax = HERMES_CALLS,
         parallel: bool = False,
     ) -> None:
         self._splitter = splitter
         self._mode = mode
         self._forced_name = forced_name
         self._parse_tools = parse_tools
+        self._syntax = syntax
         self._calls = 0
         self._scanner = _CallScanner(parallel) if mode == "required" else None
         self._tool_buf = ""
@@ -342,8 +377,8 @@ class ChatOutput:
         if self._after_call and not self._tool_buf.strip():
             self._tool_buf = ""
         if self._tool_buf:
-            # an unterminated <tool_call>: show what the model wrote rather than lose it
-            out.append(("content", (_OPEN if self._in_tool else "") + self._tool_buf))
+            # an unterminated call: show what the model wrote rather than lose it
+            out.append(("content", (self._syntax.open if self._in_tool else "") + self._tool_buf))
             self._tool_buf, self._in_tool = "", False
         return out
 
@@ -367,22 +402,23 @@ class ChatOutput:
 
     def _content_with_calls(self, text: str) -> list[OutPiece]:
         out: list[OutPiece] = []
+        opener, closer = self._syntax.open, self._syntax.close
         self._tool_buf += text
         while True:
             if self._in_tool:
-                end = self._tool_buf.find(_CLOSE)
+                end = self._tool_buf.find(closer)
                 if end < 0:
                     return out
                 out.extend(self._parsed_call(self._tool_buf[:end]))
-                self._tool_buf = self._tool_buf[end + len(_CLOSE) :]
+                self._tool_buf = self._tool_buf[end + len(closer) :]
                 self._in_tool = False
                 self._after_call = True
             else:
-                start = self._tool_buf.find(_OPEN)
+                start = self._tool_buf.find(opener)
                 if start < 0:
                     keep = 0
-                    for n in range(min(len(_OPEN) - 1, len(self._tool_buf)), 0, -1):
-                        if self._tool_buf.endswith(_OPEN[:n]):
+                    for n in range(min(len(opener) - 1, len(self._tool_buf)), 0, -1):
+                        if self._tool_buf.endswith(opener[:n]):
                             keep = n
                             break
                     shown = self._tool_buf[: len(self._tool_buf) - keep]
@@ -395,19 +431,14 @@ class ChatOutput:
                     return out
                 if self._tool_buf[:start].strip() or (start and not self._after_call):
                     out.append(("content", self._tool_buf[:start]))
-                self._tool_buf = self._tool_buf[start + len(_OPEN) :]
+                self._tool_buf = self._tool_buf[start + len(opener) :]
                 self._in_tool = True
 
     def _parsed_call(self, body: str) -> list[OutPiece]:
-        try:
-            call = json.loads(body)
-            name = call["name"]
-            arguments = call.get("arguments", {})
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return [("content", _OPEN + body + _CLOSE)]
-        if not isinstance(name, str):
-            return [("content", _OPEN + body + _CLOSE)]
-        return self._call(name, arguments)
+        call = self._syntax.parse(body)
+        if call is None:
+            return [("content", self._syntax.open + body + self._syntax.close)]
+        return self._call(*call)
 
     def _call(self, name: str, arguments: Any) -> list[OutPiece]:
         index = self._calls

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from server.chat_template import reasoning_style
 from server.errors import ConfigError
+from server.gemma_calls import parse_call
 from server.modelgen import templates
 from server.reasoning import GemmaSplitter, HarmonySplitter, PlainSplitter, ThinkSplitter, make_splitter
 from server.settings import load_settings, parse_size
-from server.tools import ChatOutput, ToolCallArgs, ToolCallStart
+from server.tools import GEMMA4_CALLS, HERMES_CALLS, ChatOutput, ToolCallArgs, ToolCallStart, call_syntax
 
 
 def _feed_in_pieces(splitter: object, text: str, size: int) -> list[tuple[str, str]]:
@@ -62,11 +65,13 @@ def test_gemma_prefilled_empty_thought_is_closed() -> None:
     assert _joined(_feed_in_pieces(opened, "hmm<channel|>yes", 2)) == {"reasoning": "hmm", "content": "yes"}
 
 
-def test_reasoning_style_of_each_template_family() -> None:
+def test_reasoning_style_and_call_syntax_of_each_template_family() -> None:
     assert reasoning_style(templates.CHATML) == "think"
     assert reasoning_style(templates.HARMONY) == "harmony"
     assert reasoning_style(templates.GEMMA4) == "gemma"
     assert reasoning_style(templates.MISTRAL) == "none"
+    assert call_syntax(reasoning_style(templates.GEMMA4)) is GEMMA4_CALLS
+    assert call_syntax(reasoning_style(templates.CHATML)) is HERMES_CALLS
 
 
 @pytest.mark.parametrize("size", [1, 5, 1000])
@@ -92,6 +97,83 @@ def test_harmony_tool_call_goes_to_its_arguments() -> None:
     assert [s.name for s in starts] == ["get_weather"]
     assert json.loads(args) == {"unit": "c"}
     assert output.n_calls == 1
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_gemma4_tool_calls_are_parsed_out_of_the_content(size: int) -> None:
+    q = '<|"|>'
+    text = (
+        "<|channel>thought\nneed weather<channel|>Checking."
+        f"<|tool_call>call:get_weather{{city:{q}Paris, FR{q},days:[1,2],"
+        "opts:{metric:true,note:None}}<tool_call|>"
+        '<|tool_call>call:g{"a": "b"}<tool_call|>'
+        f"<|tool_call>call:broken{{city:{q}Paris}}<tool_call|>"
+    )
+    output = ChatOutput(GemmaSplitter(), parse_tools=True, syntax=GEMMA4_CALLS)
+    pieces = [p for i in range(0, len(text), size) for p in output.feed(text[i : i + size])]
+    pieces += output.finish()
+    starts = [p for p in pieces if isinstance(p, ToolCallStart)]
+    args = [
+        json.loads("".join(p.text for p in pieces if isinstance(p, ToolCallArgs) and p.index == s.index))
+        for s in starts
+    ]
+    assert [s.name for s in starts] == ["get_weather", "g"]
+    assert args == [{"city": "Paris, FR", "days": [1, 2], "opts": {"metric": True, "note": None}}, {"a": "b"}]
+    assert _joined([p for p in pieces if isinstance(p, tuple)]) == {
+        "reasoning": "need weather",
+        # a call that does not parse stays visible as text rather than being lost
+        "content": f"Checking.<|tool_call>call:broken{{city:{q}Paris}}<tool_call|>",
+    }
+
+
+REAL_GEMMA4_TEMPLATE = (
+    Path(__file__).resolve().parent.parent
+    / "vendor/llama.cpp/llama-cpp-python/vendor/llama.cpp/models/templates/google-gemma-4-31B-it.jinja"
+)
+
+
+def test_real_gemma4_template_renders_like_ours_and_its_calls_parse() -> None:
+    """Gemma 4's own template (in the pinned llama.cpp sources the build extracts) renders a
+    conversation as the synthetic one does, and a call in its notation reads back."""
+    if not REAL_GEMMA4_TEMPLATE.exists():
+        pytest.skip("the pinned llama.cpp sources are not extracted (make setup)")
+    real_source = REAL_GEMMA4_TEMPLATE.read_text()
+    real, ours = (
+        Jinja2ChatFormatter(template=t, eos_token="<eos>", bos_token="<bos>")
+        for t in (real_source, templates.GEMMA4)
+    )
+    chat: list[dict[str, Any]] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Weather in Paris?"},
+    ]
+    assert real(messages=chat).prompt == ours(messages=chat).prompt  # type: ignore[arg-type]
+    assert reasoning_style(real_source) == "gemma"
+    arguments = {"city": "Paris, FR", "days": [1, 2], "metric": True, "opts": {"unit": "c", "n": 2.5}}
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    history = [*chat, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    prompt = real(messages=history).prompt  # type: ignore[arg-type]
+    body = prompt.split(GEMMA4_CALLS.open)[1].split(GEMMA4_CALLS.close)[0]
+    assert body.startswith('call:get_weather{city:<|"|>')
+    assert parse_call(body) == ("get_weather", arguments)
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("call:f{}", ("f", {})),
+        ("call:f", ("f", {})),
+        ('call:ns.f-2{n:-1.5e1,s:<|"|>a:{b}<|"|>}', ("ns.f-2", {"n": -15.0, "s": "a:{b}"})),
+        ("call:f{a:}", None),
+        ("call:f[1]", None),
+        ("call:f{a:1} trailing", None),
+        ('call:f{a:<|"|>open}', None),
+        ('{"name": "f"}', None),
+    ],
+)
+def test_gemma4_call_notation(body: str, expected: object) -> None:
+    assert parse_call(body) == expected
 
 
 def test_hermes_tool_calls_are_parsed_out_of_the_content() -> None:
