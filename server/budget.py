@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from server.errors import ConfigError
 from server.memcg import own_memory_cgroup
@@ -104,24 +106,54 @@ def choose_budget(
     return BudgetChoice(auto, why)
 
 
-def kv_cache_bytes(metadata: dict[str, str], n_ctx: int) -> int:
-    """F16 K and V bytes for n_ctx tokens, from the GGUF metadata (an upper bound for SWA models)."""
+def kv_cache_bytes(metadata: Mapping[str, Any], n_ctx: int) -> int:
+    """F16 K and V bytes llama.cpp allocates for n_ctx tokens (without flash attention).
+
+    Per layer with a KV cache: K holds n_head_kv(il) x the layer's key width, V the widest
+    layer's values (llama.cpp pads V to it when the layers differ and flash attention is off:
+    gemma4's 256-wide sliding-window and 512-wide full-attention heads); sliding-window layers
+    are as long as the context (llama-cpp-python creates the cache with swa_full). Per-layer
+    values come from arrays (head_count_kv, sliding_window_pattern), which llama-cpp-python's
+    metadata leaves out: pass `gguf_header.read_metadata(path)`.
+    """
     arch = metadata.get("general.architecture", "")
+    n_layer = int(_number(metadata.get(f"{arch}.block_count"), 0))
+    n_embd = int(_number(metadata.get(f"{arch}.embedding_length"), 0))
 
-    def num(key: str, default: int) -> int:
+    def per_layer(key: str, default: list[int]) -> list[int]:
         raw = metadata.get(f"{arch}.{key}")
-        if raw is None:
-            return default
-        try:
-            return int(float(raw))
-        except ValueError:  # a per-layer array: take its largest value
-            values = [int(float(x)) for x in re.findall(r"-?\d+(?:\.\d+)?", raw)]
-            return max(values) if values else default
+        values = _numbers(raw)
+        if len(values) == 1:
+            return [int(values[0])] * n_layer
+        if len(values) == n_layer:
+            return [int(v) for v in values]
+        return default
 
-    n_layer = num("block_count", 0)
-    n_embd = num("embedding_length", 0)
-    n_head = max(1, num("attention.head_count", 1))
-    n_head_kv = num("attention.head_count_kv", n_head)
-    k_len = num("attention.key_length", n_embd // n_head)
-    v_len = num("attention.value_length", n_embd // n_head)
-    return n_ctx * n_layer * n_head_kv * (k_len + v_len) * 2
+    n_head = per_layer("attention.head_count", [1] * n_layer)
+    n_head_kv = per_layer("attention.head_count_kv", n_head)
+    swa = per_layer("attention.sliding_window_pattern", [0] * n_layer)
+    k_full = int(_number(metadata.get(f"{arch}.attention.key_length"), n_embd // max(1, n_head[0])))
+    v_full = int(_number(metadata.get(f"{arch}.attention.value_length"), n_embd // max(1, n_head[0])))
+    k_swa = int(_number(metadata.get(f"{arch}.attention.key_length_swa"), k_full))
+    v_swa = int(_number(metadata.get(f"{arch}.attention.value_length_swa"), v_full))
+    # gemma4's last shared_kv_layers layers read earlier layers' caches
+    with_kv = range(n_layer - int(_number(metadata.get(f"{arch}.attention.shared_kv_layers"), 0)))
+    k = [n_head_kv[il] * (k_swa if swa[il] else k_full) for il in with_kv]
+    v = [n_head_kv[il] * (v_swa if swa[il] else v_full) for il in with_kv]
+    return n_ctx * (sum(k) + max(v, default=0) * len(v)) * 2
+
+
+def _numbers(raw: Any) -> list[float]:
+    """A scalar or array metadata value as numbers (booleans as 0 / 1); [] if absent or not numeric."""
+    if raw is None:
+        return []
+    if isinstance(raw, (list, tuple)):
+        return [float(x) for x in raw if isinstance(x, (int, float))]
+    if isinstance(raw, (int, float)):
+        return [float(raw)]
+    return [float(x) for x in re.findall(r"-?\d+(?:\.\d+)?", str(raw))]
+
+
+def _number(raw: Any, default: float) -> float:
+    values = _numbers(raw)
+    return values[0] if len(values) == 1 else default

@@ -25,6 +25,7 @@ import llama_cpp
 
 from server.budget import BudgetChoice, choose_budget, kv_cache_bytes, streamer_dense_bytes
 from server.errors import ConfigError, ExpertReadError, ModelLoadError
+from server.gguf_header import read_metadata
 from streaming_ext import Policy, Reader, Streamer, StreamerConfig, StreamerError, StreamerStats
 
 logger = logging.getLogger(__name__)
@@ -247,7 +248,7 @@ def load_streaming_llama(
                     expert_bytes=streamer.expert_bytes,
                     layer_bytes=streamer.layer_bytes,
                     dense_bytes=dense,
-                    kv_bytes=kv_cache_bytes(llm.metadata, llm.n_ctx()),
+                    kv_bytes=kv_cache_bytes(read_metadata(path), llm.n_ctx()),
                 )
             streamer.set_budget(choice.bytes)
             streamer.check_loaded()

@@ -206,3 +206,26 @@ def test_default_policy_never_below_lru_on_synthetic_routing(kind: str) -> None:
         lru = replay_streamer(trace, budget_mib, Policy.LRU)
         assert layer.hit_pct_decode >= lru.hit_pct_decode - 1e-9, (kind, budget_mib, layer, lru)
         assert layer.hit_pct_decode > 0
+
+
+def test_shape_model_is_reused_only_when_file_and_generator_match(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    from server.bench import command
+
+    args = argparse.Namespace(shape="tiny-qwen3moe", models_dir=tmp_path)
+    path, generated = command._shape_model(args, progress=False)
+    assert generated and path == tmp_path / "tiny-qwen3moe.gguf"
+    assert command._shape_model(args, progress=False) == (path, False)
+    # a generator that writes other values in the same sizes must not be benchmarked on this file
+    monkeypatch.setattr(command, "generator_fingerprint", lambda spec: "another generator")
+    assert command._shape_model(args, progress=False) == (path, True)
+    assert command._shape_model(args, progress=False) == (path, False)
+    # nor a file that changed on disk
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert command._shape_model(args, progress=False) == (path, True)
+    assert path.read_bytes()[-1] != data[-1]

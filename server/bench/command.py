@@ -75,8 +75,21 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def generator_fingerprint(spec: Any) -> str:
+    """What the generator would write for `spec`: the spec and the generator's source. A model
+    file is only reused when this matches the one recorded with it, so a generator change (a
+    new value spread, say, that leaves every size alone) is never benchmarked on a stale file."""
+    import server.modelgen
+
+    digest = hashlib.sha256(repr(spec).encode())
+    for source in sorted(Path(server.modelgen.__file__).parent.glob("*.py")):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()
+
+
 def _shape_model(args: argparse.Namespace, progress: bool) -> tuple[Path, bool]:
-    """The --shape model: reused when its recorded sha256 still matches, else generated."""
+    """The --shape model: reused when its recorded sha256 and generator fingerprint still match,
+    else generated."""
     from server.bench.harness import disk_room_ok
     from server.modelgen import estimate_size, generate_model, preset
 
@@ -84,11 +97,16 @@ def _shape_model(args: argparse.Namespace, progress: bool) -> tuple[Path, bool]:
     args.models_dir.mkdir(parents=True, exist_ok=True)
     path = args.models_dir / f"{args.shape}.gguf"
     sidecar = path.with_suffix(".sha256")
+    fingerprint = generator_fingerprint(spec)
     if path.exists() and sidecar.exists() and path.stat().st_size == estimate_size(spec):
-        logger.info("checking %s against its recorded sha256", path)
-        if _sha256(path) == sidecar.read_text().strip():
-            logger.info("reusing %s", path)
-            return path, False
+        recorded = sidecar.read_text().splitlines()
+        if recorded[1:] != [fingerprint]:
+            logger.info("%s was written by another generator or shape: generating it again", path)
+        else:
+            logger.info("checking %s against its recorded sha256", path)
+            if _sha256(path) == recorded[0]:
+                logger.info("reusing %s", path)
+                return path, False
     need = estimate_size(spec)
     ok, free = disk_room_ok(args.models_dir, need)
     if not ok:
@@ -97,7 +115,7 @@ def _shape_model(args: argparse.Namespace, progress: bool) -> tuple[Path, bool]:
             f"({free / _GB:.1f} GB free in {args.models_dir})"
         )
     generate_model(spec, path, progress=progress, overwrite=True)
-    sidecar.write_text(_sha256(path) + "\n")
+    sidecar.write_text(f"{_sha256(path)}\n{fingerprint}\n")
     return path, True
 
 
@@ -106,18 +124,12 @@ def describe_model(path: Path, ctx_size: int) -> dict[str, Any]:
     import gguf
 
     from server.budget import kv_cache_bytes
+    from server.gguf_header import read_metadata
     from server.model_files import split_files
     from streaming_ext import Streamer, StreamerConfig
 
     reader = gguf.GGUFReader(str(path))
-    meta: dict[str, str] = {}
-    for f in reader.fields.values():
-        try:
-            value = f.contents()
-        except Exception:  # noqa: BLE001 - a field gguf cannot decode is simply not described
-            continue
-        if isinstance(value, (int, float, str)):
-            meta[f.name] = str(value)
+    meta = read_metadata(path)
     arch = meta.get("general.architecture", "?")
     k = int(meta.get(f"{arch}.expert_used_count", "0"))
     streamer = Streamer(path, StreamerConfig())
@@ -135,7 +147,7 @@ def describe_model(path: Path, ctx_size: int) -> dict[str, Any]:
     n_moe_layers = len({t.name.split(".")[1] for t in experts})
     per_expert = expert_bytes // (n_expert * n_moe_layers) if n_moe_layers else 0
     return {
-        "name": meta.get("general.name", path.stem),
+        "name": str(meta.get("general.name", path.stem)),
         "path": str(path),
         "architecture": arch,
         "file_bytes": file_bytes,

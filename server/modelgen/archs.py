@@ -40,7 +40,14 @@ def tensor_plan(spec: ModelSpec) -> list[TensorSpec]:
         out = [TensorSpec("token_embd.weight", (e, v), dense, std=1.0)]
         for il in range(spec.n_layer):
             out.extend(_block(spec, il))
-    out.append(TensorSpec("output_norm.weight", (e,), f32, std=0.1, mean=1.0))
+    if spec.tied_embeddings:
+        # the output matrix is then the embeddings themselves: with a positive norm every hidden
+        # state still close to its token's embedding gives that token the top logit, and greedy
+        # decoding repeats the last token (gemma4-26b-shape wrote "gggg..."); random signs
+        # decorrelate the two
+        out.append(TensorSpec("output_norm.weight", (e,), f32, std=1.0))
+    else:
+        out.append(TensorSpec("output_norm.weight", (e,), f32, std=0.1, mean=1.0))
     if not spec.tied_embeddings:
         out.append(TensorSpec("output.weight", (e, v), dense, std=3.0 / math.sqrt(e)))
     return out

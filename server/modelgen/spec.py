@@ -193,10 +193,15 @@ class ModelSpec:
 
     def describe(self) -> str:
         """One-line human summary of the shape."""
-        shexp = f" + shared ff {self.n_ff_shexp}" if self.n_ff_shexp else ""
+        beside = "dense MLP" if self.arch == "gemma4" else "shared"
+        shexp = f" + {beside} ff {self.n_ff_shexp}" if self.n_ff_shexp else ""
+        heads = f"heads {self.n_head}/{self.n_head_kv} x {self.head_size}"
+        if self.arch == "gemma4":
+            n_swa = sum(self.is_swa_layer(il) for il in range(self.n_layer))
+            swa = f"{self.n_head}/{self.n_head_kv_of(0)} x {self.head_size_of(0)}"
+            heads += f" ({swa} on {n_swa} sliding-window layers, window {self.n_swa})"
         return (
-            f"{self.arch}, {self.n_layer} layers, n_embd {self.n_embd}, "
-            f"heads {self.n_head}/{self.n_head_kv} x {self.head_size}, "
+            f"{self.arch}, {self.n_layer} layers, n_embd {self.n_embd}, {heads}, "
             f"experts {self.n_expert_used}/{self.n_expert} x ff {self.n_ff_exp}{shexp} "
             f"({self.expert_qtype.name}{self._down_note()}; dense {self.dense_qtype.name}), "
             f"vocab {self.n_vocab}, ctx {self.n_ctx}"
