@@ -373,13 +373,19 @@ def test_gate_split_gguf(tiny_model: Callable[..., Path], reference: Callable[..
 
 
 # ------------------------------------------------------------------------------------ embeddings
-@pytest.mark.parametrize("tied", [False, True], ids=["own-output", "tied"])
+@pytest.mark.parametrize(
+    ("preset", "tied"),
+    [("tiny-qwen3moe", False), ("tiny-qwen3moe", True), ("tiny-gemma4", True)],
+    ids=["own-output", "tied", "gemma4-tied"],
+)
 def test_gate_token_embeddings(
-    tiny_model: Callable[..., Path], reference: Callable[..., Result], tied: bool
+    tiny_model: Callable[..., Path], reference: Callable[..., Result], preset: str, tied: bool
 ) -> None:
     """A token reads one row of the embeddings: they stay mapped from the file (never read into
-    memory) unless the model has no output.weight and multiplies by them every token."""
-    path = tiny_model("tiny-qwen3moe", tied_embeddings=tied)
+    memory) unless the model has no output.weight and multiplies by them every token. Then they
+    are read once: gemma4 asks llama.cpp for its output matrix before the embeddings, and gets
+    two tensors of the same bytes, which must share one copy."""
+    path = tiny_model(preset, tied_embeddings=tied)
     sizes = _tensor_bytes(path)
     embd = sizes["token_embd.weight"]
     assert embd > 0 and ("output.weight" not in sizes) == tied

@@ -246,6 +246,19 @@ static void dbuf_set_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * t
         memcpy((char *) t->data + offset, data, size);
         return;
     }
+    if (loc->dense_data) {
+        // a second tensor of the same file bytes: gemma4 creates its tied output matrix before the
+        // token embeddings, so llama.cpp's check for an existing copy misses it and allocates two
+        // (748 MiB each on gemma4-26b-shape). Both are read-only weights: this one uses the first
+        // copy, and its own pages, never touched, cost nothing (no huge pages filled in for them)
+        const uintptr_t lo = ((uintptr_t) t->data + MF_PAGE - 1) & ~(uintptr_t) (MF_PAGE - 1);
+        const uintptr_t hi = ((uintptr_t) t->data + size) & ~(uintptr_t) (MF_PAGE - 1);
+        if (hi > lo) {
+            (void) madvise((void *) lo, hi - lo, MADV_NOHUGEPAGE);
+        }
+        t->data = loc->dense_data;
+        return;
+    }
     // read it ourselves rather than from the loader's mapping: no page cache left behind
     const int rc = mf_read_dense(b->s, loc, t->data);
     if (rc != 0) {
@@ -254,6 +267,7 @@ static void dbuf_set_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * t
         memset(t->data, 0, size);
         return;
     }
+    loc->dense_data = t->data;
     // routers and norms, for predicting the next layer's experts (an optimisation: without
     // memory for the note, that layer is simply not predicted)
     (void) mf_predict_note(b->s, t);

@@ -136,8 +136,9 @@ typedef struct mf_file {
 typedef struct mf_loc {
     char *   name;
     int32_t  file;
-    uint64_t offset;  // absolute offset of the tensor's data in its file
-    uint64_t size;    // bytes
+    uint64_t offset;      // absolute offset of the tensor's data in its file
+    uint64_t size;        // bytes
+    void *   dense_data;  // where MF_DENSE read it, once it has (a second tensor of it shares that)
 } mf_loc;
 
 typedef struct mf_index {
