@@ -119,6 +119,8 @@ def kv_cache_bytes(metadata: Mapping[str, Any], n_ctx: int) -> int:
     arch = metadata.get("general.architecture", "")
     n_layer = int(_number(metadata.get(f"{arch}.block_count"), 0))
     n_embd = int(_number(metadata.get(f"{arch}.embedding_length"), 0))
+    if n_layer < 1:
+        return 0
 
     def per_layer(key: str, default: list[int]) -> list[int]:
         raw = metadata.get(f"{arch}.{key}")

@@ -71,3 +71,13 @@ def test_kv_estimate_is_what_llama_cpp_allocates(
     assert kv_cache_bytes(read_metadata(path), n_ctx) / 2**20 == pytest.approx(
         sum(float(x) for x in logged), abs=0.01 * len(logged)
     )
+
+
+def test_kv_estimate_from_scalar_strings_and_nothing() -> None:
+    # llama-cpp-python's metadata gives scalars as strings; a header without layers has no cache
+    meta = {"general.architecture": "x", "x.block_count": "2", "x.embedding_length": "64"}
+    assert kv_cache_bytes({**meta, "x.attention.head_count": "4"}, 16) == 16 * 2 * 4 * (16 + 16) * 2
+    assert kv_cache_bytes({**meta, "x.attention.head_count": "4", "x.attention.head_count_kv": "1"}, 16) == (
+        16 * 2 * 1 * (16 + 16) * 2
+    )
+    assert kv_cache_bytes({}, 1024) == 0
