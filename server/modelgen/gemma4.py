@@ -17,9 +17,9 @@ other architectures the generator writes, and what a streamer must cope with:
   scalar per layer output (layer_output_scale).
 
 Value spreads: the token embedding has std 1/sqrt(n_embd) because gemma4 scales it by
-sqrt(n_embd); every block output is rms-normed before it joins the residual stream, so those
-norms' weights (the post-* norms) carry the GPT-2 1/sqrt(2 n_layer) scale that keeps the sum of
-the layers comparable to the embedding.
+sqrt(n_embd); every block output is rms-normed before it joins the residual stream, so the
+weights of those two norms (post_attention_norm, post_ffw_norm) carry the GPT-2 1/sqrt(2 n_layer)
+scale that keeps the sum of the layers comparable to the embedding.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def global_tensors(spec: ModelSpec) -> list[TensorSpec]:
 
 
 def block(spec: ModelSpec, il: int) -> list[TensorSpec]:
-    """Layer `il`'s tensors, in the order conversion writes them."""
+    """Layer `il`'s tensors (the full-attention layers have no attn_v)."""
     p = f"blk.{il}."
     e, n_exp, ff, mlp = spec.n_embd, spec.n_expert, spec.n_ff_exp, spec.n_ff_shexp
     hd = spec.head_size_of(il)
