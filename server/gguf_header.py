@@ -3,7 +3,8 @@
 llama-cpp-python's `Llama.metadata` leaves arrays out (llama.cpp keeps only scalars as
 strings), yet per-layer hyperparameters live in arrays (gemma4's head_count_kv and
 sliding_window_pattern). gguf's GGUFReader reads them, but it builds a numpy view per item of
-the vocabulary's string arrays: 8.2 s on gemma4-26b-shape's header (262144 tokens). This reader
+the vocabulary's string arrays: 8.2 s on gemma4-26b-shape's header (262144 tokens), against
+0.07 s here (both timed once on that 17.7 GB file, `time.time()` around the call). This reader
 walks the key/value section once and skips string arrays by their lengths.
 """
 

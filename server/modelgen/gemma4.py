@@ -94,7 +94,7 @@ def kvs(spec: ModelSpec) -> list[KV]:
     """The gemma4.* keys (general.* and tokenizer.* come from archs.model_kvs)."""
     a, u32, f32, arr, bool_ = "gemma4", ValueType.UINT32, ValueType.FLOAT32, ValueType.ARRAY, ValueType.BOOL
     layers = range(spec.n_layer)
-    swa_hd = spec.head_size_of(0) if spec.is_swa_layer(0) else spec.head_size
+    swa_hd = spec.head_dim_swa if spec.head_dim_swa is not None else spec.head_size
     return [
         KV(f"{a}.context_length", u32, spec.n_ctx),
         KV(f"{a}.embedding_length", u32, spec.n_embd),

@@ -198,7 +198,9 @@ class ModelSpec:
         heads = f"heads {self.n_head}/{self.n_head_kv} x {self.head_size}"
         if self.arch == "gemma4":
             n_swa = sum(self.is_swa_layer(il) for il in range(self.n_layer))
-            swa = f"{self.n_head}/{self.n_head_kv_of(0)} x {self.head_size_of(0)}"
+            kv_swa = self.n_head_kv_swa if self.n_head_kv_swa is not None else self.n_head_kv
+            hd_swa = self.head_dim_swa if self.head_dim_swa is not None else self.head_size
+            swa = f"{self.n_head}/{kv_swa} x {hd_swa}"
             heads += f" ({swa} on {n_swa} sliding-window layers, window {self.n_swa})"
         return (
             f"{self.arch}, {self.n_layer} layers, n_embd {self.n_embd}, {heads}, "
