@@ -198,16 +198,26 @@ typedef struct mf_layer {
 } mf_layer;
 
 // ---------------------------------------------------------------- page recycling (mf_pages.c)
+typedef struct mf_pool_slot {
+    uint32_t off;    // first parked page in the slot
+    uint32_t len;    // parked pages (0: a free slot)
+    int32_t  next;   // next slot of the same list
+} mf_pool_slot;
+
 typedef struct mf_pages {
-    int                  uffd;      // userfaultfd with UFFDIO_MOVE, or -1: plain page release/fault
-    pthread_mutex_t      mu;        // guards the pool ring
-    char *               pool;      // ring of parked pages (MAP_NORESERVE, registered)
-    size_t               pool_cap;  // ring size, pages
-    size_t               pool_lo;   // oldest parked page
-    size_t               pool_n;    // parked pages
-    atomic_uint_fast64_t moved;     // pages moved from the pool into slices
-    atomic_uint_fast64_t zeroed;    // fresh zero-filled pages installed (the pool had none)
-    char *               zero_src;  // MF_PAGES_ZERO_SRC bytes never written: reads as zeros
+    int                  uffd;        // userfaultfd with UFFDIO_MOVE, or -1: plain page release/fault
+    pthread_mutex_t      mu;          // guards the pool
+    char *               pool;        // n_slots slots of slot_pages pages (MAP_NORESERVE, registered)
+    size_t               slot_pages;  // the largest slice's span
+    int32_t              n_slots;
+    mf_pool_slot *       slots;
+    int32_t *            lists;       // heads by parked length, [0]: free slots (-1: empty)
+    uint64_t *           nonempty;    // bit l: lists[l] has a slot (l >= 1)
+    unsigned char *      incore;      // mincore() of the range a fill looks at (slot_pages)
+    size_t               pool_n;      // parked pages
+    atomic_uint_fast64_t moved;       // pages moved from the pool into slices
+    atomic_uint_fast64_t zeroed;      // fresh zero-filled pages installed (the pool had none)
+    char *               zero_src;    // MF_PAGES_ZERO_SRC bytes never written: reads as zeros
 } mf_pages;
 
 #define MF_PAGES_ZERO_SRC (2u << 20)
@@ -218,14 +228,19 @@ int  mf_pages_open(mf_pages * pg, bool want, char * why, size_t why_size);
 bool mf_pages_moving(const mf_pages * pg);
 // registers an expert reservation (read-write, MAP_NORESERVE) while moving; 0 or -errno
 int  mf_pages_register(mf_pages * pg, void * addr, size_t len);
-// creates the pool ring (once, when the budget is known); 0 or -errno
-int  mf_pages_pool(mf_pages * pg, size_t bytes);
-// makes page range [a, b) present: pooled pages first, then the zero page; pages already present
+// creates the pool (once, when the budget is known) for `bytes` of parked pages in releases of
+// at most `slot_bytes`; 0 or -errno
+int  mf_pages_pool(mf_pages * pg, size_t bytes, size_t slot_bytes);
+// the first / last page of a range is a slice's edge page, shared with the neighbouring slice
+#define MF_EDGE_FIRST 1u
+#define MF_EDGE_LAST  2u
+// makes page range [a, b) present: pooled pages first, then fresh ones; pages already present
 // (shared with a live neighbour) are kept. 0 or -errno. No-op when not moving.
-int  mf_pages_fill(mf_pages * pg, char * a, char * b);
+int  mf_pages_fill(mf_pages * pg, char * a, char * b, unsigned edges);
 // gives up page range [a, b) (whole pages no live slice shares): into the pool, else released
-void mf_pages_drop(mf_pages * pg, char * a, char * b);
-// returns the pooled pages to the kernel: all of them, or the oldest beyond keep_pages
+void mf_pages_drop(mf_pages * pg, char * a, char * b, unsigned edges);
+// returns the pooled pages to the kernel: all of them, or beyond keep_pages (the shortest runs
+// first)
 void mf_pages_trim(mf_pages * pg);
 void mf_pages_trim_to(mf_pages * pg, size_t keep_pages);
 void mf_pages_close(mf_pages * pg);

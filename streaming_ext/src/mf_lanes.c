@@ -35,12 +35,21 @@ static void slice_span(const mf_xtensor * xt, int32_t e, char ** p0, char ** p1)
     *p1       = pg_up(m0 + xt->nb2);
 }
 
+// which ends of page range [a, b) of slice e are edge pages, shared with the neighbouring slice
+// (the pool keeps those apart from the pages in between, mf_pages.c)
+static unsigned slice_edges(const mf_xtensor * xt, int32_t e, const char * a, const char * b) {
+    const char * m0 = xt->data + (size_t) e * xt->nb2;
+    char *       p0, *p1;
+    slice_span(xt, e, &p0, &p1);
+    return (a == p0 && m0 != p0 ? MF_EDGE_FIRST : 0u) | (b == p1 && m0 + xt->nb2 != p1 ? MF_EDGE_LAST : 0u);
+}
+
 // gives slice e pages to read into: recycled ones (mf_pages.c), or access to fault fresh ones in
 static int slice_make_rw(mf_xtensor * xt, int32_t e) {
     char *p0, *p1;
     slice_span(xt, e, &p0, &p1);
     if (mf_pages_moving(&xt->s->pages)) {
-        return mf_pages_fill(&xt->s->pages, p0, p1);
+        return mf_pages_fill(&xt->s->pages, p0, p1, slice_edges(xt, e, p0, p1));
     }
     if (xt->s->hold_all) {
         return 0;  // the whole reservation is read-write (mf_buft_hold_all)
@@ -53,7 +62,7 @@ bool mf_slice_live(const mf_xtensor * xt, int64_t e) {
     return st == MF_SLICE_LOADING || st == MF_SLICE_READY;
 }
 
-static void release_run(mf_streamer * s, char * a, char * b) {
+static void release_run(mf_streamer * s, char * a, char * b, unsigned edges) {
     if (!a || b <= a) {
         return;
     }
@@ -62,7 +71,7 @@ static void release_run(mf_streamer * s, char * a, char * b) {
         usleep((useconds_t) s->cfg.release_delay_us);  // tests: between the decision and the drop
     }
     if (mf_pages_moving(pg)) {
-        mf_pages_drop(pg, a, b);  // into the pool for the next load
+        mf_pages_drop(pg, a, b, edges);  // into the pool for the next load
         return;
     }
     // errors here are not fatal: the pages stay readable with correct bytes, only memory is lost
@@ -109,7 +118,7 @@ static void slice_release_locked(mf_xtensor * xt, int32_t e) {
         }
         if (shared) {
             if (run) {
-                release_run(xt->s, run, p);
+                release_run(xt->s, run, p, slice_edges(xt, e, run, p));
                 run = NULL;
             }
         } else if (!run) {
@@ -117,7 +126,7 @@ static void slice_release_locked(mf_xtensor * xt, int32_t e) {
         }
     }
     if (run) {
-        release_run(xt->s, run, p1);
+        release_run(xt->s, run, p1, slice_edges(xt, e, run, p1));
     }
 }
 

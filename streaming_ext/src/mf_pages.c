@@ -18,15 +18,38 @@
 //   fresh zeroed pages (UFFDIO_COPY from a range that reads as zeros; counted in pages_zeroed).
 // - Anything unexpected (no userfaultfd, no UFFD_FEATURE_MOVE, a failed move) falls back to the
 //   plain path: releases drop pages, loads fill holes with fresh pages. No error is fatal.
-// The pool is a ring of pages in a MAP_NORESERVE range (oldest taken first, new ones appended),
-// guarded by its own mutex: moves are short (tens of microseconds per slice) next to the reads
-// they precede. A move proceeds in address order, so a partial one keeps the ring contiguous.
+// Physical order. A read into pages that are contiguous in physical memory is one segment per run
+// of them, and on virtual disks segments cost: O_DIRECT reads of 216 pages (one expert's gate,
+// qwen30b-shape, 400 random reads per case into buffers built with mremap, /tmp/iocpu/runs.c, not
+// kept) ran at 2.1-2.2 GB/s in 1 to 8 physical runs, 1.95 in 27 and 1.1 in 216. Fresh pages come
+// from the allocator in runs of 10 to 20 pages. The pool used to be a ring of pages handed out
+// oldest first: a load of 217 pages after a release of 216 (an edge page kept for a live
+// neighbour) took a page of the next release, and every such mismatch left a break that later
+// loads inherited: after 30 tokens under a 1000 MiB budget the slices' pages were in 121 runs per
+// 216 pages on average (/tmp/contig.py, not kept: PFNs from /proc/self/pagemap), as scattered as
+// pages get. So now:
+// - The pool keeps each release whole in a slot of its own, and a load takes the shortest parked
+//   run that covers a hole (lists by length, a bitmap to find one): a release of the same size
+//   comes back whole and in order.
+// - A slice's edge pages (shared with its neighbours, runs of their own anyway) are parked and
+//   filled one by one, apart from the pages between them, which then have the same size from one
+//   load of a tensor's slices to the next: the loads fit.
+// - mincore() tells a load which pages are present before it asks the pool, so it asks for the
+//   holes exactly, and no slot's last page stays behind as a stray run.
+// Measured (/tmp/contig.py, qwen30b-shape, 1000 MiB, 30 tokens): 11.8 runs per 216 pages instead
+// of 121, the runs of fresh pages kept. Fresh pages from transparent huge pages (2 MiB in one run)
+// made it 3.4, but on this project's virtual machines a huge page's first touch costs the host a
+// fault per page (the guest reports free 2 MiB blocks back to it): the time to the first token of
+// qwen30b-shape under a 25% cap went from 6.0 to 13.4 s, so fresh pages stay small.
+// The pool's slots lie in a MAP_NORESERVE range and its lists are guarded by its own mutex: moves
+// are short (tens of microseconds per slice) next to the reads they precede.
 #include "mf_internal.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/userfaultfd.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
@@ -48,6 +71,8 @@ struct uffdio_move {
     __s64 move;
 };
 #endif
+// moves that keep failing with EAGAIN (pages busy) before the fallback takes over
+#define MF_MOVE_TRIES 8
 #ifndef UFFD_USER_MODE_ONLY
 #    define UFFD_USER_MODE_ONLY 1
 #endif
@@ -100,22 +125,108 @@ int mf_pages_register(mf_pages * pg, void * addr, size_t len) {
     return ioctl(pg->uffd, UFFDIO_REGISTER, &reg) == 0 ? 0 : -errno;
 }
 
-int mf_pages_pool(mf_pages * pg, size_t bytes) {
+// ---------------------------------------------------------------- the pool's slot lists
+static void list_push(mf_pages * pg, int32_t i) {
+    const uint32_t l = pg->slots[i].len;
+    pg->slots[i].next = pg->lists[l];
+    pg->lists[l]      = i;
+    if (l > 0) {
+        pg->nonempty[l / 64] |= (uint64_t) 1 << (l % 64);
+    }
+}
+
+static int32_t list_pop(mf_pages * pg, uint32_t l) {
+    const int32_t i = pg->lists[l];
+    if (i >= 0) {
+        pg->lists[l] = pg->slots[i].next;
+        if (l > 0 && pg->lists[l] < 0) {
+            pg->nonempty[l / 64] &= ~((uint64_t) 1 << (l % 64));
+        }
+    }
+    return i;
+}
+
+// the shortest parked run of at least n pages, else the longest one; 0 when the pool is empty
+static uint32_t list_fit(const mf_pages * pg, size_t n) {
+    const size_t words = pg->slot_pages / 64 + 1;
+    size_t       l     = n < pg->slot_pages ? n : pg->slot_pages;
+    for (size_t w = l / 64; w < words; w++) {
+        uint64_t bits = pg->nonempty[w] & (w == l / 64 ? ~(uint64_t) 0 << (l % 64) : ~(uint64_t) 0);
+        if (bits) {
+            return (uint32_t) (w * 64 + (size_t) __builtin_ctzll(bits));
+        }
+    }
+    for (size_t w = l / 64 + 1; w-- > 0;) {
+        uint64_t bits = pg->nonempty[w];
+        if (bits) {
+            return (uint32_t) (w * 64 + 63 - (size_t) __builtin_clzll(bits));
+        }
+    }
+    return 0;
+}
+
+static char * slot_page(const mf_pages * pg, int32_t i, uint32_t page) {
+    return pg->pool + ((size_t) i * pg->slot_pages + page) * MF_PAGE;
+}
+
+static void free_pool_lists(mf_pages * pg) {
+    free(pg->slots);
+    free(pg->lists);
+    free(pg->nonempty);
+    free(pg->incore);
+    pg->slots    = NULL;
+    pg->lists    = NULL;
+    pg->nonempty = NULL;
+    pg->incore   = NULL;
+}
+
+// every slot free, nothing parked
+static void reset_slots(mf_pages * pg) {
+    for (size_t l = 0; l <= pg->slot_pages; l++) {
+        pg->lists[l] = -1;
+    }
+    memset(pg->nonempty, 0, (pg->slot_pages / 64 + 1) * sizeof *pg->nonempty);
+    for (int32_t i = pg->n_slots; i-- > 0;) {
+        pg->slots[i].off = pg->slots[i].len = 0;
+        list_push(pg, i);
+    }
+    pg->pool_n = 0;
+}
+
+int mf_pages_pool(mf_pages * pg, size_t bytes, size_t slot_bytes) {
     if (pg->uffd < 0 || pg->pool) {
         return 0;
     }
-    const size_t len = (bytes + MF_PAGE - 1) & ~(size_t) (MF_PAGE - 1);
-    void *       p   = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED) {
-        return -errno;
+    // one release per slot, so a slot holds the largest slice's span; four times the slots the
+    // bytes need, as short runs (a slice's edge pages, a partly taken release) hold a slot each
+    // (address space only: MAP_NORESERVE, and a slot uses memory only for the pages it holds)
+    const size_t slot_pages = (slot_bytes + MF_PAGE - 1) / MF_PAGE + 1;
+    const size_t n_slots    = 4 * ((bytes / MF_PAGE + slot_pages - 1) / slot_pages) + 16;
+    if (slot_pages > UINT32_MAX || n_slots > INT32_MAX) {
+        return -EINVAL;
     }
-    const int rc = mf_pages_register(pg, p, len);
+    const size_t len = n_slots * slot_pages * MF_PAGE;
+    pg->slot_pages   = slot_pages;
+    pg->n_slots      = (int32_t) n_slots;
+    pg->slots        = calloc(n_slots, sizeof *pg->slots);
+    pg->lists        = calloc(slot_pages + 1, sizeof *pg->lists);
+    pg->nonempty     = calloc(slot_pages / 64 + 1, sizeof *pg->nonempty);
+    pg->incore       = calloc(slot_pages, 1);
+    void * p         = MAP_FAILED;
+    int    rc        = -ENOMEM;
+    if (pg->slots && pg->lists && pg->nonempty && pg->incore) {
+        p  = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        rc = p == MAP_FAILED ? -errno : mf_pages_register(pg, p, len);
+    }
     if (rc != 0) {
-        munmap(p, len);
+        if (p != MAP_FAILED) {
+            munmap(p, len);
+        }
+        free_pool_lists(pg);
         return rc;
     }
-    pg->pool     = p;
-    pg->pool_cap = len / MF_PAGE;
+    pg->pool = p;
+    reset_slots(pg);
     return 0;
 }
 
@@ -159,80 +270,193 @@ static int move(mf_pages * pg, char * dst, char * src, size_t len, size_t * move
     return rc;
 }
 
-int mf_pages_fill(mf_pages * pg, char * a, char * b) {
-    if (pg->uffd < 0) {
-        return 0;
-    }
-    pthread_mutex_lock(&pg->mu);
-    while (a < b && pg->pool_n > 0) {
-        // the oldest pooled pages first, up to the end of the ring
-        size_t n     = (size_t) (b - a) / MF_PAGE;
-        size_t avail = pg->pool_cap - pg->pool_lo;
-        avail        = avail < pg->pool_n ? avail : pg->pool_n;
-        n            = n < avail ? n : avail;
-        size_t    done;
-        const int rc = move(pg, a, pg->pool + pg->pool_lo * MF_PAGE, n * MF_PAGE, &done);
-        // a move proceeds in address order, so even a partial one leaves the pool contiguous
-        pg->pool_lo = (pg->pool_lo + done / MF_PAGE) % pg->pool_cap;
+// fills the hole run [a, b) from the pool, under pg->mu; returns where it stopped (b, or the start
+// of what fresh pages fill)
+static char * fill_run(mf_pages * pg, char * a, char * b) {
+    for (int again = 0; a < b && pg->pool_n > 0;) {
+        // the shortest parked run that covers the hole: one release of the same size if any, so
+        // its pages come back together and in order (see the top of the file)
+        const size_t   n   = (size_t) (b - a) / MF_PAGE;
+        const uint32_t fit = list_fit(pg, n);
+        const int32_t  i   = fit ? list_pop(pg, fit) : -1;
+        if (i < 0) {
+            break;  // (pool_n and the lists agree; this only keeps a slip from doing harm)
+        }
+        mf_pool_slot * sl = &pg->slots[i];
+        const size_t   k  = n < sl->len ? n : sl->len;
+        size_t         done;
+        const int      rc = move(pg, a, slot_page(pg, i, sl->off), k * MF_PAGE, &done);
+        sl->off += (uint32_t) (done / MF_PAGE);
+        sl->len -= (uint32_t) (done / MF_PAGE);
+        sl->off = sl->len ? sl->off : 0;
+        list_push(pg, i);
         pg->pool_n -= done / MF_PAGE;
         pg->moved += done / MF_PAGE;
         a += done;
         if (rc == -EEXIST) {
-            a += MF_PAGE;  // a page shared with a live neighbour
-        } else if (rc != 0 && rc != -EAGAIN) {
-            break;  // zero-fill what is left
+            a += MF_PAGE;  // a neighbour's load brought the shared page in since mincore looked
+        } else if (rc != 0 && (rc != -EAGAIN || ++again > MF_MOVE_TRIES)) {
+            break;  // fresh pages for what is left
         }
     }
-    pthread_mutex_unlock(&pg->mu);
-    return zero_fill(pg, a, b);
+    return a;
 }
 
-void mf_pages_drop(mf_pages * pg, char * a, char * b) {
-    if (b <= a) {
+// ranges a fill leaves to fresh pages: the two edge pages and one stretch between them per chunk
+#define MF_FILL_REST 3
+
+typedef struct {
+    char * a[MF_FILL_REST];
+    char * b[MF_FILL_REST];
+    int    n;
+} fill_rest;
+
+// notes [a, b) for fresh pages; when full, widens the last range to b (the zero fill skips pages
+// that are present)
+static void rest_add(fill_rest * r, char * a, char * b) {
+    if (a >= b) {
         return;
     }
-    if (pg->uffd >= 0) {
-        pthread_mutex_lock(&pg->mu);
-        while (a < b && pg->pool_n < pg->pool_cap) {
-            // appended behind the newest pooled page, up to the end of the ring
-            const size_t hi   = (pg->pool_lo + pg->pool_n) % pg->pool_cap;
-            size_t       n    = (size_t) (b - a) / MF_PAGE;
-            size_t       room = hi >= pg->pool_lo ? pg->pool_cap - hi : pg->pool_lo - hi;
-            n                 = n < room ? n : room;
-            size_t    done;
-            const int rc = move(pg, pg->pool + hi * MF_PAGE, a, n * MF_PAGE, &done);
+    if (r->n < MF_FILL_REST) {
+        r->a[r->n]   = a;
+        r->b[r->n++] = b;
+    } else {
+        r->b[MF_FILL_REST - 1] = b;
+    }
+}
+
+// the hole run [lo, hi) of a fill: its edge pages alone (from lone parked pages: taking one from a
+// longer run would spoil that run's fit), the pages between in one go
+static void fill_holes(mf_pages * pg, char * lo, char * hi, bool edge_lo, bool edge_hi, fill_rest * rest) {
+    if (lo < hi && edge_lo) {
+        char * const p = lo;
+        lo += MF_PAGE;
+        rest_add(rest, pg->lists[1] >= 0 ? fill_run(pg, p, lo) : p, lo);
+    }
+    char * const mid = lo < hi && edge_hi ? hi - MF_PAGE : hi;
+    if (lo < mid) {
+        rest_add(rest, fill_run(pg, lo, mid), mid);
+    }
+    if (mid < hi) {
+        rest_add(rest, pg->lists[1] >= 0 ? fill_run(pg, mid, hi) : mid, hi);
+    }
+}
+
+int mf_pages_fill(mf_pages * pg, char * a, char * b, unsigned edges) {
+    if (pg->uffd < 0) {
+        return 0;
+    }
+    fill_rest    rest  = { .n = 0 };
+    char * const first = a;
+    pthread_mutex_lock(&pg->mu);
+    while (a < b) {
+        // which pages are present (shared with a live neighbour): the pool is asked for exactly
+        // the holes, so that no slot's last page stays behind as a stray one-page run
+        size_t n = (size_t) (b - a) / MF_PAGE;
+        n        = n < pg->slot_pages ? n : pg->slot_pages;
+        if (!pg->incore || mincore(a, n * MF_PAGE, pg->incore) != 0) {
+            rest_add(&rest, a, b);  // no pool yet, or no answer: fresh pages for the rest
+            break;
+        }
+        for (size_t h = 0; h < n;) {
+            size_t e = h;
+            while (e < n && !(pg->incore[e] & 1)) {
+                e++;
+            }
+            char * lo = a + h * MF_PAGE;
+            char * hi = a + e * MF_PAGE;
+            fill_holes(pg, lo, hi, lo == first && (edges & MF_EDGE_FIRST), hi == b && (edges & MF_EDGE_LAST), &rest);
+            h = e + 1;  // past the present page
+        }
+        a += n * MF_PAGE;
+    }
+    pthread_mutex_unlock(&pg->mu);
+    // allocating and zeroing pages outside the lock: other lanes' moves need not wait for it
+    for (int i = 0; i < rest.n; i++) {
+        const int rc = zero_fill(pg, rest.a[i], rest.b[i]);
+        if (rc != 0) {
+            return rc;
+        }
+    }
+    return 0;
+}
+
+// parks the pages of [a, b) in free slots, one release per slot, their order kept; returns where
+// it stopped (b, or the start of what is to be released: the pool full, or a failed move)
+static char * park(mf_pages * pg, char * a, char * b) {
+    int rc    = 0;
+    int again = 0;
+    while (a < b && rc == 0) {
+        const int32_t i = list_pop(pg, 0);
+        if (i < 0) {
+            break;
+        }
+        mf_pool_slot * sl = &pg->slots[i];
+        while (a < b && sl->len < pg->slot_pages) {
+            size_t n = (size_t) (b - a) / MF_PAGE;
+            n        = n < pg->slot_pages - sl->len ? n : pg->slot_pages - sl->len;
+            size_t done;
+            rc = move(pg, slot_page(pg, i, sl->len), a, n * MF_PAGE, &done);
+            sl->len += (uint32_t) (done / MF_PAGE);
             pg->pool_n += done / MF_PAGE;
             a += done;
             if (rc == -ENOENT) {
                 // a hole, skipped: most often the first page, shared with the slice before, whose
                 // release in the same route took it (this slice was already absent then). Giving
                 // up here dropped the whole slice instead: releasing a layer's neighbouring experts
-                // together, as a long prompt's routes do, then pooled one page in eight, and
-                // loads zero-filled the rest (qwen30b-q4km-shape, a 512-token prompt: 13.5 GB)
+                // together, as a long prompt's routes do, then pooled one page in eight, and loads
+                // zero-filled the rest (qwen30b-q4km-shape, a 512-token prompt: 13.5 GB)
                 a += MF_PAGE;
-            } else if (rc != 0 && rc != -EAGAIN) {
-                break;  // anything else: drop the rest
+                rc = 0;
+            } else if (rc == -EAGAIN && ++again <= MF_MOVE_TRIES) {
+                rc = 0;
+            } else if (rc != 0) {
+                break;  // anything else: release the rest
             }
         }
+        list_push(pg, i);
+    }
+    return a;
+}
+
+void mf_pages_drop(mf_pages * pg, char * a, char * b, unsigned edges) {
+    char * lo = a;  // [lo, hi): what is left to release to the kernel
+    char * hi = b;
+    if (lo < hi && pg->uffd >= 0 && pg->pool) {
+        pthread_mutex_lock(&pg->mu);
+        // edge pages alone, so that the run between them parks whole and fits the next load of
+        // the same size; they go to the loads' edges
+        if ((edges & MF_EDGE_FIRST) && park(pg, lo, lo + MF_PAGE) == lo + MF_PAGE) {
+            lo += MF_PAGE;
+        }
+        if ((edges & MF_EDGE_LAST) && lo < hi && park(pg, hi - MF_PAGE, hi) == hi) {
+            hi -= MF_PAGE;
+        }
+        lo = park(pg, lo, hi);
         pthread_mutex_unlock(&pg->mu);
     }
-    if (a < b) {
+    if (lo < hi) {
         // errors here are not fatal: the pages keep correct bytes, only memory is lost
-        madvise(a, (size_t) (b - a), MADV_DONTNEED);
+        madvise(lo, (size_t) (hi - lo), MADV_DONTNEED);
     }
 }
 
 void mf_pages_trim_to(mf_pages * pg, size_t keep_pages) {
-    if (pg->uffd < 0) {
+    if (pg->uffd < 0 || !pg->pool) {
         return;
     }
     pthread_mutex_lock(&pg->mu);
     while (pg->pool_n > keep_pages) {
-        // the oldest first, up to the end of the ring
-        size_t n = pg->pool_n - keep_pages;
-        n        = n < pg->pool_cap - pg->pool_lo ? n : pg->pool_cap - pg->pool_lo;
-        madvise(pg->pool + pg->pool_lo * MF_PAGE, n * MF_PAGE, MADV_DONTNEED);
-        pg->pool_lo = (pg->pool_lo + n) % pg->pool_cap;
+        // the shortest runs first: they are the ones a load would have to piece together
+        const int32_t  i  = list_pop(pg, list_fit(pg, 1));
+        mf_pool_slot * sl = &pg->slots[i];
+        size_t         n  = pg->pool_n - keep_pages;
+        n                 = n < sl->len ? n : sl->len;
+        madvise(slot_page(pg, i, sl->off), n * MF_PAGE, MADV_DONTNEED);
+        sl->off += (uint32_t) n;
+        sl->len -= (uint32_t) n;
+        sl->off  = sl->len ? sl->off : 0;
+        list_push(pg, i);
         pg->pool_n -= n;
     }
     pthread_mutex_unlock(&pg->mu);
@@ -244,10 +468,10 @@ void mf_pages_trim(mf_pages * pg) {
     }
     pthread_mutex_lock(&pg->mu);
     if (pg->pool) {
-        madvise(pg->pool, pg->pool_cap * MF_PAGE, MADV_DONTNEED);  // holes cost nothing to drop
+        // holes cost nothing to drop
+        madvise(pg->pool, (size_t) pg->n_slots * pg->slot_pages * MF_PAGE, MADV_DONTNEED);
+        reset_slots(pg);
     }
-    pg->pool_lo = 0;
-    pg->pool_n  = 0;
     pthread_mutex_unlock(&pg->mu);
 }
 
@@ -258,14 +482,17 @@ static void release_mover(mf_pages * pg) {
         pg->uffd = -1;
     }
     if (pg->pool) {
-        munmap(pg->pool, pg->pool_cap * MF_PAGE);
+        munmap(pg->pool, (size_t) pg->n_slots * pg->slot_pages * MF_PAGE);
     }
+    free_pool_lists(pg);
     if (pg->zero_src) {
         munmap(pg->zero_src, MF_PAGES_ZERO_SRC);
     }
-    pg->pool     = NULL;
-    pg->zero_src = NULL;
-    pg->pool_cap = pg->pool_lo = pg->pool_n = 0;
+    pg->pool       = NULL;
+    pg->zero_src   = NULL;
+    pg->slot_pages = 0;
+    pg->n_slots    = 0;
+    pg->pool_n     = 0;
 }
 
 void mf_pages_stop(mf_pages * pg, const char * why, char * note, size_t note_size) {

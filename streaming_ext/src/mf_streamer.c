@@ -433,7 +433,12 @@ int mf_streamer_check_loaded(mf_streamer * s) {
     }
     // the pool holds what evictions give up until loads take it: at most the budget, plus the
     // pages a route evicts before its loads take them back
-    if (!s->hold_all && mf_pages_pool(&s->pages, (size_t) s->cfg.budget_bytes + 2 * (size_t) s->layer_bytes_max) != 0) {
+    uint64_t slice_max = 0;  // a release is one slice's pages at most
+    for (int32_t j = 0; j < s->n_xt; j++) {
+        slice_max = s->xts[j]->nb2 > slice_max ? s->xts[j]->nb2 : slice_max;
+    }
+    if (!s->hold_all && mf_pages_pool(&s->pages, (size_t) s->cfg.budget_bytes + 2 * (size_t) s->layer_bytes_max,
+                                      (size_t) slice_max + MF_PAGE) != 0) {
         snprintf(s->last_error, sizeof s->last_error, "cannot reserve the page pool: %s", strerror(errno));
         return -ENOMEM;
     }
