@@ -106,13 +106,14 @@ def choose_budget(
     return BudgetChoice(auto, why)
 
 
-def kv_cache_bytes(metadata: Mapping[str, Any], n_ctx: int) -> int:
+def kv_cache_bytes(metadata: Mapping[str, Any], n_ctx: int, swa_ubatch: int | None = None) -> int:
     """F16 K and V bytes llama.cpp allocates for n_ctx tokens (without flash attention).
 
     Per layer with a KV cache: K holds n_head_kv(il) x the layer's key width, V the widest
     layer's values (llama.cpp pads V to it when the layers differ and flash attention is off:
-    gemma4's 256-wide sliding-window and 512-wide full-attention heads); sliding-window layers
-    are as long as the context (llama-cpp-python creates the cache with swa_full). Per-layer
+    gemma4's 256-wide sliding-window and 512-wide full-attention heads). Sliding-window layers
+    hold the whole context (swa_full, llama.cpp's default), or with `swa_ubatch` (swa_full off,
+    that micro-batch size) the window plus one micro-batch, padded to 256 cells. Per-layer
     values come from arrays (head_count_kv, sliding_window_pattern), which llama-cpp-python's
     metadata leaves out: pass `gguf_header.read_metadata(path)`.
     """
@@ -133,7 +134,7 @@ def kv_cache_bytes(metadata: Mapping[str, Any], n_ctx: int) -> int:
 
     n_head = per_layer("attention.head_count", [1] * n_layer)
     n_head_kv = per_layer("attention.head_count_kv", n_head)
-    swa = per_layer("attention.sliding_window_pattern", [0] * n_layer)
+    swa = _swa_layers(metadata, arch, n_layer)
     k_full = int(_number(metadata.get(f"{arch}.attention.key_length"), n_embd // max(1, n_head[0])))
     v_full = int(_number(metadata.get(f"{arch}.attention.value_length"), n_embd // max(1, n_head[0])))
     k_swa = int(_number(metadata.get(f"{arch}.attention.key_length_swa"), k_full))
@@ -142,7 +143,25 @@ def kv_cache_bytes(metadata: Mapping[str, Any], n_ctx: int) -> int:
     with_kv = range(n_layer - int(_number(metadata.get(f"{arch}.attention.shared_kv_layers"), 0)))
     k = [n_head_kv[il] * (k_swa if swa[il] else k_full) for il in with_kv]
     v = [n_head_kv[il] * (v_swa if swa[il] else v_full) for il in with_kv]
-    return n_ctx * (sum(k) + max(v, default=0) * len(v)) * 2
+    window = int(_number(metadata.get(f"{arch}.attention.sliding_window"), 0))
+    swa_cells = n_ctx
+    if swa_ubatch is not None and window > 0:
+        swa_cells = min(n_ctx, -(-(window + swa_ubatch) // 256) * 256)
+    cells = [swa_cells if swa[il] else n_ctx for il in with_kv]
+    return sum(c * (k_il + max(v, default=0)) for c, k_il in zip(cells, k, strict=True)) * 2
+
+
+def _swa_layers(metadata: Mapping[str, Any], arch: str, n_layer: int) -> list[bool]:
+    """Which layers use the sliding window, where the header says so: a per-layer array, or
+    gpt-oss's fixed pattern (the even layers, llama.cpp's default there). Else none: a scalar
+    period leaves open which layer of a period is the full one, and counting every layer as full
+    can only overestimate the cache."""
+    raw = metadata.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(raw, (list, tuple)) and len(raw) == n_layer:
+        return [bool(x) for x in raw]
+    if raw is None and arch == "gpt-oss" and _number(metadata.get(f"{arch}.attention.sliding_window"), 0) > 0:
+        return [il % 2 == 0 for il in range(n_layer)]
+    return [False] * n_layer
 
 
 def _numbers(raw: Any) -> list[float]:

@@ -195,6 +195,20 @@ def _token_logprob(llama: Llama, token: int, piece: bytes, top_n: int, special: 
     return TokenLogprob(piece.decode("utf-8", "replace"), float(logprobs[token]), list(piece), top)
 
 
+def _window_kept(llama: Llama, n_past: int) -> bool:
+    """Whether the KV cache still holds what a token at position n_past attends to. A sliding-
+    window cache cut to the window (swa_full off) drops positions that fall out of it as decoding
+    goes on, so a prefix that ends far behind the last position has lost its window: it must be
+    decoded again (llama.cpp's server checks the same)."""
+    import llama_cpp
+
+    n_swa = int(llama_cpp.llama_model_n_swa(llama._model.model))
+    if n_swa <= 0 or llama._ctx.memory is None:
+        return True
+    pos_min = int(llama_cpp.llama_memory_seq_pos_min(llama._ctx.memory, 0))
+    return 0 <= pos_min <= max(0, n_past - n_swa)
+
+
 def _reuse_prefix(llama: Llama, tokens: tuple[int, ...]) -> int:
     """Keep the KV cache for the longest common prefix; returns how many tokens are reused."""
     cached = llama._input_ids.tolist()
@@ -205,7 +219,7 @@ def _reuse_prefix(llama: Llama, tokens: tuple[int, ...]) -> int:
         common += 1
     # the last prompt token is always decoded again: its logits pick the first new token
     common = min(common, len(tokens) - 1)
-    if common > 0 and llama._ctx.kv_cache_seq_rm(-1, common, -1):
+    if common > 0 and _window_kept(llama, common) and llama._ctx.kv_cache_seq_rm(-1, common, -1):
         llama.n_tokens = common
         return common
     llama.reset()  # type: ignore[no-untyped-call]

@@ -36,6 +36,10 @@ logger = logging.getLogger(__name__)
 _MB = 1e6
 
 
+# micro-batch size of a run without --ubatch-size (the bench's runs: their KV cache estimate)
+DEFAULT_UBATCH = 512
+
+
 @dataclass
 class TokenRecord:
     """One decoded token: its id and where its time went (seconds, bytes)."""
@@ -127,7 +131,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--policy", default="layer", choices=["layer", "lru", "none"], help="cache policy")
     p.add_argument("--ctx-size", "-c", type=int, default=4096, help="context size in tokens")
     p.add_argument("--batch-size", type=int, default=512, help="logical batch size (n_batch)")
-    p.add_argument("--ubatch-size", type=int, default=512, help="micro-batch size (n_ubatch)")
+    p.add_argument("--ubatch-size", type=int, default=DEFAULT_UBATCH, help="micro-batch size (n_ubatch)")
     p.add_argument("--threads", "-t", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -162,6 +166,7 @@ def _load(args: argparse.Namespace) -> Any:
         "n_ctx": args.ctx_size,
         "n_batch": args.batch_size,
         "n_ubatch": args.ubatch_size,
+        "swa_full": False,  # as the server: sliding-window layers keep the window, not the context
         "n_threads": threads,
         "n_threads_batch": threads,
         "seed": args.seed,

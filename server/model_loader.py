@@ -152,6 +152,10 @@ def load_model(settings: ModelSettings) -> LoadedModel:
     kwargs: dict[str, Any] = {
         "n_batch": settings.n_batch,
         "n_ubatch": settings.n_batch,
+        # sliding-window layers keep the window (plus a micro-batch), not the whole context:
+        # gemma4-26b-shape at 32k tokens, 6.4 GB of KV cache less (decode.py checks a reused
+        # prefix still has its window)
+        "swa_full": False,
         "verbose": False,
     }
     if settings.threads is not None:

@@ -248,7 +248,11 @@ def load_streaming_llama(
                     expert_bytes=streamer.expert_bytes,
                     layer_bytes=streamer.layer_bytes,
                     dense_bytes=dense,
-                    kv_bytes=kv_cache_bytes(read_metadata(path), llm.n_ctx()),
+                    kv_bytes=kv_cache_bytes(
+                        read_metadata(path),
+                        llm.n_ctx(),
+                        None if kwargs.get("swa_full") is not False else llm.context_params.n_ubatch,
+                    ),
                 )
             streamer.set_budget(choice.bytes)
             streamer.check_loaded()

@@ -141,3 +141,56 @@ def test_close_refuses_waiting_jobs_and_new_ones(tiny_model: Any) -> None:
     asyncio.run(main())
     assert engine.state is EngineState.STOPPED
     assert engine.model is not None and engine.model._closed
+
+
+@pytest.fixture(scope="module")
+def windowed(tiny_model: Any) -> Iterator[Engine]:
+    """tiny-gemma4 (a 64-token sliding window) as the server loads it: sliding-window caches cut to
+    the window plus a micro-batch (256 cells), so long prompts push old positions out."""
+    _, model_settings = load_settings(
+        {"model": Path(tiny_model("tiny-gemma4")), "ctx_size": 2048, "n_batch": 32}
+    )
+    engine = Engine(lambda: load_model(model_settings), max_queue=2)
+    engine.start()
+    assert engine.wait_ready(60)
+    yield engine
+    engine.close()
+
+
+def test_a_prefix_whose_window_is_gone_is_decoded_again(windowed: Engine) -> None:
+    """After a 900-token request, a request sharing only its first 300 tokens cannot reuse them:
+    the window before position 300 has left the cache. It is decoded from scratch and gives what a
+    fresh context gives; a request continuing the last one, whose window is still there, reuses."""
+    model = windowed.model
+    assert model is not None
+    vocab = model.llama._model.vocab
+    import llama_cpp
+
+    no_eog = tuple((t, -100.0) for t in range(model.info.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t))
+    params = SamplingParams(max_tokens=6, temperature=0.0, logit_bias=no_eog)
+    long = tuple(5 + (i * 37) % 200 for i in range(900))
+    branch = long[:300] + tuple(7 + (i * 11) % 150 for i in range(40))
+    unrelated = tuple(9 + (i * 13) % 120 for i in range(20))
+
+    async def run(tokens: tuple[int, ...]) -> tuple[str, Finished]:
+        text, done = await _drain(
+            windowed.submit(f"job-{len(windowed.history)}", GenerationRequest(tokens, params))
+        )
+        assert isinstance(done, Finished), done
+        return text, done
+
+    async def main() -> None:
+        await run(long)
+        after_long, branched = await run(branch)
+        assert branched.stats.cached_tokens == 0  # the window before 300 is gone
+        await run(unrelated)
+        fresh, _ = await run(branch)
+        assert after_long == fresh
+        # the same branch again, one token longer: its window is all there, so it is reused
+        again, continued = await run(branch + (11,))
+        assert continued.stats.cached_tokens == len(branch)
+        await run(unrelated)
+        fresh_again, _ = await run(branch + (11,))
+        assert again == fresh_again
+
+    asyncio.run(main())

@@ -124,6 +124,7 @@ def describe_model(path: Path, ctx_size: int) -> dict[str, Any]:
     import gguf
 
     from server.budget import kv_cache_bytes
+    from server.generate_command import DEFAULT_UBATCH
     from server.gguf_header import read_metadata
     from server.model_files import split_files
     from streaming_ext import Streamer, StreamerConfig
@@ -158,7 +159,8 @@ def describe_model(path: Path, ctx_size: int) -> dict[str, Any]:
         "routed_bytes_per_token": expert_bytes * k // n_expert,
         "expert_bytes": expert_bytes,
         "dense_bytes": file_bytes - expert_bytes,
-        "kv_bytes": kv_cache_bytes(meta, ctx_size),
+        # the runs' sliding-window caches hold the window and a micro-batch (swa_full off)
+        "kv_bytes": kv_cache_bytes(meta, ctx_size, DEFAULT_UBATCH),
     }
 
 
