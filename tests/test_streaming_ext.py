@@ -114,5 +114,5 @@ def test_page_pool_keeps_pages_intact_and_in_physical_order() -> None:
     if "everything" in verdicts:
         pytest.skip(proc.stdout.strip())  # no userfaultfd page moves on this kernel
     assert verdicts["integrity"] == verdicts["trim"] == "ok", proc.stdout
-    if os.geteuid() == 0:
-        assert verdicts["contiguity"] == "ok", proc.stdout
+    if os.geteuid() == 0:  # page frame numbers are visible: unless fresh pages leave nothing to keep
+        assert verdicts["contiguity"] == "ok" or "nothing to keep" in proc.stdout, proc.stdout

@@ -26,8 +26,8 @@
 // oldest first: a load of 217 pages after a release of 216 (an edge page kept for a live
 // neighbour) took a page of the next release, and every such mismatch left a break that later
 // loads inherited: after 30 tokens under a 1000 MiB budget the slices' pages were in 121 runs per
-// 216 pages on average (/tmp/contig.py, not kept: PFNs from /proc/self/pagemap), as scattered as
-// pages get. So now:
+// 216 pages on average (/tmp/contig.py, not kept: PFNs from /proc/self/pagemap), nearly as
+// scattered as pages get. So now:
 // - The pool keeps each release whole in a slot of its own, and a load takes the shortest parked
 //   run that covers a hole (lists by length, a bitmap to find one): a release of the same size
 //   comes back whole and in order.
@@ -36,8 +36,11 @@
 //   load of a tensor's slices to the next: the loads fit.
 // - mincore() tells a load which pages are present before it asks the pool, so it asks for the
 //   holes exactly, and no slot's last page stays behind as a stray run.
-// Measured (/tmp/contig.py, qwen30b-shape, 1000 MiB, 30 tokens): 11.8 runs per 216 pages instead
-// of 121, the runs of fresh pages kept. Fresh pages from transparent huge pages (2 MiB in one run)
+// Measured (/tmp/contig.py, qwen30b-shape, 1000 MiB, 30 tokens): 10 to 12 runs per 216 pages
+// instead of 121, the runs of fresh pages kept. Decode under a 25% cap, alternated with the ring
+// (/tmp/ab_plan.py, not kept): the same at the default settings (medians 1.81 and 1.82 tok/s over
+// 6 rounds), and with the cache off, where every route recycles, 1.28-1.34 against 0.86-0.89
+// tok/s. Fresh pages from transparent huge pages (2 MiB in one run)
 // made it 3.4, but on this project's virtual machines a huge page's first touch costs the host a
 // fault per page (the guest reports free 2 MiB blocks back to it): the time to the first token of
 // qwen30b-shape under a 25% cap went from 6.0 to 13.4 s, so fresh pages stay small.
