@@ -148,7 +148,8 @@ def kv_cache_bytes(metadata: Mapping[str, Any], n_ctx: int, swa_ubatch: int | No
     if swa_ubatch is not None and window > 0:
         swa_cells = min(n_ctx, -(-(window + swa_ubatch) // 256) * 256)
     cells = [swa_cells if swa[il] else n_ctx for il in with_kv]
-    return sum(c * (k_il + max(v, default=0)) for c, k_il in zip(cells, k, strict=True)) * 2
+    v_max = max(v, default=0)
+    return sum(c * (k_il + v_max) for c, k_il in zip(cells, k, strict=True)) * 2
 
 
 def _swa_layers(metadata: Mapping[str, Any], arch: str, n_layer: int) -> list[bool]:

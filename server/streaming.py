@@ -251,7 +251,7 @@ def load_streaming_llama(
                     kv_bytes=kv_cache_bytes(
                         read_metadata(path),
                         llm.n_ctx(),
-                        None if kwargs.get("swa_full") is not False else llm.context_params.n_ubatch,
+                        llm.context_params.n_ubatch if kwargs.get("swa_full") is False else None,
                     ),
                 )
             streamer.set_budget(choice.bytes)

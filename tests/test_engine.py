@@ -26,16 +26,22 @@ def engine(tiny_model: Any) -> Iterator[Engine]:
     engine.close()
 
 
+def _no_eog(engine: Engine) -> tuple[tuple[int, float], ...]:
+    """A logit bias that keeps end-of-generation tokens out, so requests run to max_tokens."""
+    import llama_cpp
+
+    model = engine.model
+    assert model is not None
+    vocab = model.llama._model.vocab
+    return tuple((t, -100.0) for t in range(model.info.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t))
+
+
 def _request(engine: Engine, text: str, max_tokens: int, **params: Any) -> GenerationRequest:
     model = engine.model
     assert model is not None
     tokens = tuple(model.llama.tokenize(text.encode(), add_bos=False))
-    import llama_cpp
-
-    vocab = model.llama._model.vocab
-    no_eog = tuple((t, -100.0) for t in range(model.info.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t))
     return GenerationRequest(
-        tokens, SamplingParams(max_tokens=max_tokens, temperature=0.0, logit_bias=no_eog, **params)
+        tokens, SamplingParams(max_tokens=max_tokens, temperature=0.0, logit_bias=_no_eog(engine), **params)
     )
 
 
@@ -161,13 +167,7 @@ def test_a_prefix_whose_window_is_gone_is_decoded_again(windowed: Engine) -> Non
     """After a 900-token request, a request sharing only its first 300 tokens cannot reuse them:
     the window before position 300 has left the cache. It is decoded from scratch and gives what a
     fresh context gives; a request continuing the last one, whose window is still there, reuses."""
-    model = windowed.model
-    assert model is not None
-    vocab = model.llama._model.vocab
-    import llama_cpp
-
-    no_eog = tuple((t, -100.0) for t in range(model.info.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t))
-    params = SamplingParams(max_tokens=6, temperature=0.0, logit_bias=no_eog)
+    params = SamplingParams(max_tokens=6, temperature=0.0, logit_bias=_no_eog(windowed))
     long = tuple(5 + (i * 37) % 200 for i in range(900))
     branch = long[:300] + tuple(7 + (i * 11) % 150 for i in range(40))
     unrelated = tuple(9 + (i * 13) % 120 for i in range(20))

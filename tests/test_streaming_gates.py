@@ -320,6 +320,18 @@ def test_gate_every_architecture(
     gate(path, StreamingOptions(), reference)
 
 
+@pytest.mark.parametrize("preset", ["tiny-gptoss", "tiny-gemma4"])
+def test_gate_sliding_window_cache_cut_to_the_window(
+    tiny_model: Callable[..., Path], reference: Callable[..., Result], preset: str
+) -> None:
+    """The server creates sliding-window KV caches cut to the window (swa_full off): streamed and
+    resident agree with a prompt four times the 64-token window, in micro-batches of 32."""
+    path = tiny_model(preset)
+    prompt = [(13 * i + 5) % 300 for i in range(256)]
+    settings = {"n_ctx": 1024, "n_batch": 32, "n_ubatch": 32, "swa_full": False}
+    gate(path, StreamingOptions(budget_bytes=expert_layer_bytes(path)), reference, prompt=prompt, **settings)
+
+
 @pytest.mark.parametrize(
     ("preset", "experts", "down", "rest", "policy", "overlap"),
     [
