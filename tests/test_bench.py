@@ -1,7 +1,7 @@
 """The benchmark harness end to end on a tiny model, and the trace replay on the real traces.
 
 No timing assertions: these check that every system ran, the report's schema, and the replay's
-reproduction of the published LRU curve."""
+reproduction of the published LRU and Belady curves."""
 
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ def test_bench_refuses_a_missing_model(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/data/route-traces is not beside the checkout")
-def test_replay_reproduces_the_published_lru_curve(tmp_path: Path) -> None:
+def test_replay_reproduces_the_published_lru_and_belady_curves(tmp_path: Path) -> None:
     out = tmp_path / "replay"
     proc = moeflash(
         "bench",
@@ -155,14 +155,65 @@ def test_replay_reproduces_the_published_lru_curve(tmp_path: Path) -> None:
     for name in ("qwen", "gemma"):
         summary = data["traces"][name]["summary"]
         assert summary["published_lru_reproduced"] is True
+        # Belady under the byte budget, as published: counting every expert at the largest
+        # layer's size understated it by 1.3 points at 2000 MiB on Qwen
+        assert summary["published_belady_reproduced"] is True
         assert summary["never_below_lru"] is True and summary["no_zero_cliff"] is True
         policies = {r["policy"] for r in data["traces"][name]["results"]}
         assert policies == {"layer", "lru", "lfu", "random", "belady"}
-    # regression guards at the measured level (bench/reports/trace-replay.md: 0.839 / 0.870 with the
-    # window lift on the recent rate, 0.832 / 0.868 without it)
-    assert data["traces"]["qwen"]["summary"]["share_of_belady_at_2000"] >= 0.836
-    assert data["traces"]["gemma"]["summary"]["share_of_belady_at_2000"] >= 0.866
+    # regression guards at the measured level (bench/reports/trace-replay.md: 0.824 / 0.851 of
+    # Belady under the byte budget)
+    assert data["traces"]["qwen"]["summary"]["share_of_belady_at_2000"] >= 0.821
+    assert data["traces"]["gemma"]["summary"]["share_of_belady_at_2000"] >= 0.848
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_reference_policies_fill_the_byte_budget() -> None:
+    # experts of different layers differ in size: a budget of 4 MiB holds four 1 MiB experts of
+    # layer 0 though layer 1's are 3 MiB (counted at the largest size it would hold one)
+    from server.bench.replay import replay_all
+
+    routes = [Route(True, 0, (step % 4,)) for step in range(40)]
+    trace = Trace("sizes", 2, 4, [2**20, 3 * 2**20], routes)
+    results = {r.policy: r for r in replay_all(trace, budgets_mib=(4,))}
+    for policy in ("layer", "lru", "lfu", "random", "belady"):
+        assert results[policy].hit_pct_decode == pytest.approx(90.0), results[policy]
+
+
+_TRACE_HEAD = (
+    "# route_trace v1\n# model=m arch=a n_layer=2 n_expert=4 n_expert_used=1\n"
+    "# layer=0 expert_bytes=1048576 dense_bytes=1\n"
+)
+_TRACE_COLUMNS = "turn,phase,step,layer,slot,expert,weight,residency,expert_bytes\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (None, "cannot read route trace"),
+        ("turn,phase\n", "n_layer=... n_expert=..."),
+        (_TRACE_HEAD + _TRACE_COLUMNS + "0,1,0,0,0,1,1,0,1\n", "header for layers [1]"),
+        (
+            _TRACE_HEAD + "# layer=1 expert_bytes=1048576\n" + _TRACE_COLUMNS + "0,1,0,1,0,9,1,0,1\n",
+            "outside the header's 2 layers x 4 experts",
+        ),
+        (_TRACE_HEAD + "# layer=1 expert_bytes=1048576\n" + _TRACE_COLUMNS + "0,1,0,x,0,1,1,0,1\n", "integers"),
+        (_TRACE_HEAD + "# layer=1 expert_bytes=1048576\n" + "a,b\n1,2\n", "column header must name"),
+        (_TRACE_HEAD + "# layer=1 expert_bytes=1048576\n" + _TRACE_COLUMNS, "no routes"),
+    ],
+)
+def test_replay_refuses_a_bad_trace_and_writes_nothing(tmp_path: Path, text: str | None, message: str) -> None:
+    good = tmp_path / "good.route.csv"
+    good.write_text(_TRACE_HEAD + "# layer=1 expert_bytes=1048576\n" + _TRACE_COLUMNS + "0,1,0,0,0,1,1,0,1\n")
+    bad = tmp_path / "bad.route.csv"
+    if text is not None:
+        bad.write_text(text)
+    out = tmp_path / "replay"
+    # the good trace first: nothing is replayed or written until every trace has been read
+    proc = moeflash("bench", "--replay", str(good), str(bad), "--out", str(out))
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not list(tmp_path.glob("replay*"))
 
 
 def _synthetic_trace(

@@ -2,8 +2,8 @@
 
 For each trace: hit rates of the streamer's policies (LAYER, the default, and LRU; the C code
 itself) next to LFU, random and Belady's optimum at budgets from 250 MiB to 8 GiB; the published
-curves beside the trace (<name>-curve.csv) are reproduced as a check (LRU's decode hit rate must
-match); and the default policy's targets: never below LRU, no 0% cliff, and its share of
+curves beside the trace (<name>-curve.csv) are reproduced as a check (LRU's and Belady's decode
+hit rates must match); and the default policy's targets: never below LRU, no 0% cliff, and its share of
 Belady's hit rate.
 """
 
@@ -16,8 +16,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from server.bench.replay import BUDGETS_MIB, ReplayResult, load_trace, replay_all
+from server.bench.replay import BUDGETS_MIB, ReplayResult, Trace, load_trace, replay_all
 from server.bench.targets import REPLAY_SHARE_OF_BELADY
+from server.errors import ConfigError
 
 
 def _published(trace_path: Path) -> dict[tuple[int, str], dict[str, float]]:
@@ -31,30 +32,36 @@ def _published(trace_path: Path) -> dict[tuple[int, str], dict[str, float]]:
         }
 
 
+# how close a reference policy's decode hit rate must come to the published one (points)
+_REPRODUCED_WITHIN = 0.5
+
+
 def summarize(
     results: list[ReplayResult], published: dict[tuple[int, str], dict[str, float]]
 ) -> dict[str, Any]:
-    """The checks: default vs LRU and Belady per budget; published LRU reproduced."""
+    """The checks: default vs LRU and Belady per budget; published LRU and Belady reproduced."""
     by = {(r.budget_mib, r.policy): r for r in results}
     budgets = sorted({r.budget_mib for r in results})
     rows = []
     for b in budgets:
         layer, lru, belady = by[(b, "layer")], by[(b, "lru")], by[(b, "belady")]
-        pub = published.get((b, "lru"))
-        rows.append(
-            {
-                "budget_mib": b,
-                "default_decode": layer.hit_pct_decode,
-                "lru_decode": lru.hit_pct_decode,
-                "belady_decode": belady.hit_pct_decode,
-                "default_over_belady": layer.hit_pct_decode / belady.hit_pct_decode
-                if belady.hit_pct_decode
-                else None,
-                "default_minus_lru": layer.hit_pct_decode - lru.hit_pct_decode,
-                "published_lru_decode": pub["hit_pct_decode"] if pub else None,
-                "lru_reproduced": abs(pub["hit_pct_decode"] - lru.hit_pct_decode) < 0.5 if pub else None,
-            }
-        )
+        row: dict[str, Any] = {
+            "budget_mib": b,
+            "default_decode": layer.hit_pct_decode,
+            "lru_decode": lru.hit_pct_decode,
+            "belady_decode": belady.hit_pct_decode,
+            "default_over_belady": (
+                layer.hit_pct_decode / belady.hit_pct_decode if belady.hit_pct_decode else None
+            ),
+            "default_minus_lru": layer.hit_pct_decode - lru.hit_pct_decode,
+        }
+        for ours in (lru, belady):
+            pub = published.get((b, ours.policy))
+            row[f"published_{ours.policy}_decode"] = pub["hit_pct_decode"] if pub else None
+            row[f"{ours.policy}_reproduced"] = (
+                abs(pub["hit_pct_decode"] - ours.hit_pct_decode) < _REPRODUCED_WITHIN if pub else None
+            )
+        rows.append(row)
     layer_rows = [by[(b, "layer")] for b in budgets]
     lru_rows = [by[(b, "lru")] for b in budgets]
     return {
@@ -66,6 +73,7 @@ def summarize(
             (r["default_over_belady"] for r in rows if r["budget_mib"] == 2000), None
         ),
         "published_lru_reproduced": all(r["lru_reproduced"] is not False for r in rows),
+        "published_belady_reproduced": all(r["belady_reproduced"] is not False for r in rows),
         "rows": rows,
     }
 
@@ -77,19 +85,20 @@ def _markdown(name: str, results: list[ReplayResult], summary: dict[str, Any], c
         f"## {name}",
         "",
         "Decode hit rate % (cumulative incl. prompt in brackets); `layer` is the streamer's default policy.",
+        "Every policy holds what fits the byte budget (experts of different layers differ in size).",
         "",
-        "| budget MiB | " + " | ".join(policies) + " | layer / belady | published lru |",
-        "|---" * (len(policies) + 3) + "|",
+        "| budget MiB | " + " | ".join(policies) + " | layer / belady | published lru | published belady |",
+        "|---" * (len(policies) + 4) + "|",
     ]
     for row in summary["rows"]:
         b = row["budget_mib"]
         cells = [f"{by[(b, p)].hit_pct_decode:.1f} ({by[(b, p)].hit_pct_cum:.1f})" for p in policies]
-        pub = row["published_lru_decode"]
+        pub = [row["published_lru_decode"], row["published_belady_decode"]]
         lines.append(
             f"| {b} | "
             + " | ".join(cells)
             + f" | {row['default_over_belady']:.2f} | "
-            + ("n/a" if pub is None else f"{pub:.1f}")
+            + " | ".join("n/a" if p is None else f"{p:.1f}" for p in pub)
             + " |"
         )
     lines += [
@@ -97,7 +106,8 @@ def _markdown(name: str, results: list[ReplayResult], summary: dict[str, Any], c
         f"- default never below LRU: {summary['never_below_lru']}; no 0% cliff: {summary['no_zero_cliff']}; "
         f"share of Belady at 2000 MiB: {summary['share_of_belady_at_2000']:.2f} "
         f"(target {REPLAY_SHARE_OF_BELADY:.2f} on Qwen's trace); "
-        f"published LRU decode curve reproduced (within 0.5 points): {summary['published_lru_reproduced']}",
+        f"published decode curves reproduced (within {_REPRODUCED_WITHIN} points): "
+        f"LRU {summary['published_lru_reproduced']}, Belady {summary['published_belady_reproduced']}",
         "",
     ]
     return "\n".join(lines)
@@ -133,13 +143,19 @@ def _chart(curves: dict[str, list[ReplayResult]], path: Path) -> None:
 def run_replay(traces: list[Path], out: Path | None, command: str, progress: Callable[[str], None]) -> int:
     """Replay every trace; write <out>.json/.md/.png (default bench/reports/trace-replay)."""
     out = out or Path("bench/reports/trace-replay")
+    # every trace is read and checked before anything is replayed or written
+    loaded: dict[str, tuple[Path, Trace]] = {}
+    for path in traces:
+        trace = load_trace(path)
+        if trace.name in loaded:
+            raise ConfigError(f"two traces are named {trace.name!r}: {loaded[trace.name][0]} and {path}")
+        loaded[trace.name] = (path, trace)
     out.parent.mkdir(parents=True, exist_ok=True)
     curves: dict[str, list[ReplayResult]] = {}
     data: dict[str, Any] = {"command": command, "budgets_mib": list(BUDGETS_MIB), "traces": {}}
     md = [f"# Trace replay\n\nProduced by `{command}`.\n"]
-    for path in traces:
+    for path, trace in loaded.values():
         progress(f"replaying {path}")
-        trace = load_trace(path)
         results = replay_all(trace)
         summary = summarize(results, _published(path))
         curves[trace.name] = results
