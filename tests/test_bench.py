@@ -64,7 +64,7 @@ def test_bench_runs_every_system_on_a_tiny_model(tiny_model: Callable[..., Path]
     )
     expected = default_systems(2)
     # a system with repeats runs that many times, its runs numbered from 0
-    names = [s.name for s in expected.uncapped for _ in range(s.repeats)] + [s.name for s in expected.capped]
+    names = [s.name for s in expected.uncapped + expected.capped for _ in range(s.repeats)]
     assert sorted(r["system"] for r in data["runs"]) == sorted(names)
     assert sorted((r["system"], r["repeat"]) for r in data["runs"] if r["system"] == "resident") == [
         ("resident", 0),
@@ -112,6 +112,22 @@ def test_bench_runs_every_system_on_a_tiny_model(tiny_model: Callable[..., Path]
     assert order.index(("streaming-all-cached", 1)) < order.index(("resident", 1))
     assert order.index(("resident", 2)) < order.index(("streaming-all-cached", 2))
     assert "resident #3" in out.with_suffix(".md").read_text()
+    # under a cap, stock mmap and the default alternate in rounds too: the speedup is the median of
+    # the rounds' ratios, and its other figures come from the default's median run
+    speedups = cap["speedup_vs_mmap_rounds"]
+    assert len(speedups) == 3 and cap["speedup_vs_mmap"] == statistics.median(speedups)
+    capped = [(r["system"], r["repeat"]) for r in data["runs"] if r["system"] in ("streaming", "mmap-capped")]
+    assert capped == [
+        ("mmap-capped", 0),
+        ("streaming", 0),
+        ("streaming", 1),
+        ("mmap-capped", 1),
+        ("mmap-capped", 2),
+        ("streaming", 2),
+    ]
+    speeds = sorted(r["report"]["decode_tok_s_median"] for r in data["runs"] if r["system"] == "streaming")
+    assert cap["streaming_tok_s"] == speeds[1]
+    assert "Speedup by round: " in out.with_suffix(".md").read_text()
     # the report judges itself against the targets (server/bench/targets.py)
     target_names = {t["name"] for t in data["ratios"]["targets"]}
     assert {"residency (all cached / resident)", "memory discipline"} <= target_names

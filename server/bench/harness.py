@@ -190,6 +190,23 @@ class BenchResult:
         }
 
 
+def _in_rounds(
+    systems: list[System], cfg: BenchConfig, cap: int | None, progress: Callable[[str], None]
+) -> list[Run]:
+    """Every system once, then again in rounds those measured several times (System.repeats).
+
+    A system measured twice is measured again after the others, not right after itself; every
+    other round runs in reverse order, so that a drift of the machine's speed during the rounds
+    favours neither side of the paired ratios (ratios.py).
+    """
+    runs: list[Run] = []
+    for repeat in range(max((s.repeats for s in systems), default=0)):
+        for system in systems if repeat % 2 == 0 else systems[::-1]:
+            if repeat < system.repeats:
+                runs.append(run_system(system, cfg, cap, progress, repeat))
+    return runs
+
+
 def run_bench(
     cfg: BenchConfig, systems: SystemSet, model_info: dict[str, Any], progress: Callable[[str], None]
 ) -> BenchResult:
@@ -199,17 +216,9 @@ def run_bench(
         raise OSError(f"cannot cap memory here ({support.reason}): capped figures would be meaningless")
     cache_note = drop_page_cache()
     ceiling = measure_ceiling(cfg, int(model_info["bytes_per_expert_slice"]), progress)
-    runs: list[Run] = []
-    # in rounds: a system measured twice is measured again after the others, not right after itself;
-    # every other round in reverse order, so that a drift of the machine's speed during the rounds
-    # favours neither reference in the paired ratios (ratios.py)
-    for repeat in range(max((s.repeats for s in systems.uncapped), default=0)):
-        for system in systems.uncapped if repeat % 2 == 0 else systems.uncapped[::-1]:
-            if repeat < system.repeats:
-                runs.append(run_system(system, cfg, None, progress, repeat))
+    runs = _in_rounds(systems.uncapped, cfg, None, progress)
     for cap in cfg.caps:
-        for system in systems.capped:
-            runs.append(run_system(system, cfg, cap, progress))
+        runs += _in_rounds(systems.capped, cfg, cap, progress)
     result = BenchResult(
         model=model_info,
         environment=_environment(),

@@ -16,6 +16,10 @@ def _fmt(value: float | None, spec: str = ".2f", unit: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{unit}"
 
 
+def _series(values: list[float | None]) -> str:
+    return ", ".join(_fmt(x, ".1f", "x") for x in values)
+
+
 def _name(run: Run, result: BenchResult) -> str:
     """The system's name, with the run's number where the system ran more than once."""
     n = sum(r.system == run.system and r.cap_bytes == run.cap_bytes for r in result.runs)
@@ -137,6 +141,16 @@ def markdown(result: BenchResult, command: str) -> str:
             f"{_fmt(cap.get('prefetch_hit_rate'), '.1%')} | "
             f"{_fmt(cap['ttft_20_s'], '.1f')} ({_fmt(cap['mmap_ttft_20_s'], '.1f')}) |"
         )
+    rounds = {c["cap_bytes"]: c.get("speedup_vs_mmap_rounds") or [] for c in ra.get("per_cap", {}).values()}
+    if any(len(r) > 1 for r in rounds.values()):
+        lines += [
+            "",
+            "Stock mmap and the default ran in alternated rounds under each cap; the speedup is the median"
+            " of the rounds' ratios, the other figures of a cap are those of each system's median run."
+            " Speedup by round: "
+            + "; ".join(f"{cap / 2**30:.2f} GiB {_series(r)}" for cap, r in rounds.items())
+            + ".",
+        ]
     lines += _prefill(ra)
     lines += _targets(ra.get("targets") or [])
     return "\n".join(lines) + "\n"
