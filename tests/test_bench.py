@@ -201,6 +201,8 @@ _TRACE_HEAD = (
     "# layer=0 expert_bytes=1048576 dense_bytes=1\n"
 )
 _TRACE_COLUMNS = "turn,phase,step,layer,slot,expert,weight,residency,expert_bytes\n"
+_TRACE_LAYER1 = "# layer=1 expert_bytes=1048576\n"
+_TRACE_TOP = _TRACE_HEAD + _TRACE_LAYER1 + _TRACE_COLUMNS  # a whole header, no routes yet
 
 
 @pytest.mark.parametrize(
@@ -209,18 +211,17 @@ _TRACE_COLUMNS = "turn,phase,step,layer,slot,expert,weight,residency,expert_byte
         (None, "cannot read route trace"),
         ("turn,phase\n", "n_layer=... n_expert=..."),
         (_TRACE_HEAD + _TRACE_COLUMNS + "0,1,0,0,0,1,1,0,1\n", "header for layers [1]"),
-        (
-            _TRACE_HEAD + "# layer=1 expert_bytes=1048576\n" + _TRACE_COLUMNS + "0,1,0,1,0,9,1,0,1\n",
-            "outside the header's 2 layers x 4 experts",
-        ),
-        (_TRACE_HEAD + "# layer=1 expert_bytes=1048576\n" + _TRACE_COLUMNS + "0,1,0,x,0,1,1,0,1\n", "integers"),
-        (_TRACE_HEAD + "# layer=1 expert_bytes=1048576\n" + "a,b\n1,2\n", "column header must name"),
-        (_TRACE_HEAD + "# layer=1 expert_bytes=1048576\n" + _TRACE_COLUMNS, "no routes"),
+        (_TRACE_TOP + "0,1,0,1,0,9,1,0,1\n", "outside the header's 2 layers x 4 experts"),
+        (_TRACE_TOP + "0,1,0,x,0,1,1,0,1\n", "integers"),
+        (_TRACE_HEAD + _TRACE_LAYER1 + "a,b\n1,2\n", "column header must name"),
+        (_TRACE_TOP, "no routes"),
     ],
 )
-def test_replay_refuses_a_bad_trace_and_writes_nothing(tmp_path: Path, text: str | None, message: str) -> None:
+def test_replay_refuses_a_bad_trace_and_writes_nothing(
+    tmp_path: Path, text: str | None, message: str
+) -> None:
     good = tmp_path / "good.route.csv"
-    good.write_text(_TRACE_HEAD + "# layer=1 expert_bytes=1048576\n" + _TRACE_COLUMNS + "0,1,0,0,0,1,1,0,1\n")
+    good.write_text(_TRACE_TOP + "0,1,0,0,0,1,1,0,1\n")
     bad = tmp_path / "bad.route.csv"
     if text is not None:
         bad.write_text(text)
