@@ -233,6 +233,15 @@ def test_replay_refuses_a_bad_trace_and_writes_nothing(
     assert not list(tmp_path.glob("replay*"))
 
 
+def test_replay_refuses_a_bad_published_curve(tmp_path: Path) -> None:
+    trace = tmp_path / "t.route.csv"
+    trace.write_text(_TRACE_TOP + "0,1,0,0,0,1,1,0,1\n")
+    (tmp_path / "t-curve.csv").write_text("budget_mib,policy,hit_pct_decode\nlots,lru,1\n")
+    proc = moeflash("bench", "--replay", str(trace), "--out", str(tmp_path / "replay"))
+    assert proc.returncode == 2 and "t-curve.csv: not a published curve" in proc.stderr, proc.stderr[-2000:]
+    assert not list(tmp_path.glob("replay*"))
+
+
 def _synthetic_trace(
     kind: str, seed: int = 1, n_layer: int = 16, n_expert: int = 64, k: int = 8, tokens: int = 120
 ) -> Trace:

@@ -3,8 +3,8 @@
 For each trace: hit rates of the streamer's policies (LAYER, the default, and LRU; the C code
 itself) next to LFU, random and Belady's optimum at budgets from 250 MiB to 8 GiB; the published
 curves beside the trace (<name>-curve.csv) are reproduced as a check (LRU's and Belady's decode
-hit rates must match); and the default policy's targets: never below LRU, no 0% cliff, and its share of
-Belady's hit rate.
+hit rates must match); and the default policy's targets: never below LRU, no 0% cliff, and its
+share of Belady's hit rate.
 """
 
 from __future__ import annotations
@@ -22,14 +22,20 @@ from server.errors import ConfigError
 
 
 def _published(trace_path: Path) -> dict[tuple[int, str], dict[str, float]]:
+    """The published curves beside a trace (<name>-curve.csv), {} when there are none."""
     curve = trace_path.with_name(trace_path.name.split(".")[0] + "-curve.csv")
     if not curve.exists():
         return {}
-    with curve.open() as fh:
-        return {
-            (int(r["budget_mib"]), r["policy"]): {k: float(v) for k, v in r.items() if k not in ("policy",)}
-            for r in csv.DictReader(fh)
-        }
+    try:
+        with curve.open() as fh:
+            return {
+                (int(r["budget_mib"]), r["policy"]): {k: float(v) for k, v in r.items() if k != "policy"}
+                for r in csv.DictReader(fh)
+            }
+    except (OSError, UnicodeDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"{curve}: not a published curve (budget_mib,policy,hit_pct_cum,hit_pct_decode,...): {exc!r}"
+        ) from exc
 
 
 # how close a reference policy's decode hit rate must come to the published one (points)
@@ -143,21 +149,22 @@ def _chart(curves: dict[str, list[ReplayResult]], path: Path) -> None:
 def run_replay(traces: list[Path], out: Path | None, command: str, progress: Callable[[str], None]) -> int:
     """Replay every trace; write <out>.json/.md/.png (default bench/reports/trace-replay)."""
     out = out or Path("bench/reports/trace-replay")
-    # every trace is read and checked before anything is replayed or written
-    loaded: dict[str, tuple[Path, Trace]] = {}
+    # every trace (and published curve beside it) is read and checked before anything is
+    # replayed or written
+    loaded: dict[str, tuple[Path, Trace, dict[tuple[int, str], dict[str, float]]]] = {}
     for path in traces:
         trace = load_trace(path)
         if trace.name in loaded:
             raise ConfigError(f"two traces are named {trace.name!r}: {loaded[trace.name][0]} and {path}")
-        loaded[trace.name] = (path, trace)
+        loaded[trace.name] = (path, trace, _published(path))
     out.parent.mkdir(parents=True, exist_ok=True)
     curves: dict[str, list[ReplayResult]] = {}
     data: dict[str, Any] = {"command": command, "budgets_mib": list(BUDGETS_MIB), "traces": {}}
     md = [f"# Trace replay\n\nProduced by `{command}`.\n"]
-    for path, trace in loaded.values():
+    for path, trace, published in loaded.values():
         progress(f"replaying {path}")
         results = replay_all(trace)
-        summary = summarize(results, _published(path))
+        summary = summarize(results, published)
         curves[trace.name] = results
         data["traces"][trace.name] = {
             "path": str(path),
