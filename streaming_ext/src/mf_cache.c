@@ -57,7 +57,8 @@
 //     still ranks the entries' reuse 2 to 8 visits ahead (AUC 0.63 to 0.65, Qwen and Gemma),
 //     the routed-set-to-next-visit lift less (0.58). Measured (decode hits, old -> new, the C
 //     library replayed on the traces): Qwen 64.94 -> 65.47 at 2000 MiB, 46.6 -> 46.8 at 1000,
-//     83.2 -> 83.8 at 4000; Gemma 68.53 -> 68.67; never below the old policy at 250 MiB to 8 GiB (bench/reports/trace-replay.md).
+//     83.2 -> 83.8 at 4000; Gemma 68.53 -> 68.67; never below the old policy at 250 MiB to
+//     8 GiB (bench/reports/trace-replay.md).
 //     Synthetic uniform and drifting Zipf routing (48 x 128, k = 8, 300 tokens, seeds 1 to 3,
 //     250 MiB to 12 GiB): within 0.13 points of the old policy on uniform routing, up to +0.6
 //     on Zipf at 250 to 2000 MiB, at most 0.07 below it at 8 and 12 GiB. Without the
@@ -93,10 +94,11 @@
 //   * Measured (bench/reports/trace-replay.md): decode hit rate 65.5% (Qwen) / 68.7% (Gemma) at
 //     2000 MiB, 0.82 / 0.85 of Belady's 79.4% / 80.7% under the same byte budget (without the
 //     window lift: 64.9% / 68.5%; with the (age, class) hazard aged along the horizon instead of
-//     the recent rate as well: 64.4% / 67.8%; that and no lift: 0.80 / 0.85 of the old Belady
-//     below; frequency only: 0.76 / 0.82 of it), not below LRU at 250 MiB to 8 GiB (by 0.4 / 0.1
-//     points at least, both at 8 GiB). Until session 10 the replay's Belady counted every expert
-//     at the largest layer's size (78.1% / 78.9%), and this comment quoted 0.84 / 0.87 of that.
+//     the recent rate as well: 64.4% / 67.8%; that and no lift: 0.80 / 0.85 of the count-based
+//     Belady described next; frequency only: 0.76 / 0.82 of it), not below LRU at 250 MiB to
+//     8 GiB (by 0.4 / 0.1 points at least, both at 8 GiB). Before commit e0d8a6b the replay's
+//     Belady counted every expert at the largest layer's size (78.1% / 78.9%), and this comment
+//     quoted 0.84 / 0.87 of that.
 //   * Tried and left out (2000 MiB, Qwen / Gemma decode hits, recent rate in place): the recent
 //     rate's class (per power of two of p / (k / n_expert)) in place of the use-count class in
 //     the hazard cell: 64.8 / 68.1; scaling a layer's next-visit hazards so they sum to k (the
@@ -132,14 +134,14 @@
 //     2000 MiB (0.82 of Belady); the oracles say the rest is in the next two to four tokens'
 //     routing, which these signals predict weakly (the fitted Poisson regression's deviance is
 //     3% below that of p alone). Given the next token's actual routing (an oracle), the earlier
-//     index reached 0.84 of Belady on Qwen (66.5% at 2000 MiB), so even a perfect next-token predictor leaves
-//     most of the gap, which is about reuse two and more tokens ahead. Where the misses are (an
-//     offline model without the lift, Qwen, 2000 MiB): none for entries reused by the next token,
-//     as for Belady; 12% to 67% of the reuses 2 to 8 tokens later, which Belady nearly all hits
-//     (4000 of the 5800 misses more than Belady's); the rest at 9 or more tokens. The affinity between layers within
-//     a token was measured and left out: it is strong (it ranks the running token's later routes
-//     well) but even the exact rest of the running token adds 0.1 points, as those entries a few
-//     layers ahead are kept anyway.
+//     index reached 0.84 of Belady on Qwen (66.5% at 2000 MiB), so even a perfect next-token
+//     predictor leaves most of the gap, which is about reuse two and more tokens ahead. Where
+//     the misses are (an offline model without the lift, Qwen, 2000 MiB): none for entries
+//     reused by the next token, as for Belady; 12% to 67% of the reuses 2 to 8 tokens later,
+//     which Belady nearly all hits (4000 of the 5800 misses more than Belady's); the rest at 9
+//     or more tokens. The affinity between layers within a token was measured and left out: it
+//     is strong (it ranks the running token's later routes well) but even the exact rest of the
+//     running token adds 0.1 points, as those entries a few layers ahead are kept anyway.
 // - NONE: keep only the running layer's experts.
 // The running layer's routed entries are pinned until the next call.
 // Prefetch (mf_cache_prefetch): the streamer may admit the next layer's predicted experts before
