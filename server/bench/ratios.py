@@ -75,6 +75,12 @@ def _median_run(runs: list[Run]) -> Run | None:
     return decoded[(len(decoded) - 1) // 2] if decoded else (runs[0] if runs else None)
 
 
+def _round_ratios(num: list[Run], den: list[Run]) -> list[float | None]:
+    """Decode tok/s of run i of one system over run i of another (runs are listed in the order
+    they ran, so run i of each is round i; harness._in_rounds)."""
+    return [_ratio(_median_tok_s(a), _median_tok_s(b)) for a, b in zip(num, den, strict=False)]
+
+
 def _prompt_tok_s(run: Run | None) -> float | None:
     """Prompt tokens per second of a run, None when it failed."""
     if not run or not run.ok or not run.report.get("prompt_s"):
@@ -109,10 +115,7 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
     prefill_compute = _prompt_tok_s(_by_name(result, "streaming-all-cached-prefill-512", None))
     prefill_resident = _prompt_tok_s(_by_name(result, "resident-prefill-512", None))
     cached_runs = _runs_of(result, "streaming-all-cached", None)
-    rounds = [
-        _ratio(_median_tok_s(c), _median_tok_s(r))
-        for c, r in zip(cached_runs, _runs_of(result, "resident", None), strict=False)
-    ]
+    rounds = _round_ratios(cached_runs, _runs_of(result, "resident", None))
     out: dict[str, Any] = {
         "disk_ceiling_bytes_per_s": ceiling,
         "compute_bound_tok_s": compute_bound,
@@ -136,9 +139,7 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
         stream_runs = _runs_of(result, "streaming", cap)
         mmap_runs = _runs_of(result, "mmap-capped", cap)
         stream, mmap = _median_run(stream_runs), _median_run(mmap_runs)
-        # runs are listed in the order they ran: run i of each is round i
-        pairs = zip(stream_runs, mmap_runs, strict=False)
-        speedups = [_ratio(_median_tok_s(s), _median_tok_s(m)) for s, m in pairs]
+        speedups = _round_ratios(stream_runs, mmap_runs)
         overlapped = _by_name(result, "lever-overlap", cap)
         sd = _decode(stream) if stream else None
         md = _decode(mmap) if mmap else None

@@ -20,8 +20,11 @@ from server.bench.replay import BUDGETS_MIB, ReplayResult, Trace, load_trace, re
 from server.bench.targets import REPLAY_SHARE_OF_BELADY
 from server.errors import ConfigError
 
+# published hit rates beside a trace: (budget MiB, policy) -> column -> value
+Curves = dict[tuple[int, str], dict[str, float]]
 
-def _published(trace_path: Path) -> dict[tuple[int, str], dict[str, float]]:
+
+def _published(trace_path: Path) -> Curves:
     """The published curves beside a trace (<name>-curve.csv), {} when there are none."""
     curve = trace_path.with_name(trace_path.name.split(".")[0] + "-curve.csv")
     if not curve.exists():
@@ -42,9 +45,7 @@ def _published(trace_path: Path) -> dict[tuple[int, str], dict[str, float]]:
 _REPRODUCED_WITHIN = 0.5
 
 
-def summarize(
-    results: list[ReplayResult], published: dict[tuple[int, str], dict[str, float]]
-) -> dict[str, Any]:
+def summarize(results: list[ReplayResult], published: Curves) -> dict[str, Any]:
     """The checks: default vs LRU and Belady per budget; published LRU and Belady reproduced."""
     by = {(r.budget_mib, r.policy): r for r in results}
     budgets = sorted({r.budget_mib for r in results})
@@ -151,7 +152,7 @@ def run_replay(traces: list[Path], out: Path | None, command: str, progress: Cal
     out = out or Path("bench/reports/trace-replay")
     # every trace (and published curve beside it) is read and checked before anything is
     # replayed or written
-    loaded: dict[str, tuple[Path, Trace, dict[tuple[int, str], dict[str, float]]]] = {}
+    loaded: dict[str, tuple[Path, Trace, Curves]] = {}
     for path in traces:
         trace = load_trace(path)
         if trace.name in loaded:
