@@ -77,6 +77,8 @@ class GenerateReport:
     peak_rss_bytes: int
     major_faults: int = 0
     storage_read_bytes: int = 0  # what this process read from storage (page faults included)
+    # what the load read from storage: the dense weights of a streamed model, never its experts
+    load_bytes_read: int | None = None
     budget_bytes: int | None = None
     budget_reason: str | None = None
     prompt_bytes_read: int | None = None  # the prompt's reads, as TokenRecord.bytes_read
@@ -281,8 +283,13 @@ def _telemetry_line(i: int, r: TokenRecord) -> str:
     return line
 
 
-def generate(llm: Any, args: argparse.Namespace, load_s: float) -> GenerateReport:
-    """Evaluate the prompt, then decode greedily (or sampled) token by token."""
+def generate(
+    llm: Any, args: argparse.Namespace, load_s: float, storage_before_load: int = 0
+) -> GenerateReport:
+    """Evaluate the prompt, then decode greedily (or sampled) token by token.
+
+    storage_before_load: /proc/self/io read_bytes before the model was loaded, so that the
+    report can say what the load read."""
     streaming = isinstance(llm, StreamingLlama)
     prompt = _prompt_tokens(llm, args)
     rng = np.random.default_rng(args.seed)
@@ -344,6 +351,7 @@ def generate(llm: Any, args: argparse.Namespace, load_s: float) -> GenerateRepor
         major_faults=resource.getrusage(resource.RUSAGE_SELF).ru_majflt,
         storage_read_bytes=_storage_read_bytes(),
         prompt_bytes_read=prompt_read,
+        load_bytes_read=storage0 - storage_before_load,
         per_token=records,
     )
     if streaming:
@@ -382,11 +390,12 @@ def _summary(r: GenerateReport) -> str:
 def run(args: argparse.Namespace) -> int:
     """The `generate` subcommand."""
     _check_args(args)
+    storage_before_load = _storage_read_bytes()
     t0 = time.perf_counter()
     llm = _load(args)
     load_s = time.perf_counter() - t0
     try:
-        report = generate(llm, args, load_s)
+        report = generate(llm, args, load_s, storage_before_load)
     finally:
         llm.close()
     if args.json:

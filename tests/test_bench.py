@@ -87,6 +87,18 @@ def test_bench_runs_every_system_on_a_tiny_model(tiny_model: Callable[..., Path]
         assert all(t["bytes_read"] is not None for t in report["per_token"]), run["system"]
         assert report["prompt_bytes_read"] is not None, run["system"]
     assert {c["pattern"] for c in data["ceiling"]} == {"random", "sequential"}
+    # the ceiling is probed before the uncapped runs, before each cap's and after the last, and a
+    # cap is judged against the probes around its own runs
+    assert [(c["probe"], c["before_cap_bytes"]) for c in data["ceiling"] if c["readers"] == 4] == [
+        (0, None),
+        (1, 400 * 2**20),
+        (2, None),
+    ]
+    around = [c["bytes_per_s"] for c in data["ceiling"] if c["pattern"] == "random" and c["probe"] in (1, 2)]
+    assert next(iter(data["ratios"]["per_cap"].values()))["disk_ceiling_bytes_per_s"] == max(around)
+    assert len(data["ratios"]["disk_ceiling_probes_bytes_per_s"]) == 3
+    # every run says what its load read from storage
+    assert all(r["report"]["load_bytes_read"] is not None for r in data["runs"])
     cap = next(iter(data["ratios"]["per_cap"].values()))
     for key in (
         "roofline_efficiency",
@@ -97,6 +109,8 @@ def test_bench_runs_every_system_on_a_tiny_model(tiny_model: Callable[..., Path]
         "prefill_512_speedup_vs_mmap",
         "mmap_ttft_512_s",
         "mmap_bytes_read_per_token",
+        "load_read_over_non_expert",
+        "mmap_load_bytes_read",
     ):
         assert cap[key] is not None, key
     assert data["ratios"]["residency_overhead"] is not None
@@ -130,7 +144,12 @@ def test_bench_runs_every_system_on_a_tiny_model(tiny_model: Callable[..., Path]
     assert "Speedup by round: " in out.with_suffix(".md").read_text()
     # the report judges itself against the targets (server/bench/targets.py)
     target_names = {t["name"] for t in data["ratios"]["targets"]}
-    assert {"residency (all cached / resident)", "memory discipline"} <= target_names
+    assert {
+        "residency (all cached / resident)",
+        "memory discipline",
+        "time to first token, 20-token prompt (s)",
+        "bytes read at load / non-expert bytes",
+    } <= target_names
     assert "## Targets" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".md").read_text().startswith("# moeflash bench")
     assert out.with_suffix(".png").stat().st_size > 0
@@ -306,3 +325,23 @@ def test_shape_model_is_reused_only_when_file_and_generator_match(
     path.write_bytes(bytes(data))
     assert command._shape_model(args, progress=False) == (path, True)
     assert path.read_bytes()[-1] != data[-1]
+
+
+def test_a_cap_is_judged_against_the_probes_around_its_runs() -> None:
+    from server.bench.ratios import _cap_ceiling
+
+    def probe(n: int, before: int | None, *rates: float) -> list[dict[str, object]]:
+        rows = [("random", r, rate) for r, rate in zip((1, 2, 4), rates, strict=True)]
+        rows.append(("sequential", 1, 9e9))
+        return [
+            {"pattern": p, "readers": r, "bytes_per_s": rate, "probe": n, "before_cap_bytes": before}
+            for p, r, rate in rows
+        ]
+
+    # a host-cached 2.7 GB/s probe before the uncapped runs, then 1.1-1.3 GB/s around the caps
+    ceiling = probe(0, None, 2.7e9, 1e9, 1e9) + probe(1, 4 << 30, 1.1e9, 1.2e9, 1.0e9)
+    ceiling += probe(2, 8 << 30, 0.9e9, 1.3e9, 1.0e9) + probe(3, None, 0.8e9, 0.9e9, 1.0e9)
+    assert _cap_ceiling(ceiling, 4 << 30) == 1.3e9  # probes 1 and 2; sequential reads never count
+    assert _cap_ceiling(ceiling, 8 << 30) == 1.3e9  # probes 2 and 3
+    # a report without interleaved probes (one probe, no cap named): the best random read of all
+    assert _cap_ceiling(probe(0, None, 1.0e9, 1.4e9, 1.2e9), 4 << 30) == 1.4e9

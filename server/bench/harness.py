@@ -143,24 +143,26 @@ def run_system(
 
 
 def measure_ceiling(
-    cfg: BenchConfig, slice_bytes: int, progress: Callable[[str], None]
+    cfg: BenchConfig, slice_bytes: int, progress: Callable[[str], None], probe: int = 0
 ) -> list[CeilingResult]:
     """O_DIRECT random reads of one expert slice at 1/2/4 readers, and sequential.
 
-    Each probe reads its own quarter of the file: a virtual disk's host may cache what an earlier
-    probe read (dropping the guest's page cache does not reach it), and the 4-reader probe over
+    Each pattern reads its own quarter of the file: a virtual disk's host may cache what an earlier
+    pattern read (dropping the guest's page cache does not reach it), and the 4-reader probe over
     the whole file measured 876-1005 MB/s in some runs and 1929 MB/s in one that followed reads
-    of the same file.
+    of the same file. A later probe (`probe`, from 0) reads the same quarters at other random
+    offsets: it meets the host's cache as the systems run next to it do.
     """
     quarter = cfg.model.stat().st_size // 4
     out = []
     for i, readers in enumerate((1, 2, 4)):
-        progress(f"disk ceiling: random {slice_bytes / 2**20:.1f} MiB reads, {readers} reader(s)")
+        size_mib = slice_bytes / 2**20
+        progress(f"disk ceiling (probe {probe + 1}): random {size_mib:.1f} MiB reads, {readers} reader(s)")
         drop_page_cache()
         span = (i * quarter, (i + 1) * quarter)
-        result = random_reads(cfg.model, slice_bytes, readers, cfg.ceiling_seconds, seed=readers, span=span)
-        out.append(result)
-    progress("disk ceiling: sequential")
+        seed = probe * 10 + readers
+        out.append(random_reads(cfg.model, slice_bytes, readers, cfg.ceiling_seconds, seed=seed, span=span))
+    progress(f"disk ceiling (probe {probe + 1}): sequential")
     drop_page_cache()
     out.append(sequential_read(cfg.model, cfg.ceiling_seconds, start=3 * quarter))
     return out
@@ -210,15 +212,34 @@ def _in_rounds(
 def run_bench(
     cfg: BenchConfig, systems: SystemSet, model_info: dict[str, Any], progress: Callable[[str], None]
 ) -> BenchResult:
-    """Measure everything; refuses to report capped figures when no cgroup could cap."""
+    """Measure everything; refuses to report capped figures when no cgroup could cap.
+
+    The disk ceiling is probed before the uncapped runs, before each cap's runs and after the
+    last ones (BENCH.md: interleaved with the systems). This disk's rate drifts between probes
+    (one report: 791 to 1418 MB/s; another's single-reader probe 1827 MB/s from the host's
+    cache), so each cap is judged against the probes just before and after its own runs.
+    """
     support = probe()
     if cfg.caps and support.version is None:
         raise OSError(f"cannot cap memory here ({support.reason}): capped figures would be meaningless")
     cache_note = drop_page_cache()
-    ceiling = measure_ceiling(cfg, int(model_info["bytes_per_expert_slice"]), progress)
+    slice_bytes = int(model_info["bytes_per_expert_slice"])
+    ceiling: list[dict[str, Any]] = []
+
+    def probe_disk(before_cap: int | None, label: str) -> None:
+        n = len({c["probe"] for c in ceiling})
+        for c in measure_ceiling(cfg, slice_bytes, progress, n):
+            ceiling.append(
+                asdict(c)
+                | {"bytes_per_s": c.bytes_per_s, "probe": n, "before_cap_bytes": before_cap, "label": label}
+            )
+
+    probe_disk(None, "before the uncapped runs")
     runs = _in_rounds(systems.uncapped, cfg, None, progress)
     for cap in cfg.caps:
+        probe_disk(cap, f"before the {cap / 2**30:.2f} GiB runs")
         runs += _in_rounds(systems.capped, cfg, cap, progress)
+    probe_disk(None, "after the last runs")
     result = BenchResult(
         model=model_info,
         environment=_environment(),
@@ -228,7 +249,7 @@ def run_bench(
             if cache_note is None
             else f"NOT dropped: {cache_note}"
         ),
-        ceiling=[{**asdict(c), "bytes_per_s": c.bytes_per_s} for c in ceiling],
+        ceiling=ceiling,
         runs=runs,
     )
     from server.bench.ratios import compute_ratios

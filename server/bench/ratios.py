@@ -103,9 +103,29 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
+def _best_random(ceiling: list[dict[str, Any]], probes: set[int] | None = None) -> float | None:
+    """The best O_DIRECT random-read rate of the given probes (all when None)."""
+    rates = [
+        c["bytes_per_s"]
+        for c in ceiling
+        if c["pattern"] == "random" and (probes is None or c.get("probe", 0) in probes)
+    ]
+    return max(rates, default=None)
+
+
+def _cap_ceiling(ceiling: list[dict[str, Any]], cap: int) -> float | None:
+    """The disk ceiling a cap's runs are judged against: the best random-read rate of the probes
+    just before and just after them (harness.run_bench), else of every probe."""
+    before = next((c["probe"] for c in ceiling if c.get("before_cap_bytes") == cap), None)
+    if before is None:
+        return _best_random(ceiling)
+    return _best_random(ceiling, {before, before + 1})
+
+
 def compute_ratios(result: BenchResult) -> dict[str, Any]:
     """Every BENCH.md ratio, per cap where it depends on one."""
-    ceiling = max((c["bytes_per_s"] for c in result.ceiling if c["pattern"] == "random"), default=None)
+    ceiling_all = _best_random(result.ceiling)
+    probes = sorted({c.get("probe", 0) for c in result.ceiling})
     routed = float(result.model["routed_bytes_per_token"])
     resident = _by_name(result, "resident", None)
     cached = _by_name(result, "streaming-all-cached", None)
@@ -117,7 +137,9 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
     cached_runs = _runs_of(result, "streaming-all-cached", None)
     rounds = _round_ratios(cached_runs, _runs_of(result, "resident", None))
     out: dict[str, Any] = {
-        "disk_ceiling_bytes_per_s": ceiling,
+        # the best probe of the whole run; each cap has its own (per_cap.disk_ceiling_bytes_per_s)
+        "disk_ceiling_bytes_per_s": ceiling_all,
+        "disk_ceiling_probes_bytes_per_s": [_best_random(result.ceiling, {p}) for p in probes],
         "compute_bound_tok_s": compute_bound,
         "prefill_512_compute_bound_tok_s": prefill_compute,
         "resident_prefill_512_tok_s": prefill_resident,
@@ -136,6 +158,7 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
         # the default and stock mmap run in rounds (systems.CAPPED_ROUNDS): the same streaming run
         # decoded 1.47 to 1.90 tok/s by its place in the sequence. The speedup is the median of
         # the rounds' ratios; every other figure of the cap comes from the median run of each
+        ceiling = _cap_ceiling(result.ceiling, cap)
         stream_runs = _runs_of(result, "streaming", cap)
         mmap_runs = _runs_of(result, "mmap-capped", cap)
         stream, mmap = _median_run(stream_runs), _median_run(mmap_runs)
@@ -171,8 +194,14 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
         # as for decode: the prefill's roofline is the lower of its I/O bound and the same prompt
         # with every expert cached
         prefill_roof = min((x for x in (prefill_bound, prefill_compute) if x), default=None)
+        load_read = stream.report.get("load_bytes_read") if stream and stream.ok else None
         out["per_cap"][str(cap)] = {
             "cap_bytes": cap,
+            "disk_ceiling_bytes_per_s": ceiling,
+            # what the load read from storage: a streamed model's dense weights, not its experts
+            "load_bytes_read": load_read,
+            "load_read_over_non_expert": _ratio(load_read, float(result.model["dense_bytes"])),
+            "mmap_load_bytes_read": mmap.report.get("load_bytes_read") if mmap and mmap.ok else None,
             "ttft_20_s": _ttft(stream),
             "mmap_ttft_20_s": _ttft(mmap),
             "prefill_512_tok_s": prefill_tok_s,

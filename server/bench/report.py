@@ -49,13 +49,17 @@ def markdown(result: BenchResult, command: str) -> str:
         "",
         "## Disk ceiling (same file)",
         "",
-        "| pattern | readers | read size | MB/s | O_DIRECT |",
-        "|---|---|---|---|---|",
+        "Probed before the uncapped runs, before each cap's runs and after the last ones; each cap is"
+        " judged against the best random-read rate of the probes just before and after its runs.",
+        "",
+        "| probe | pattern | readers | read size | MB/s | O_DIRECT |",
+        "|---|---|---|---|---|---|",
     ]
     for c in result.ceiling:
         lines.append(
-            f"| {c['pattern']} | {c['readers']} | {c['read_bytes'] / _MIB:.2f} MiB | "
-            f"{c['bytes_per_s'] / 1e6:.0f} | {'yes' if c['direct_io'] else 'no'} |"
+            f"| {c.get('probe', 0) + 1}: {c.get('label', '')} | {c['pattern']} | {c['readers']} | "
+            f"{c['read_bytes'] / _MIB:.2f} MiB | {c['bytes_per_s'] / 1e6:.0f} | "
+            f"{'yes' if c['direct_io'] else 'no'} |"
         )
     lines += [
         "",
@@ -103,7 +107,10 @@ def markdown(result: BenchResult, command: str) -> str:
         "",
         "## Ratios (BENCH.md)",
         "",
-        f"- disk ceiling (best O_DIRECT random-read rate): {_fmt(ceiling_mb, '.0f')} MB/s",
+        f"- disk ceiling (best O_DIRECT random-read rate of any probe): {_fmt(ceiling_mb, '.0f')} MB/s; "
+        "probe by probe: "
+        + ", ".join(_mb(x) for x in ra.get("disk_ceiling_probes_bytes_per_s") or [])
+        + " MB/s",
         f"- compute-bound tok/s (streaming, every expert cached): {_fmt(ra.get('compute_bound_tok_s'))}",
         "- prefill of a 512-token prompt, tok/s: every expert cached "
         + _fmt(ra.get("prefill_512_compute_bound_tok_s"))
@@ -119,18 +126,20 @@ def markdown(result: BenchResult, command: str) -> str:
             else ""
         ),
         "",
-        "I/O-bound tok/s = disk ceiling / bytes read per token (prefetched experts are read too);"
+        "Ceiling = the cap's own (the probes around its runs). I/O-bound tok/s = ceiling / bytes read"
+        " per token (prefetched experts are read too);"
         " I/O eff. = BENCH.md's bytes read during flash wait / wait / ceiling; disk use = bytes read"
         " per token x tok/s / ceiling (with prefetch, most reads happen while layers compute).",
         "",
-        "| cap | streaming tok/s | mmap tok/s | speedup | I/O-bound tok/s | roofline eff. | "
+        "| cap | ceiling MB/s | streaming tok/s | mmap tok/s | speedup | I/O-bound tok/s | roofline eff. | "
         "I/O eff. (disk use) | overlap lever tok/s (I/O eff.) | overlap eff. | memory discipline | "
-        "hit rate (cache + prefetch) | TTFT 20 tok (mmap) s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "hit rate (cache + prefetch) | TTFT 20 tok (mmap) s | read at load MB (mmap) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cap in ra.get("per_cap", {}).values():
         lines.append(
-            f"| {cap['cap_bytes'] / 2**30:.2f} GiB | {_fmt(cap['streaming_tok_s'])} | "
+            f"| {cap['cap_bytes'] / 2**30:.2f} GiB | {_mb(cap.get('disk_ceiling_bytes_per_s'))} | "
+            f"{_fmt(cap['streaming_tok_s'])} | "
             f"{_fmt(cap['mmap_tok_s'], '.3f')} | "
             f"{_fmt(cap['speedup_vs_mmap'], '.1f', 'x')} | {_fmt(cap['io_bound_tok_s'])} | "
             f"{_fmt(cap['roofline_efficiency'], '.2f')} | {_fmt(cap['io_efficiency'], '.2f')} "
@@ -139,7 +148,8 @@ def markdown(result: BenchResult, command: str) -> str:
             f"{_fmt(cap['overlap_efficiency'], '.2f')} | "
             f"{_fmt(cap['memory_discipline'], '.2f')} | {_fmt(cap.get('cache_hit_rate'), '.1%')} + "
             f"{_fmt(cap.get('prefetch_hit_rate'), '.1%')} | "
-            f"{_fmt(cap['ttft_20_s'], '.1f')} ({_fmt(cap['mmap_ttft_20_s'], '.1f')}) |"
+            f"{_fmt(cap['ttft_20_s'], '.1f')} ({_fmt(cap['mmap_ttft_20_s'], '.1f')}) | "
+            f"{_mb(cap.get('load_bytes_read'))} ({_mb(cap.get('mmap_load_bytes_read'))}) |"
         )
     rounds = {c["cap_bytes"]: c.get("speedup_vs_mmap_rounds") or [] for c in ra.get("per_cap", {}).values()}
     if any(len(r) > 1 for r in rounds.values()):
@@ -205,6 +215,10 @@ def _targets(targets: list[dict[str, Any]]) -> list[str]:
             f"{'>=' if t['at_least'] else '<='} {t['threshold']:g} | {met} |"
         )
     return out
+
+
+def _mb(n: float | None) -> str:
+    return _fmt(n / 1e6 if n is not None else None, ".0f")
 
 
 def _hits(d: dict[str, float]) -> str:
