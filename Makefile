@@ -25,7 +25,7 @@ EXT_LDFLAGS = -shared -L$(SITE)/llama_cpp/lib -Wl,-rpath,$(SITE)/llama_cpp/lib -
 EXT_LIB := streaming_ext/lib/libmoeflash_stream.so
 EXT_ASAN_LIB := streaming_ext/lib/libmoeflash_stream_asan.so
 CTEST_BIN := tests/c/build/test_ready_hook
-CTEST_PAGES := tests/c/build/test_pages
+CTEST_FRAMES := tests/c/build/test_frames
 
 .PHONY: setup setup-dev llama ext serve serve-container require-api-key demo-model test lint bench-small bench replay clean distclean
 
@@ -56,7 +56,7 @@ $(VENV)/.install-stamp: pyproject.toml $(VENV)/.deps-stamp
 llama: $(VENV)/.deps-stamp
 	vendor/llama.cpp/build.sh $(VPY)
 
-ext: $(EXT_LIB) $(EXT_ASAN_LIB) $(CTEST_BIN) $(CTEST_PAGES)
+ext: $(EXT_LIB) $(EXT_ASAN_LIB) $(CTEST_BIN) $(CTEST_FRAMES)
 
 $(EXT_LIB): $(EXT_SRC) $(EXT_HDR) $(LLAMA_STAMP) Makefile
 	@mkdir -p $(dir $@)
@@ -74,11 +74,11 @@ $(CTEST_BIN): tests/c/test_ready_hook.c $(LLAMA_STAMP) Makefile
 	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -D_GNU_SOURCE -I$(LLAMA_SRC)/ggml/include -I$(LLAMA_SRC)/include \
 		$< -o $@ -L$(SITE)/llama_cpp/lib -Wl,-rpath,$(SITE)/llama_cpp/lib -lllama -lggml -lggml-base -lggml-cpu -lpthread -lm
 
-# C test of the page pool (mf_pages.c), built with the sanitizers
-$(CTEST_PAGES): tests/c/test_pages.c streaming_ext/src/mf_pages.c $(EXT_HDR) streaming_ext/src/mf_internal.h $(LLAMA_STAMP) Makefile
+# C test of the expert frames (mf_frames.c), built with the sanitizers
+$(CTEST_FRAMES): tests/c/test_frames.c streaming_ext/src/mf_frames.c $(EXT_HDR) streaming_ext/src/mf_internal.h $(LLAMA_STAMP) Makefile
 	@mkdir -p $(dir $@)
 	$(CC) $(filter-out -fPIC -fvisibility=hidden -O2,$(EXT_CFLAGS)) -Istreaming_ext/src -O1 -fno-omit-frame-pointer \
-		-fsanitize=address,undefined -fno-sanitize-recover=undefined tests/c/test_pages.c streaming_ext/src/mf_pages.c \
+		-fsanitize=address,undefined -fno-sanitize-recover=undefined tests/c/test_frames.c streaming_ext/src/mf_frames.c \
 		-o $@ -lpthread
 
 $(DEMO_MODEL): | setup

@@ -115,11 +115,6 @@ def register(subparsers: Any) -> None:
     p.add_argument("--lanes", type=int, default=4, help="reader threads (default 4)")
     p.add_argument("--no-direct-io", action="store_true", help="buffered reads instead of O_DIRECT")
     p.add_argument(
-        "--no-page-moves",
-        action="store_true",
-        help="release evicted slices' pages and fault fresh ones in, instead of moving them (userfaultfd)",
-    )
-    p.add_argument(
         "--no-prefetch",
         action="store_true",
         help="do not read the next layer's predicted experts while this layer computes",
@@ -190,7 +185,6 @@ def _load(args: argparse.Namespace) -> Any:
         budget_bytes=budget,
         lanes=args.lanes,
         direct_io=not args.no_direct_io,
-        move_pages=not args.no_page_moves,
         prefetch=not args.no_prefetch,
         overlap=args.overlap,
         policy=args.policy,

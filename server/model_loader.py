@@ -172,7 +172,6 @@ def load_model(settings: ModelSettings) -> LoadedModel:
             overlap=settings.overlap,
             policy=settings.cache_policy,
             prefetch=settings.prefetch,
-            move_pages=settings.page_moves,
         )
         streamed = load_streaming_llama(path, options, n_ctx=settings.ctx_size, **kwargs)
         budget_bytes = streamed.budget.bytes

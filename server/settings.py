@@ -154,11 +154,6 @@ class ModelSettings(BaseSettings):
         description="read the next layer's predicted experts (its router on this layer's input) while "
         "this layer computes",
     )
-    page_moves: bool = Field(
-        True,
-        description="move evicted experts' memory pages to the ones being read (userfaultfd, Linux 6.8+) "
-        "instead of freeing them and faulting in fresh zeroed pages",
-    )
     cache_policy: Literal["layer", "lru", "none"] = Field("layer", description="expert cache eviction policy")
     chat_template_file: Path | None = Field(
         None, description="Jinja chat template overriding the one in the GGUF metadata"

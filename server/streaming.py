@@ -55,16 +55,12 @@ class StreamingOptions:
     # fault injection (tests): expert reads fail with this errno after this many bytes
     fault_errno: int = 0
     fault_after_bytes: int = 0
-    # negative control (tests): expert (skip_expert - 1) is never read, left zero-filled
+    # negative control (tests): expert (skip_expert - 1) is never read, its memory left as it was
     skip_expert: int = 0
     # read every expert at load (needs a budget holding them all, e.g. BUDGET_ALL)
     preload: bool = False
-    # recycle evicted slices' pages into loaded ones (userfaultfd) where the kernel allows
-    move_pages: bool = True
     # read the next layer's predicted experts while this layer computes (streaming_ext/src/mf_predict.c)
     prefetch: bool = True
-    # tests: lanes sleep this long (microseconds) before each page release, widening races
-    release_delay_us: int = 0
 
 
 @dataclass(frozen=True)
@@ -175,9 +171,7 @@ def _streamer_config(options: StreamingOptions) -> StreamerConfig:
         fault_errno=options.fault_errno,
         fault_after_bytes=options.fault_after_bytes,
         skip_expert=options.skip_expert,
-        move_pages=options.move_pages,
         prefetch=options.prefetch,
-        release_delay_us=options.release_delay_us,
     )
 
 
@@ -265,7 +259,7 @@ def load_streaming_llama(
             raise
         llm.budget = choice
         logger.info("expert budget %.1f MiB: %s", choice.bytes / 2**20, choice.reason)
-        logger.info("expert pages: %s", streamer.page_path())
+        logger.info("expert memory: %s", streamer.memory_note())
         if mapped:
             logger.info("%s (%.1f MiB) mapped from the file, not read into RAM", EMBEDDINGS, mapped / 2**20)
         return llm

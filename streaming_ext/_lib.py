@@ -31,9 +31,7 @@ class MfConfig(ctypes.Structure):
         ("fault_errno", ctypes.c_int32),
         ("fault_after_bytes", ctypes.c_uint64),
         ("skip_expert", ctypes.c_int32),
-        ("no_page_moves", ctypes.c_int32),
         ("no_prefetch", ctypes.c_int32),
-        ("release_delay_us", ctypes.c_int32),
     ]
 
 
@@ -52,14 +50,13 @@ STAT_FIELDS = (
     "violations",
     "errors",
     "direct_io",
-    "page_moves",
-    "pages_moved",
     "prefetched",
     "prefetch_used",
     "mapped_bytes",
     "hold_all",
     "routing_off",
-    "pages_zeroed",
+    "memory_bytes",
+    "frames_released",
 )
 
 
@@ -133,7 +130,7 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "mf_streamer_n_moe_layers": ([vp], i32),
         "mf_streamer_n_expert": ([vp], i32),
         "mf_streamer_tensor_bytes": ([vp, ctypes.c_char_p], u64),
-        "mf_streamer_page_path": ([vp], ctypes.c_char_p),
+        "mf_streamer_memory_note": ([vp], ctypes.c_char_p),
         "mf_cache_new": (
             [i32, i32, ctypes.POINTER(u64), u64, i32, ctypes.POINTER(vp)],
             ctypes.c_int,

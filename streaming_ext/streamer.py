@@ -58,15 +58,10 @@ class StreamerConfig:
     # fault injection for tests: after this many expert bytes, reads fail with fault_errno
     fault_errno: int = 0
     fault_after_bytes: int = 0
-    # negative control for tests: never read expert (skip_expert - 1), leave it zero-filled
+    # negative control for tests: never read expert (skip_expert - 1), leave its memory as it was
     skip_expert: int = 0
-    # move evicted slices' pages into loaded ones (userfaultfd, Linux 6.8+) instead of releasing
-    # them and faulting fresh zeroed pages in; off or unavailable: the plain path
-    move_pages: bool = True
     # read the next layer's predicted experts while this layer computes
     prefetch: bool = True
-    # tests: lanes sleep this long (microseconds) before each page release, widening races
-    release_delay_us: int = 0
 
 
 @dataclass(frozen=True)
@@ -87,14 +82,13 @@ class StreamerStats:
     violations: int
     errors: int
     direct_io: int
-    page_moves: int
-    pages_moved: int
     prefetched: int
     prefetch_used: int
     mapped_bytes: int
-    hold_all: int  # 1: the budget holds every expert (huge pages, no page moves, no evictions)
+    hold_all: int  # 1: the budget holds every expert (in place, huge pages, no evictions)
     routing_off: int  # 1: all of them resident, routing is no longer observed (hits stop counting)
-    pages_zeroed: int  # pages loads got fresh (zero-filled) because the page pool had none
+    memory_bytes: int  # expert memory with pages now: frames in use and free ones kept warm
+    frames_released: int  # free frames whose pages went back to the kernel
 
     def __sub__(self, other: StreamerStats) -> StreamerStats:
         a, b = asdict(self), asdict(other)
@@ -103,7 +97,7 @@ class StreamerStats:
             "resident_bytes",
             "direct_io",
             "dense_bytes",
-            "page_moves",
+            "memory_bytes",
             "mapped_bytes",
             "hold_all",
             "routing_off",
@@ -136,9 +130,7 @@ class Streamer:
             fault_errno=config.fault_errno,
             fault_after_bytes=config.fault_after_bytes,
             skip_expert=config.skip_expert,
-            no_page_moves=0 if config.move_pages else 1,
             no_prefetch=0 if config.prefetch else 1,
-            release_delay_us=config.release_delay_us,
         )
         handle = ctypes.c_void_p()
         err = ctypes.create_string_buffer(_ERR_LEN)
@@ -191,9 +183,9 @@ class Streamer:
         if rc != 0:
             raise StreamerError(self.last_error() or os.strerror(-rc), -rc)
 
-    def page_path(self) -> str:
-        """How evicted slices' pages reach loaded ones: moved (userfaultfd), or why not."""
-        raw: bytes = self.lib.cdll.mf_streamer_page_path(self.handle)
+    def memory_note(self) -> str:
+        """Where resident experts live: frames (sizes, memory limit), or the tensors themselves."""
+        raw: bytes = self.lib.cdll.mf_streamer_memory_note(self.handle)
         return raw.decode(errors="replace")
 
     def last_error(self) -> str:

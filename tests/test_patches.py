@@ -1,7 +1,8 @@
 """Each patch in vendor/llama.cpp/patches has a test here that fails without it.
 
 0001 llama.cpp load mode MMAP_NO_PREFETCH: the file is mapped but not read at load.
-0002 ggml-cpu mul_mat_id ready hook: tests/c/test_ready_hook.c (built by `make ext`).
+0002 ggml-cpu mul_mat_id ready hook, which also says where a slice is: tests/c/test_ready_hook.c
+     (built by `make ext`), through the vec_dot and the tiled matmul.
 0003 llama-cpp-python Llama(...): cb_eval, cb_eval_user_data, tensor_buft_overrides,
      use_extra_bufts and load_mode reach llama.cpp, and survive context re-creation.
 """
@@ -9,6 +10,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import re
 import subprocess
 from collections.abc import Callable
@@ -17,6 +19,7 @@ from pathlib import Path
 import llama_cpp
 import pytest
 
+from server.modelgen import QType
 from tests.models import greedy, load_llama
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,13 +74,26 @@ def test_0001_load_mode_name_round_trips() -> None:
     assert llama_cpp.llama_load_mode_from_str(b"mmap-noprefetch") == mode
 
 
-def test_0002_ready_hook_announces_routed_experts(qwen: Path) -> None:
+@pytest.mark.parametrize(
+    "kquant",
+    [pytest.param(False, id="vec-dot"), pytest.param(True, id="tiled")],
+)
+def test_0002_ready_hook_announces_and_places_routed_experts(
+    tiny_model: Callable[..., Path], kquant: bool
+) -> None:
+    """The hook is told of every routed expert before its slice is read, can refuse it, and says
+    where the slice is: the matmul reads the bytes it points at. Q4_0 experts go through the
+    vec_dot matmul; Q4_K ones, forced, through the tiled one (GGML_CPU_TILED_MM_FORCE)."""
     assert READY_HOOK_TEST.is_file(), "build it with `make ext`"
-    proc = subprocess.run(
-        [str(READY_HOOK_TEST), str(qwen), "2"], capture_output=True, text=True, timeout=120, check=False
-    )
+    if kquant:
+        model = tiny_model("tiny-qwen3moe", expert_qtype=QType.Q4_K, n_ff_exp=256)
+        env = {**os.environ, "GGML_CPU_TILED_MM_FORCE": "1"}
+    else:
+        model, env = tiny_model("tiny-qwen3moe"), dict(os.environ)
+    argv = [str(READY_HOOK_TEST), str(model), "2"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert [line.split()[0] for line in proc.stdout.splitlines()] == ["ok"] * 3, proc.stdout
+    assert [line.split()[0] for line in proc.stdout.splitlines()] == ["ok"] * 5, proc.stdout
 
 
 def test_0003_cb_eval_is_called_and_survives_recreation(qwen: Path) -> None:

@@ -79,19 +79,22 @@ def gate(path: Path, options: StreamingOptions, reference: Callable[..., Result]
     return stats
 
 
-def skip_unless_pages_move(path: Path, options: StreamingOptions, **kw: Any) -> None:
-    """Skips the test when this kernel cannot move pages between slices (userfaultfd)."""
-    llm = streamed(path, options, **kw)
-    try:
-        moving, page_path = llm.stats().page_moves, llm.streamer.page_path()
-    finally:
-        llm.close()
-    if not moving:
-        pytest.skip(f"this kernel cannot move pages: {page_path}")
-
-
 def _tensor_bytes(path: Path) -> dict[str, int]:
     return {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+
+
+def memory_bound(path: Path, budget: int) -> int:
+    """The most expert memory a budget may hold in frames: a slice read in whole pages spans at
+    most two pages more than its bytes, so a frame at most two pages per tensor more than its
+    entry; the budget's entries in frames, plus one frame."""
+    reader = GGUFReader(path)
+    entries: dict[str, list[int]] = {}
+    for t in reader.tensors:
+        if t.name.endswith("_exps.weight"):
+            entries.setdefault(t.name.split(".")[1], []).append(int(t.n_bytes) // int(t.shape[-1]))
+    ratio = max((sum(e) + 2 * 4096 * len(e)) / sum(e) for e in entries.values())
+    frame = max(sum(e) + 2 * 4096 * len(e) for e in entries.values())
+    return int(budget * ratio) + frame
 
 
 @pytest.fixture(scope="module")
@@ -183,77 +186,54 @@ def test_gate_reader_modes(
     assert stats.direct_io == int(direct_io)
 
 
-# ------------------------------------------------------------------------------------ pages
+# ------------------------------------------------------------------------------------ frames
 @pytest.mark.parametrize(
-    ("move_pages", "n_ff_exp", "overlap"),
+    ("n_ff_exp", "overlap"),
     [
-        pytest.param(True, 128, False, id="moved-4.5-page-slices"),
-        pytest.param(True, 512, True, id="moved-18-page-slices-overlap"),
-        pytest.param(False, 128, False, id="released-4.5-page-slices"),
-        pytest.param(False, 512, True, id="released-18-page-slices-overlap"),
+        pytest.param(128, False, id="4.5-page-slices"),
+        pytest.param(512, True, id="18-page-slices-overlap"),
     ],
 )
-def test_gate_page_recycling(
-    tiny_model: Callable[..., Path],
-    reference: Callable[..., Result],
-    move_pages: bool,
-    n_ff_exp: int,
-    overlap: bool,
+def test_gate_frames(
+    tiny_model: Callable[..., Path], reference: Callable[..., Result], n_ff_exp: int, overlap: bool
 ) -> None:
-    # slices whose first and last pages are shared with their neighbours (the model's expert data
-    # is 32-byte aligned in the file), with four lanes filling neighbours at the same time
+    # slices that start and end inside pages (the model's expert data is 32-byte aligned in the
+    # file), read whole-page into frames by four lanes at once; every route evicts, and the memory
+    # held stays within the budget's entries in frames
     path = tiny_model("tiny-qwen3moe", n_ff_exp=n_ff_exp)
-    options = StreamingOptions(
-        budget_bytes=expert_layer_bytes(path), move_pages=move_pages, overlap=overlap, lanes=4
-    )
-    if move_pages:
-        skip_unless_pages_move(path, options)
-    stats = gate(path, options, reference)
-    assert stats.evictions > 0
-    assert stats.page_moves == int(move_pages)
-    assert (stats.pages_moved > 0) == move_pages
+    budget = expert_layer_bytes(path)
+    stats = gate(path, StreamingOptions(budget_bytes=budget, overlap=overlap, lanes=4), reference)
+    assert stats.evictions > 0 and stats.hold_all == 0
+    assert 0 < stats.memory_bytes <= memory_bound(path, budget), (stats.memory_bytes, budget)
 
 
-@pytest.mark.parametrize("n_ff_exp", [128, 512], ids=["4.5-page-slices", "18-page-slices"])
-def test_released_neighbours_hand_their_pages_on(
-    tiny_model: Callable[..., Path], reference: Callable[..., Result], n_ff_exp: int
-) -> None:
-    """A prompt longer than a micro-batch routes every layer to all its experts, so under one
-    layer's budget each route evicts the whole previous layer: neighbouring slices released
-    together. The page two neighbours share leaves with the first; the second's release must
-    still park the rest of its pages for the next loads. Only the first fill of the empty cache
-    (and loads that run ahead of the releases queued before them) may need fresh zeroed pages."""
-    path = tiny_model("tiny-qwen3moe", n_ff_exp=n_ff_exp)
-    layer = expert_layer_bytes(path)
-    options = StreamingOptions(budget_bytes=layer, move_pages=True, lanes=4)
-    settings = {"n_ctx": 1024, "n_batch": 512, "n_ubatch": 512}
-    prompt = [(13 * i + 5) % 300 for i in range(600)]
-    skip_unless_pages_move(path, options, **settings)
-    stats = gate(path, options, reference, prompt=prompt, **settings)
-    layer_pages = layer // 4096
-    assert stats.pages_moved + stats.pages_zeroed > 10 * layer_pages, "every route loads a whole layer"
-    assert stats.pages_zeroed < 3 * layer_pages, (stats.pages_zeroed, stats.pages_moved)
+def test_dropped_cache_holds_no_memory(qwen: Path, reference: Callable[..., Result]) -> None:
+    """drop_cache gives the frames' pages back; the next request reads into fresh ones."""
+    expected = reference(qwen)
+    llm = streamed(qwen, StreamingOptions(budget_bytes=2 * expert_layer_bytes(qwen)))
+    try:
+        first = greedy(llm, PROMPT, N_TOKENS)
+        held = llm.stats().memory_bytes
+        llm.streamer.drop_cache()
+        dropped = llm.stats()
+        second = greedy(llm, PROMPT, N_TOKENS)
+    finally:
+        llm.close()
+    assert first == expected and second == expected
+    assert held > 0 and dropped.memory_bytes == 0 and dropped.resident_bytes == 0
+    assert dropped.frames_released > 0
 
 
 @pytest.mark.parametrize("policy", ["layer", "lru"])
-@pytest.mark.parametrize("move_pages", [True, False], ids=["moved", "released"])
-def test_gate_shared_pages_under_stress(
-    tiny_model: Callable[..., Path], reference: Callable[..., Result], move_pages: bool, policy: str
+def test_gate_frames_under_stress(
+    tiny_model: Callable[..., Path], reference: Callable[..., Result], policy: str
 ) -> None:
-    # slices of ~1.1 pages (every page shared by two neighbours), 16 lanes, the smallest budget,
-    # prefetch, and releases delayed until the reads queued behind them have run: a release that
-    # drops a page a slice is being read into (or was re-admitted into) faults or fails the gate.
-    # LRU under one layer's budget evicts exactly the next layer's experts, which the prefetch
-    # then admits again within the same route
+    # slices of ~1.1 pages, 16 lanes, the smallest budget and prefetch: a frame handed to a new
+    # entry while a read into it is in flight, or a slot left pointing at a frame given away, fails
+    # the gate. LRU under one layer's budget evicts exactly the next layer's experts, which the
+    # prefetch then admits again within the same route
     path = tiny_model("tiny-qwen3moe", n_ff_exp=32)
-    options = StreamingOptions(
-        budget_bytes=expert_layer_bytes(path),
-        policy=policy,
-        move_pages=move_pages,
-        lanes=16,
-        prefetch=True,
-        release_delay_us=300,
-    )
+    options = StreamingOptions(budget_bytes=expert_layer_bytes(path), policy=policy, lanes=16, prefetch=True)
     for prompt in (PROMPT, [(11 * i + 3) % 300 for i in range(5)]):
         stats = gate(path, options, reference, prompt=prompt)
         assert stats.evictions > 0 and stats.prefetched > 0
@@ -373,6 +353,8 @@ def test_gate_expert_sizes_differ_by_layer(
     stats = gate(path, options, reference)
     assert stats.evictions > 0 and stats.misses > 0
     assert stats.resident_bytes <= largest * 3 // 2
+    # two frame sizes share the memory: it stays within the budget's entries in frames
+    assert 0 < stats.memory_bytes <= memory_bound(path, largest * 3 // 2)
 
 
 def test_gate_split_gguf(tiny_model: Callable[..., Path], reference: Callable[..., Result]) -> None:
@@ -438,7 +420,7 @@ def test_gate_preloaded_experts(qwen: Path, reference: Callable[..., Result]) ->
     assert after.bytes_read == loaded.bytes_read, "nothing is read after the preload"
     # holding every expert, all resident: nothing left to route, so nothing is watched
     assert loaded.hold_all == 1 and loaded.routing_off == 1 and after.routing_off == 1
-    assert after.routes == 0 and after.page_moves == 0
+    assert after.routes == 0 and after.memory_bytes == 0, "held whole: the tensors, no frames"
 
 
 # ------------------------------------------------------------------------------------ hold all
@@ -461,7 +443,7 @@ def test_gate_hold_all_stops_routing_once_resident(
     finally:
         llm.close()
     assert first == expected and second == expected
-    assert stats.hold_all == 1 and stats.page_moves == 0 and stats.violations == 0
+    assert stats.hold_all == 1 and stats.memory_bytes == 0 and stats.violations == 0
     # the prompt routes to every expert of the tiny model: watched first, not after
     assert stats.routing_off == 1 and stats.resident_bytes == stats.bytes_read
     assert watched[0] and not watched[-1], watched
@@ -471,7 +453,7 @@ def test_gate_hold_all_stops_routing_once_resident(
 
 def test_hold_all_asks_for_huge_pages(qwen: Path) -> None:
     """Held whole, expert memory is mapped asking for transparent huge pages; under a budget that
-    evicts it is not (evictions would split them), and page moves stay on."""
+    evicts, the tensors' own memory stays an untouched PROT_NONE reservation (frames hold it)."""
     if not Path("/sys/kernel/mm/transparent_hugepage").exists():
         pytest.skip("this kernel has no transparent huge pages")
 

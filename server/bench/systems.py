@@ -150,7 +150,6 @@ def default_systems(mmap_tokens: int, levers: bool = True) -> SystemSet:
             System("lever-lanes-2", True, ("--lanes", "2"), lever="2 lanes"),
             System("lever-buffered", True, ("--no-direct-io",), lever="O_DIRECT off"),
             System("lever-overlap", True, ("--overlap",), lever="overlap on"),
-            System("lever-no-page-moves", True, ("--no-page-moves",), lever="page moves off"),
             System("lever-no-prefetch", True, ("--no-prefetch",), lever="prefetch off"),
         ]
     return SystemSet(uncapped, capped)

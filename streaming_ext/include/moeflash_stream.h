@@ -68,17 +68,11 @@ typedef struct mf_config {
     int32_t      fault_errno;
     uint64_t     fault_after_bytes;
     // negative control for tests: when > 0, expert (skip_expert - 1) is never read but still
-    // marked ready, leaving its slices zero-filled; a byte-identity gate must then fail
+    // marked ready, leaving its slices with whatever their memory held; a byte-identity gate must
+    // then fail
     int32_t      skip_expert;
-    // non-zero: never move pages between slices (userfaultfd); evictions release pages and loads
-    // fault fresh zeroed ones in, as on kernels without UFFDIO_MOVE
-    int32_t      no_page_moves;
     // non-zero: never read the next layer's predicted experts ahead of its routing
     int32_t      no_prefetch;
-    // race widening for tests: a lane sleeps this many microseconds before each page release (so
-    // releases land after the reads queued behind them) and again between deciding which pages
-    // to drop and dropping them (0 = off)
-    int32_t      release_delay_us;
 } mf_config;
 
 #define MF_MAX_LANES 16
@@ -92,29 +86,30 @@ typedef struct mf_stats {
     uint64_t bytes_read;     // expert bytes read from storage (payload, not alignment padding)
     uint64_t reads;          // slice reads issued
     uint64_t wait_ns;        // time the computation waited for expert reads
-    uint64_t manage_ns;      // time spent in cache bookkeeping and page protection on the decode path
+    uint64_t manage_ns;      // time spent in cache bookkeeping on the decode path
     uint64_t read_ns;        // time lanes spent inside read calls (summed over lanes)
     uint64_t dense_bytes;    // non-expert bytes read at load into anonymous memory
     uint64_t resident_bytes; // expert bytes resident now
     uint64_t violations;     // expert matmuls that found a routed slice absent (must stay 0)
     uint64_t errors;         // failed reads
     uint64_t direct_io;      // 1 when O_DIRECT is in use, 0 when reads are buffered
-    uint64_t page_moves;     // 1 when evicted slices' pages are moved to loaded ones (userfaultfd)
-    uint64_t pages_moved;    // pages moved from evicted slices into loaded ones
     uint64_t prefetched;     // entries read ahead of their layer's routing (predicted)
     uint64_t prefetch_used;  // of them, routed by the layer they were read for
     uint64_t mapped_bytes;   // bytes of tensors mapped from the file (row buffer type), not read
     // 1 when the budget holds every expert (fixed at mf_streamer_check_loaded): nothing is ever
-    // evicted, so expert memory is plain read-write anonymous memory with transparent huge pages
-    // (MADV_HUGEPAGE) and no page moves
+    // evicted, so slices are read into the tensors' own memory, plain read-write anonymous memory
+    // with transparent huge pages (MADV_HUGEPAGE), and no frames are used
     uint64_t hold_all;
     // 1 while routing is not watched: the budget holds every expert and all are resident, so the
     // callback asks for no routing node and routes, hits and misses stop counting (until
     // mf_streamer_drop_cache, which turns watching back on)
     uint64_t routing_off;
-    // pages a load got fresh and zero-filled because no evicted page was parked in the pool (with
-    // page moves): the cache's first fill, then only what evictions failed to hand over
-    uint64_t pages_zeroed;
+    // bytes of expert memory with pages: frames of resident entries and free frames kept for the
+    // next loads (0 under hold_all)
+    uint64_t memory_bytes;
+    // free frames whose pages were given back to the kernel: for frames of another size, past the
+    // memory limit, or by mf_streamer_drop_cache
+    uint64_t frames_released;
 } mf_stats;
 
 // Creates a streamer for cfg->model_path: indexes the GGUF (all splits), checks sizes and
@@ -171,8 +166,9 @@ MF_API int32_t  mf_streamer_n_moe_layers(const mf_streamer * s);
 MF_API int32_t  mf_streamer_n_expert(const mf_streamer * s);
 // Bytes of the named tensor in the file, 0 when the file has no such tensor.
 MF_API uint64_t mf_streamer_tensor_bytes(const mf_streamer * s, const char * name);
-// How evicted slices' pages reach loaded ones: moved (userfaultfd), or why not.
-MF_API const char * mf_streamer_page_path(const mf_streamer * s);
+// Where resident experts live: frames (how many sizes, the memory limit), or the tensors
+// themselves when the budget holds every expert. Valid once the model has loaded.
+MF_API const char * mf_streamer_memory_note(const mf_streamer * s);
 
 // ---------------------------------------------------------------------------------------------
 // The cache policy on its own, for trace replay (the same code the streamer runs).

@@ -3,10 +3,10 @@
 // DESIGN
 // MF_EXPERTS holds the expert tensors (blk.N.ffn_*_exps.weight). Its max buffer size is 1 byte, so
 // ggml gives every expert tensor a buffer of its own, and each buffer is a MAP_NORESERVE
-// reservation: no memory until a slice is read (PROT_NONE, or read-write and registered with the
-// page mover's userfaultfd: mf_pages.c; either way a touch of an absent slice faults), except
-// under a budget that holds every expert: then plain read-write memory asking for huge pages
-// (mf_buft_hold_all; see "Holding every expert" in mf_streamer.c). init_tensor moves the data
+// reservation that stays PROT_NONE: resident slices live in frames (mf_frames.c) that the ready
+// hook points the matmuls at, so a touch of the tensor's own memory faults. Under a budget that
+// holds every expert the reservation is the slices' home instead: plain read-write memory asking
+// for huge pages (mf_buft_hold_all; see "Holding every expert" in mf_streamer.c). init_tensor moves the data
 // pointer inside its reservation so that it is congruent to the tensor's file offset modulo the
 // page size: then a page-aligned O_DIRECT read of a slice lands straight in place (the edge bytes
 // it also brings belong to the neighbouring slices and are their correct bytes: weights are
@@ -96,9 +96,11 @@ static enum ggml_status xbuf_init_tensor(ggml_backend_buffer_t buffer, struct gg
 
     mf_xtensor * xt = calloc(1, sizeof *xt);
     atomic_int * st = calloc((size_t) t->ne[2], sizeof *st);
-    if (!xt || !st) {
+    char **      sl = calloc((size_t) t->ne[2], sizeof *sl);
+    if (!xt || !st || !sl) {
         free(xt);
         free(st);
+        free(sl);
         mf_streamer_fail(s, -ENOMEM, "out of memory registering %s", t->name);
         return GGML_STATUS_ALLOC_FAILED;
     }
@@ -112,8 +114,10 @@ static enum ggml_status xbuf_init_tensor(ggml_backend_buffer_t buffer, struct gg
     xt->reserve_size = b->reserve_size;
     xt->data         = t->data;
     xt->state        = st;
+    xt->slot         = sl;
     if (mf_streamer_register_xt(s, xt) != 0) {
         free(st);
+        free(sl);
         free(xt);
         return GGML_STATUS_FAILED;
     }
@@ -179,13 +183,10 @@ static ggml_backend_buffer_t xbuft_alloc(ggml_backend_buffer_type_t buft, size_t
     mf_streamer * s = buft_streamer(buft);
     // one page in front and the alloc-size padding behind keep page-aligned reads inside
     const size_t  reserve_size = ((size + MF_PAGE - 1) & ~(size_t) (MF_PAGE - 1)) + 2 * MF_PAGE;
-    // moving pages needs a writable range (absent pages then fault through userfaultfd's SIGBUS);
-    // without moves, PROT_NONE until a slice is loaded
-    const bool    moving = mf_pages_moving(&s->pages);
-    void *        p = mmap(NULL, reserve_size, moving ? PROT_READ | PROT_WRITE : PROT_NONE,
-                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    // PROT_NONE: slices live in frames (see DESIGN above); mf_buft_hold_all opens it up
+    void *        p = mmap(NULL, reserve_size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     mf_buf *      b = calloc(1, sizeof *b);
-    int           rc = p == MAP_FAILED || !b ? -ENOMEM : (moving ? mf_pages_register(&s->pages, p, reserve_size) : 0);
+    int           rc = p == MAP_FAILED || !b ? -ENOMEM : 0;
     if (rc != 0) {
         if (p != MAP_FAILED) {
             munmap(p, reserve_size);

@@ -169,10 +169,14 @@ typedef struct mf_xtensor {
     int32_t              layer;
     int32_t              n_expert;
     uint64_t             nb2;      // bytes of one expert's slice
-    char *               reserve;  // the whole reservation (absent slices fault: PROT_NONE or SIGBUS)
+    char *               reserve;  // the whole reservation: PROT_NONE unless the budget holds every expert
     size_t               reserve_size;
     char *               data;     // t->data: congruent to loc->offset modulo MF_PAGE
     atomic_int *         state;    // [n_expert] enum mf_slice_state
+    // [n_expert] where each resident slice's bytes are (in its entry's frame; under hold_all at
+    // data + e * nb2): what the ready hook hands the matmul. Set before the slice turns LOADING.
+    char **              slot;
+    size_t               frame_off;  // this tensor's pages within its layer's frames
 } mf_xtensor;
 
 // a layer's norm-like vectors kept for the router's input: gemma4 has ten per layer (q/k norms,
@@ -194,66 +198,48 @@ typedef struct mf_layer {
     mf_xtensor * xt[MF_MAX_XT];  // in consumption order
     int32_t      n_xt;
     uint64_t     entry_bytes;    // one expert of this layer, all its tensors
+    size_t       frame_bytes;    // its frame: each tensor's slice in whole pages
+    int32_t      frame_class;    // index into s->frames.cls
+    int32_t *    frame;          // [n_expert] frame of each resident entry, -1: none (not under hold_all)
     mf_router    router;
 } mf_layer;
 
-// ---------------------------------------------------------------- page recycling (mf_pages.c)
-typedef struct mf_pool_slot {
-    uint32_t off;    // first parked page in the slot
-    uint32_t len;    // parked pages (0: a free slot)
-    int32_t  next;   // next slot of the same list
-} mf_pool_slot;
+// ---------------------------------------------------------------- expert memory (mf_frames.c)
+// frames of one size: the entries of every layer whose tensors' slices span frame_bytes together
+typedef struct mf_frame_class {
+    size_t    frame_bytes;  // a multiple of MF_PAGE
+    char *    base;         // cap frames, read-write, MAP_NORESERVE
+    size_t    size;
+    int32_t   cap;
+    int32_t * warm;         // free frames whose pages are present (a stack)
+    int32_t   n_warm;
+    int32_t * cold;         // free frames without pages (a stack: the lowest address on top at first)
+    int32_t   n_cold;
+} mf_frame_class;
 
-typedef struct mf_pages {
-    int                  uffd;        // userfaultfd with UFFDIO_MOVE, or -1: plain page release/fault
-    pthread_mutex_t      mu;          // guards the pool
-    char *               pool;        // n_slots slots of slot_pages pages (MAP_NORESERVE, registered)
-    size_t               slot_pages;  // the largest slice's span
-    int32_t              n_slots;
-    mf_pool_slot *       slots;
-    int32_t *            lists;       // heads by parked length, [0]: free slots (-1: empty)
-    uint64_t *           nonempty;    // bit l: lists[l] has a slot (l >= 1)
-    unsigned char *      incore;      // mincore() of the range a fill looks at (slot_pages)
-    size_t               pool_n;      // parked pages
-    atomic_uint_fast64_t moved;       // pages moved from the pool into slices
-    atomic_uint_fast64_t zeroed;      // fresh zero-filled pages installed (the pool had none)
-    char *               zero_src;    // MF_PAGES_ZERO_SRC bytes never written: reads as zeros
-} mf_pages;
+typedef struct mf_frames {
+    mf_frame_class *     cls;
+    int32_t              n_cls;
+    size_t               limit;      // bytes of frames with pages (live or warm) to stay within
+    atomic_size_t        populated;  // bytes of frames with pages now
+    atomic_uint_fast64_t released;   // warm frames whose pages were given back to the kernel
+} mf_frames;
 
-#define MF_PAGES_ZERO_SRC (2u << 20)
-
-// Opens userfaultfd when `want` and the kernel has UFFDIO_MOVE; else stays off. Never fails:
-// `why` says which path is in use.
-int  mf_pages_open(mf_pages * pg, bool want, char * why, size_t why_size);
-bool mf_pages_moving(const mf_pages * pg);
-// registers an expert reservation (read-write, MAP_NORESERVE) while moving; 0 or -errno
-int  mf_pages_register(mf_pages * pg, void * addr, size_t len);
-// creates the pool (once, when the budget is known) for `bytes` of parked pages in releases of
-// at most `slot_bytes`; 0 or -errno
-int  mf_pages_pool(mf_pages * pg, size_t bytes, size_t slot_bytes);
-// the first / last page of a range is a slice's edge page, shared with the neighbouring slice
-#define MF_EDGE_FIRST 1u
-#define MF_EDGE_LAST  2u
-// makes page range [a, b) present: pooled pages first, then fresh ones; pages already present
-// (shared with a live neighbour) are kept. 0 or -errno. No-op when not moving.
-int  mf_pages_fill(mf_pages * pg, char * a, char * b, unsigned edges);
-// gives up page range [a, b) (whole pages no live slice shares): into the pool, else released
-void mf_pages_drop(mf_pages * pg, char * a, char * b, unsigned edges);
-// returns the pooled pages to the kernel: all of them, or beyond keep_pages (the shortest runs
-// first)
-void mf_pages_trim(mf_pages * pg);
-void mf_pages_trim_to(mf_pages * pg, size_t keep_pages);
-void mf_pages_close(mf_pages * pg);
-// stops moving for good (a budget that holds every expert never evicts): closing userfaultfd
-// unregisters every range, whose present pages stay in place; `why` says so
-void mf_pages_stop(mf_pages * pg, const char * why, char * note, size_t note_size);
+// maps cap[c] frames of frame_bytes[c] for each class; 0 or -errno (nothing left mapped)
+int     mf_frames_init(mf_frames * fr, const size_t * frame_bytes, const int32_t * cap, int32_t n_cls, size_t limit);
+void    mf_frames_free(mf_frames * fr);  // also after a failed init, or on a zeroed struct
+// a free frame of class c (warm first; a cold one after giving back other classes' warm frames
+// beyond the limit), -1 when the class has none left. Decode thread.
+int32_t mf_frames_take(mf_frames * fr, int32_t c);
+void    mf_frames_give(mf_frames * fr, int32_t c, int32_t id);  // decode thread, no read in flight
+char *  mf_frames_addr(const mf_frames * fr, int32_t c, int32_t id);
+void    mf_frames_trim(mf_frames * fr);  // gives every warm frame's pages back (a cold cache)
 
 // ---------------------------------------------------------------- the streamer (mf_streamer.c)
 typedef struct mf_job {
     mf_xtensor * xt;
     int32_t      expert;
-    bool         release;  // return the slice's pages instead of reading it
-    bool         demand;   // a read the running layer waits for (not a prefetch)
+    bool         demand;  // a read the running layer waits for (not a prefetch)
 } mf_job;
 
 struct mf_streamer {
@@ -293,8 +279,8 @@ struct mf_streamer {
     uint8_t *                   pf_mark;      // [n_expert] experts prefetched for layer pf_layer
     int32_t                     pf_layer;
 
-    mf_pages      pages;  // physical pages of slices (recycled through userfaultfd when available)
-    char          pages_note[160];
+    mf_frames     frames;  // the memory of resident entries (not under hold_all)
+    char          memory_note[200];
 
     // dense reads at load: an aligned bounce buffer for O_DIRECT
     void *        bounce;
@@ -304,7 +290,6 @@ struct mf_streamer {
     pthread_t       lanes[MF_MAX_LANES];
     int32_t         n_lanes_started;
     pthread_mutex_t mu;
-    pthread_mutex_t page_mu;  // slice states turning LOADING vs. release decisions (see slice_release)
     pthread_cond_t  work_cv;  // jobs queued or stop
     pthread_cond_t  done_cv;  // a job finished
     mf_job *        queue;
@@ -354,7 +339,10 @@ uint64_t mf_wait_all(mf_streamer * s);             // every queued job done; ret
 uint64_t mf_wait_demand(mf_streamer * s);          // the running layer's reads done; ns waited
 void     mf_reap_failures(mf_streamer * s);        // forget entries whose reads failed (no job in flight)
 void     mf_evict_listed_now(mf_streamer * s);     // the cache's last evictions, on this thread
-int      mf_queue_route(mf_streamer * s, int32_t il, bool demand);  // the cache's last lists, to the lanes
+// the cache's last lists of layer il: evictions done here, loads given frames and queued to the
+// lanes. On failure (-ENOMEM: no queue; -ENOSPC: no frame) the loads that were not queued are
+// forgotten by the cache, so nothing looks resident that is not
+int      mf_queue_route(mf_streamer * s, int32_t il, bool demand);
 
 // next-layer expert prediction (mf_predict.c)
 int     mf_predict_note(mf_streamer * s, const struct ggml_tensor * t);  // while loading: 0 or -ENOMEM
@@ -363,5 +351,6 @@ void    mf_predict_resolve(mf_streamer * s);                             // once
 int32_t mf_predict_next(mf_streamer * s, int32_t il, const struct ggml_tensor * topk, uint8_t * want);
 uint64_t mf_now_ns(void);
 
-// the mul_mat_id ready hook (mf_streamer.c); dispatches on the tensor's buffer type
-bool mf_ready_hook(const struct ggml_tensor * src0, int64_t expert, void * user_data);
+// the mul_mat_id ready hook (mf_streamer.c); dispatches on the tensor's buffer type and returns
+// where the expert's slice is (NULL: skip it, the computation has failed)
+const void * mf_ready_hook(const struct ggml_tensor * src0, int64_t expert, void * user_data);

@@ -1,14 +1,15 @@
 // Reader lanes and the memory of expert slices: how a route's loads and evictions are carried out.
 //
 // DESIGN
-// mf_queue_route turns the cache's decision (mf_cache.c) into jobs: every slice state changes
-// first (evicted ABSENT, loads LOADING) under page_mu, then release jobs are queued ahead of read
-// jobs, so memory is given up before it is refilled. N lanes pop jobs from one FIFO (one mutex,
-// work_cv), read unlocked, and mark each slice READY or FAILED under the mutex, broadcasting
-// done_cv. A release keeps the pages a slice shares with a live neighbour, and gives up the rest
-// (mf_pages.c: into the pool, or back to the kernel). Demand reads (the running layer's) are
-// counted apart from prefetches so a layer waits only for its own. Lanes block all signals (the
-// host process handles them) and stop by flag + broadcast + join.
+// mf_queue_route turns the cache's decision (mf_cache.c) into memory and jobs on the decode thread:
+// evicted entries turn ABSENT and give their frames back (mf_frames.c: bookkeeping, no system
+// call), then each load takes a frame, its slices' addresses in it are noted (xt->slot, what the
+// ready hook hands the matmul) and they turn LOADING, and the reads are queued. N lanes pop jobs
+// from one FIFO (one mutex, work_cv), read unlocked, and mark each slice READY or FAILED under the
+// mutex, broadcasting done_cv. No frame changes hands while a read into it is in flight: a route
+// first waits for every job of the one before. Demand reads (the running layer's) are counted apart
+// from prefetches so a layer waits only for its own. Lanes block all signals (the host process
+// handles them) and stop by flag + broadcast + join.
 #include "mf_internal.h"
 
 #include <errno.h>
@@ -17,117 +18,46 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <unistd.h>
-
-static inline char * pg_down(char * p) {
-    return (char *) ((uintptr_t) p & ~(uintptr_t) (MF_PAGE - 1));
-}
-
-static inline char * pg_up(char * p) {
-    return (char *) (((uintptr_t) p + MF_PAGE - 1) & ~(uintptr_t) (MF_PAGE - 1));
-}
-
-// ---------------------------------------------------------------- slice memory
-static void slice_span(const mf_xtensor * xt, int32_t e, char ** p0, char ** p1) {
-    char * m0 = xt->data + (size_t) e * xt->nb2;
-    *p0       = pg_down(m0);
-    *p1       = pg_up(m0 + xt->nb2);
-}
-
-// which ends of page range [a, b) of slice e are edge pages, shared with the neighbouring slice
-// (the pool keeps those apart from the pages in between, mf_pages.c)
-static unsigned slice_edges(const mf_xtensor * xt, int32_t e, const char * a, const char * b) {
-    const char * m0 = xt->data + (size_t) e * xt->nb2;
-    char *       p0, *p1;
-    slice_span(xt, e, &p0, &p1);
-    return (a == p0 && m0 != p0 ? MF_EDGE_FIRST : 0u) | (b == p1 && m0 + xt->nb2 != p1 ? MF_EDGE_LAST : 0u);
-}
-
-// gives slice e pages to read into: recycled ones (mf_pages.c), or access to fault fresh ones in
-static int slice_make_rw(mf_xtensor * xt, int32_t e) {
-    char *p0, *p1;
-    slice_span(xt, e, &p0, &p1);
-    if (mf_pages_moving(&xt->s->pages)) {
-        return mf_pages_fill(&xt->s->pages, p0, p1, slice_edges(xt, e, p0, p1));
-    }
-    if (xt->s->hold_all) {
-        return 0;  // the whole reservation is read-write (mf_buft_hold_all)
-    }
-    return mprotect(p0, (size_t) (p1 - p0), PROT_READ | PROT_WRITE) == 0 ? 0 : -errno;
-}
 
 bool mf_slice_live(const mf_xtensor * xt, int64_t e) {
     const int st = atomic_load_explicit(&xt->state[e], memory_order_acquire);
     return st == MF_SLICE_LOADING || st == MF_SLICE_READY;
 }
 
-static void release_run(mf_streamer * s, char * a, char * b, unsigned edges) {
-    if (!a || b <= a) {
-        return;
+// the entry (layer L, expert e) is no longer resident: its slices turn ABSENT and its frame is free
+static void entry_drop(mf_streamer * s, mf_layer * L, int32_t e) {
+    for (int32_t j = 0; j < L->n_xt; j++) {
+        atomic_store_explicit(&L->xt[j]->state[e], MF_SLICE_ABSENT, memory_order_release);
+        if (!s->hold_all) {
+            L->xt[j]->slot[e] = NULL;
+        }
     }
-    mf_pages * pg = &s->pages;
-    if (s->cfg.release_delay_us > 0) {
-        usleep((useconds_t) s->cfg.release_delay_us);  // tests: between the decision and the drop
-    }
-    if (mf_pages_moving(pg)) {
-        mf_pages_drop(pg, a, b, edges);  // into the pool for the next load
-        return;
-    }
-    // errors here are not fatal: the pages stay readable with correct bytes, only memory is lost
-    madvise(a, (size_t) (b - a), MADV_DONTNEED);
-    if (!s->hold_all) {
-        mprotect(a, (size_t) (b - a), PROT_NONE);
+    if (L->frame && L->frame[e] >= 0) {
+        mf_frames_give(&s->frames, L->frame_class, L->frame[e]);
+        L->frame[e] = -1;
     }
 }
 
-// returns slice e's pages, keeping those shared with a live neighbour (nothing when e is live).
-// Under page_mu, like every state change to LOADING: a neighbour seen absent here cannot start
-// loading before its shared page is gone (its fill then brings the page back), and one seen live
-// keeps the page.
-static void slice_release_locked(mf_xtensor * xt, int32_t e);
-
-static void slice_release(mf_xtensor * xt, int32_t e) {
-    pthread_mutex_lock(&xt->s->page_mu);
-    slice_release_locked(xt, e);
-    pthread_mutex_unlock(&xt->s->page_mu);
-}
-
-static void slice_release_locked(mf_xtensor * xt, int32_t e) {
-    if (mf_slice_live(xt, e)) {
-        // evicted by a route, then admitted again by that route's prefetch before this release
-        // ran: its pages are wanted (the queued read overwrites them)
-        return;
+// gives entry (L, e) a frame and notes where its slices lie in it; false when no frame is left
+static bool entry_place(mf_streamer * s, mf_layer * L, int32_t e) {
+    if (s->hold_all) {
+        return true;  // slots are the tensors' own addresses (mf_buft_hold_all)
     }
-    char *p0, *p1;
-    slice_span(xt, e, &p0, &p1);
-    const int64_t nb2 = (int64_t) xt->nb2;
-    char *        run = NULL;
-    for (char * p = p0; p < p1; p += MF_PAGE) {
-        // slices overlapping page [p, p + page)
-        int64_t lo   = (int64_t) (p - xt->data);
-        int64_t hi   = lo + MF_PAGE - 1;
-        lo           = lo < 0 ? 0 : lo / nb2;
-        hi           = hi < 0 ? -1 : hi / nb2;
-        bool shared  = false;
-        for (int64_t o = lo; o <= hi && o < xt->n_expert; o++) {
-            if (o != e && mf_slice_live(xt, o)) {
-                shared = true;
-                break;
-            }
-        }
-        if (shared) {
-            if (run) {
-                release_run(xt->s, run, p, slice_edges(xt, e, run, p));
-                run = NULL;
-            }
-        } else if (!run) {
-            run = p;
-        }
+    const int32_t id = mf_frames_take(&s->frames, L->frame_class);
+    if (id < 0) {
+        return false;
     }
-    if (run) {
-        release_run(xt->s, run, p1, slice_edges(xt, e, run, p1));
+    L->frame[e]      = id;
+    char * const frm = mf_frames_addr(&s->frames, L->frame_class, id);
+    for (int32_t j = 0; j < L->n_xt; j++) {
+        mf_xtensor * xt = L->xt[j];
+        // the slice's first byte sits at its file offset's place within a page, as in the tensor
+        // itself: a page-aligned O_DIRECT read brings it in place
+        const uint64_t f0 = xt->loc->offset + (uint64_t) e * xt->nb2;
+        xt->slot[e]       = frm + xt->frame_off + (size_t) (f0 & (MF_PAGE - 1));
     }
+    return true;
 }
 
 // ---------------------------------------------------------------- reader lanes
@@ -135,10 +65,10 @@ static int read_slice(mf_streamer * s, mf_xtensor * xt, int32_t e) {
     const mf_file * f   = &s->ix.files[xt->loc->file];
     const uint64_t  f0  = xt->loc->offset + (uint64_t) e * xt->nb2;
     const size_t    len = (size_t) xt->nb2;
-    char *          m0  = xt->data + (size_t) e * xt->nb2;
+    char *          m0  = xt->slot[e];
 
     if (s->cfg.skip_expert > 0 && e == s->cfg.skip_expert - 1) {
-        return 0;  // negative control: the slice stays zero-filled (see mf_config.skip_expert)
+        return 0;  // negative control: the slice keeps whatever its frame held (see mf_config.skip_expert)
     }
     if (s->cfg.fault_errno) {
         const uint64_t before = atomic_fetch_add(&s->expert_bytes_read_total, len);
@@ -147,7 +77,7 @@ static int read_slice(mf_streamer * s, mf_xtensor * xt, int32_t e) {
         }
     }
     if (s->direct && f->fd_direct >= 0) {
-        // whole pages, straight into place: data is congruent to the file offset (mf_buft.c)
+        // whole pages, straight into place: the slot is congruent to the file offset (entry_place)
         const uint64_t a0 = f0 & ~(uint64_t) (MF_PAGE - 1);
         const uint64_t a1 = (f0 + len + MF_PAGE - 1) & ~(uint64_t) (MF_PAGE - 1);
         const int      rc = mf_pread_full(f->fd_direct, m0 - (f0 - a0), (size_t) (a1 - a0), a0, (size_t) (f0 + len - a0));
@@ -183,21 +113,8 @@ void * mf_lane_main(void * arg) {
         s->q_len--;
         pthread_mutex_unlock(&s->mu);
 
-        if (job.release) {
-            if (s->cfg.release_delay_us > 0) {
-                usleep((useconds_t) s->cfg.release_delay_us);
-            }
-            slice_release(job.xt, job.expert);
-            pthread_mutex_lock(&s->mu);
-            s->outstanding--;
-            pthread_cond_broadcast(&s->done_cv);
-            continue;
-        }
         const uint64_t t0 = mf_now_ns();
-        int            rc = slice_make_rw(job.xt, job.expert);
-        if (rc == 0) {
-            rc = read_slice(s, job.xt, job.expert);
-        }
+        const int      rc = read_slice(s, job.xt, job.expert);
         ADD(s->st_read_ns, mf_now_ns() - t0);
         ADD(s->st_reads, 1);
 
@@ -268,12 +185,7 @@ void mf_reap_failures(mf_streamer * s) {
             if (!failed) {
                 continue;
             }
-            for (int32_t j = 0; j < L->n_xt; j++) {
-                atomic_store(&L->xt[j]->state[e], MF_SLICE_ABSENT);
-            }
-            for (int32_t j = 0; j < L->n_xt; j++) {
-                slice_release(L->xt[j], e);
-            }
+            entry_drop(s, L, e);
             if (s->cache->resident[(size_t) l * (size_t) s->n_expert + (size_t) e]) {
                 atomic_fetch_sub(&s->st_resident_bytes, L->entry_bytes);
             }
@@ -283,29 +195,25 @@ void mf_reap_failures(mf_streamer * s) {
 }
 
 // ---------------------------------------------------------------- queueing a route
-// the cache's evictions, done right here (drop_cache; the routing path queues them to the lanes)
-void mf_evict_listed_now(mf_streamer * s) {
+// the cache's last evictions: bookkeeping only (no read is in flight, the computation is paused)
+static void evict_listed(mf_streamer * s) {
     for (int32_t i = 0; i < s->cache->n_evict; i++) {
-        const int32_t l = s->cache->evict[i] / s->n_expert;
-        const int32_t e = s->cache->evict[i] % s->n_expert;
-        mf_layer *    L = &s->layers[l];
-        for (int32_t j = 0; j < L->n_xt; j++) {
-            atomic_store_explicit(&L->xt[j]->state[e], MF_SLICE_ABSENT, memory_order_release);
-        }
-        for (int32_t j = 0; j < L->n_xt; j++) {
-            slice_release(L->xt[j], e);
-        }
+        mf_layer * L = &s->layers[s->cache->evict[i] / s->n_expert];
+        entry_drop(s, L, s->cache->evict[i] % s->n_expert);
         atomic_fetch_sub(&s->st_resident_bytes, L->entry_bytes);
     }
     ADD(s->st_evictions, s->cache->n_evict);
 }
 
-static void push_job_locked(mf_streamer * s, mf_xtensor * xt, int32_t e, bool release, bool demand) {
-    s->queue[(s->q_head + s->q_len) % s->queue_cap] =
-        (mf_job){ .xt = xt, .expert = e, .release = release, .demand = demand && !release };
+void mf_evict_listed_now(mf_streamer * s) {
+    evict_listed(s);
+}
+
+static void push_job_locked(mf_streamer * s, mf_xtensor * xt, int32_t e, bool demand) {
+    s->queue[(s->q_head + s->q_len) % s->queue_cap] = (mf_job){ .xt = xt, .expert = e, .demand = demand };
     s->q_len++;
     s->outstanding++;
-    s->demand_left += demand && !release ? 1 : 0;
+    s->demand_left += demand ? 1 : 0;
 }
 
 // makes room for `need` more jobs; lanes may be popping (called with mu held)
@@ -328,11 +236,10 @@ static int reserve_jobs_locked(mf_streamer * s, size_t need) {
     return 0;
 }
 
-// Hands the cache's last evictions and loads (of layer il) to the lanes. Every state changes
-// first (evicted slices ABSENT, loads LOADING), so a release never returns a page that a slice of
-// this route shares; releases are queued ahead of the reads so memory is freed before it is
-// refilled. `demand`: the running layer's reads (waited for), else a prefetch. The decode thread
-// itself makes no system call here.
+// Hands the cache's last evictions and loads (of layer il) to memory and the lanes: evictions free
+// their frames first, so the loads can take them. `demand`: the running layer's reads (waited
+// for), else a prefetch. The decode thread itself makes no system call here, unless a load needs
+// a frame without pages while the limit is reached (mf_frames_take).
 int mf_queue_route(mf_streamer * s, int32_t il, bool demand) {
     mf_cache * c = s->cache;
     if (c->n_evict == 0 && c->n_load == 0) {
@@ -340,45 +247,34 @@ int mf_queue_route(mf_streamer * s, int32_t il, bool demand) {
         // taken from the compute threads on a small machine
         return 0;
     }
-    const size_t need = (size_t) (c->n_evict + c->n_load) * MF_MAX_XT;
-    pthread_mutex_lock(&s->mu);
-    const int grown = reserve_jobs_locked(s, need);
-    pthread_mutex_unlock(&s->mu);
-    if (grown != 0) {
-        return grown;  // nothing changed yet: the caller fails the route
-    }
-    // lanes may be releasing slices of an earlier route right now (a prefetch queues while the
-    // running layer's jobs are in flight): state changes and release decisions take turns
-    pthread_mutex_lock(&s->page_mu);
-    for (int32_t i = 0; i < c->n_evict; i++) {
-        mf_layer * L = &s->layers[c->evict[i] / s->n_expert];
-        for (int32_t j = 0; j < L->n_xt; j++) {
-            atomic_store_explicit(&L->xt[j]->state[c->evict[i] % s->n_expert], MF_SLICE_ABSENT, memory_order_release);
-        }
-        atomic_fetch_sub(&s->st_resident_bytes, L->entry_bytes);
-    }
     mf_layer * L = &s->layers[il];
-    for (int32_t j = 0; j < L->n_xt; j++) {
-        for (int32_t i = 0; i < c->n_load; i++) {
-            atomic_store_explicit(&L->xt[j]->state[c->load[i]], MF_SLICE_LOADING, memory_order_release);
-        }
-    }
-    pthread_mutex_unlock(&s->page_mu);
     pthread_mutex_lock(&s->mu);
-    for (int32_t i = 0; i < c->n_evict; i++) {
-        mf_layer * E = &s->layers[c->evict[i] / s->n_expert];
-        for (int32_t j = 0; j < E->n_xt; j++) {
-            push_job_locked(s, E->xt[j], c->evict[i] % s->n_expert, true, demand);
-        }
+    int rc = reserve_jobs_locked(s, (size_t) c->n_load * MF_MAX_XT);
+    pthread_mutex_unlock(&s->mu);
+    evict_listed(s);
+    int32_t placed = 0;
+    while (rc == 0 && placed < c->n_load && entry_place(s, L, c->load[placed])) {
+        placed++;
     }
+    if (placed < c->n_load) {
+        // not queued: the cache must not count them resident
+        for (int32_t i = placed; i < c->n_load; i++) {
+            mf_cache_forget(c, il, c->load[i]);
+        }
+        rc = rc ? rc : -ENOSPC;
+    }
+    if (placed == 0) {
+        return rc;
+    }
+    pthread_mutex_lock(&s->mu);
     for (int32_t j = 0; j < L->n_xt; j++) {
-        for (int32_t i = 0; i < c->n_load; i++) {
-            push_job_locked(s, L->xt[j], c->load[i], false, demand);
+        for (int32_t i = 0; i < placed; i++) {
+            atomic_store_explicit(&L->xt[j]->state[c->load[i]], MF_SLICE_LOADING, memory_order_release);
+            push_job_locked(s, L->xt[j], c->load[i], demand);
         }
     }
     pthread_cond_broadcast(&s->work_cv);
     pthread_mutex_unlock(&s->mu);
-    ADD(s->st_evictions, c->n_evict);
-    ADD(s->st_resident_bytes, (uint64_t) c->n_load * L->entry_bytes);
-    return 0;
+    ADD(s->st_resident_bytes, (uint64_t) placed * L->entry_bytes);
+    return rc;
 }

@@ -11,14 +11,13 @@
 // run while the rest are still being read. Jobs are queued in the order the graph consumes them
 // (gate or gate_up, then up, then down; experts ascending). A route first waits for every job
 // of the previous one, so no read is in flight while it changes the cache.
-// Memory. A slice is readable only while its state is LOADING or READY; eviction gives up its
-// pages, except pages shared with a neighbouring slice that is still resident: into a pool that
-// the next loads take them from (userfaultfd moves, mf_pages.c), or, where the kernel cannot move
-// pages, back to the kernel (MADV_DONTNEED) behind PROT_NONE. A computation that touches a slice
-// nobody loaded faults (SIGBUS or SIGSEGV).
+// Memory. A resident entry's slices live in a frame of its own (mf_frames.c), and the ready hook,
+// installed always, tells each expert matmul where: the tensors' own reservations stay PROT_NONE,
+// so a computation that reads a slice other than through the hook faults (SIGSEGV), and the hook
+// refuses a slice nobody loaded.
 // Holding every expert (a budget >= all of them, hold_all): nothing is ever evicted, so there is
-// nothing to recycle and no reason to cut expert memory into per-slice mappings. The reservations
-// become plain read-write memory asking for transparent huge pages (mf_buft_hold_all), and once
+// nothing to recycle and no frame needed. The reservations become plain read-write memory
+// asking for transparent huge pages (mf_buft_hold_all), slices are read into place, and once
 // every expert is resident the callback stops asking for the routing nodes: each asked node cuts
 // the graph in two, 48 graph computes per token instead of one on qwen30b-shape. That is what
 // made a model held whole slower than stock llama.cpp's resident run, whose page cache is mapped
@@ -47,8 +46,6 @@
 #include "ggml-cpu.h"
 
 #define MF_BOUNCE_SIZE (8u << 20)
-// pages a route may leave in the page pool for the next one, in entries of the largest layer
-#define MF_POOL_SPARE_ENTRIES 8u
 
 uint64_t mf_now_ns(void) {
     struct timespec ts;
@@ -158,14 +155,8 @@ static void prefetch_next(mf_streamer * s, int32_t il, const struct ggml_tensor 
     if (s->cache->n_load == 0 && s->cache->n_evict == 0) {
         return;
     }
-    if (mf_queue_route(s, il + 1, false) != 0) {
-        // out of memory for the queue: the admitted entries must not look resident
-        for (int32_t i = 0; i < s->cache->n_load; i++) {
-            mf_cache_forget(s->cache, il + 1, s->cache->load[i]);
-        }
-        mf_evict_listed_now(s);
-        return;
-    }
+    // a prefetch that cannot be queued is not an error: mf_queue_route forgot what it did not queue
+    (void) mf_queue_route(s, il + 1, false);
     memset(s->pf_mark, 0, (size_t) s->n_expert);
     for (int32_t i = 0; i < s->cache->n_load; i++) {
         s->pf_mark[s->cache->load[i]] = 1;
@@ -207,10 +198,6 @@ static bool route(mf_streamer * s, int32_t il, const struct ggml_tensor * ids) {
     uint64_t       waited = mf_wait_all(s);  // the previous layer's reads (normally long done)
     mf_reap_failures(s);
     stop_routing_if_all_resident(s);  // from the next node on; this route still counts its hits
-    // a route's releases refill the pool ahead of its reads, so what is left from the last one is
-    // spare (evictions and loads balance in bytes, not always in pages: slices of different sizes,
-    // shared edge pages); keeping little of it keeps memory within the budget
-    mf_pages_trim_to(&s->pages, (size_t) (MF_POOL_SPARE_ENTRIES * s->entry_bytes_max / MF_PAGE));
 
     memset(s->want, 0, (size_t) s->n_expert);
     for (int64_t i1 = 0; i1 < ids->ne[1]; i1++) {
@@ -299,26 +286,30 @@ bool mf_streamer_eval_cb(struct ggml_tensor * t, bool ask, void * user_data) {
     return route(s, (int32_t) strtol(t->name + 13, NULL, 10), t);
 }
 
-// ---------------------------------------------------------------- the ready hook (overlap)
-bool mf_ready_hook(const struct ggml_tensor * src0, int64_t expert, void * user_data) {
+// ---------------------------------------------------------------- the ready hook
+// Where slice `expert` of src0 is, once it is READY: called by every compute thread before each
+// expert matmul reads a slice. Without overlap the route has waited for the layer's reads, so the
+// fast path answers; with overlap the thread waits here while the rest are read.
+const void * mf_ready_hook(const struct ggml_tensor * src0, int64_t expert, void * user_data) {
     (void) user_data;  // stateless dispatch: the tensor's buffer says which streamer owns it
-    const ggml_backend_buffer_t buffer = src0->buffer;
+    const char * const          natural = (const char *) src0->data + expert * (int64_t) src0->nb[2];
+    const ggml_backend_buffer_t buffer  = src0->buffer;
     if (!buffer || !mf_buft_is_expert(buffer->buft)) {
-        return true;
+        return natural;
     }
     mf_xtensor * xt = mf_buffer_xtensor(buffer);
     if (!xt || expert < 0 || expert >= xt->n_expert) {
-        return true;
+        return natural;  // (ggml routes only to experts the tensor has)
     }
     int st = atomic_load_explicit(&xt->state[expert], memory_order_acquire);
     if (st == MF_SLICE_READY) {
-        return true;  // the fast path: one atomic load
+        return xt->slot[expert];  // the fast path: one atomic load
     }
     mf_streamer * s = xt->s;
     if (st == MF_SLICE_ABSENT) {
         ADD(s->st_violations, 1);
         mf_streamer_fail(s, -EFAULT, "expert %d of %s is used but was never loaded", (int) expert, xt->loc->name);
-        return false;  // skip it: never compute on an inaccessible slice
+        return NULL;  // skip it: never compute on a slice nobody loaded
     }
     // stall time is the time at least one compute thread waits
     pthread_mutex_lock(&s->mu);
@@ -332,7 +323,7 @@ bool mf_ready_hook(const struct ggml_tensor * src0, int64_t expert, void * user_
         ADD(s->st_wait_ns, mf_now_ns() - s->wait_start_ns);
     }
     pthread_mutex_unlock(&s->mu);
-    return st == MF_SLICE_READY;
+    return st == MF_SLICE_READY ? xt->slot[expert] : NULL;
 }
 
 // ---------------------------------------------------------------- registration while loading
@@ -351,6 +342,14 @@ int mf_streamer_register_xt(mf_streamer * s, mf_xtensor * xt) {
     return 0;
 }
 
+static void free_layers(mf_streamer * s) {
+    for (int32_t l = 0; s->layers && l < s->n_layers; l++) {
+        free(s->layers[l].frame);
+    }
+    free(s->layers);
+    s->layers = NULL;
+}
+
 // consumption order of a layer's expert matmuls in build_moe_ffn: gate_up or gate, up, down
 static int kind_rank(const char * name) {
     if (strstr(name, ".ffn_gate_up_exps.")) {
@@ -363,6 +362,80 @@ static int kind_rank(const char * name) {
         return 2;
     }
     return 3;
+}
+
+// the pages slice e of xt spans when read whole (its first byte at its file offset's place in a page)
+static size_t slice_span(const mf_xtensor * xt, int32_t e) {
+    const uint64_t f0 = xt->loc->offset + (uint64_t) e * xt->nb2;
+    const uint64_t a0 = f0 & ~(uint64_t) (MF_PAGE - 1);
+    const uint64_t a1 = (f0 + xt->nb2 + MF_PAGE - 1) & ~(uint64_t) (MF_PAGE - 1);
+    return (size_t) (a1 - a0);
+}
+
+// Frames for the entries (see mf_frames.c): each of a layer's tensors gets the most pages any of
+// its slices spans, layers whose frames have the same size share a class, and a class has as
+// many frames as the budget can fill with its smallest entries (or it has entries), plus two.
+// The memory held stays within what the budget's entries can occupy in frames, plus one frame.
+static int setup_frames(mf_streamer * s) {
+    const int32_t n   = s->n_layers;
+    size_t *      fb  = calloc((size_t) n, sizeof *fb);
+    int32_t *     cap = calloc((size_t) n, sizeof *cap);
+    uint64_t *    min = calloc((size_t) n, sizeof *min);
+    int32_t       n_cls = 0;
+    int           rc    = fb && cap && min ? 0 : -ENOMEM;
+    double        ratio = 1.0;   // frame bytes per entry byte, at most
+    size_t        frame_max = 0;
+    for (int32_t l = 0; l < n && rc == 0; l++) {
+        mf_layer * L = &s->layers[l];
+        if (L->n_xt == 0) {
+            continue;
+        }
+        size_t off = 0;
+        for (int32_t j = 0; j < L->n_xt; j++) {
+            size_t span = 0;
+            for (int32_t e = 0; e < L->xt[j]->n_expert; e++) {
+                span = slice_span(L->xt[j], e) > span ? slice_span(L->xt[j], e) : span;
+            }
+            L->xt[j]->frame_off = off;
+            off += span;
+        }
+        int32_t c = 0;
+        while (c < n_cls && fb[c] != off) {
+            c++;
+        }
+        if (c == n_cls) {
+            fb[n_cls++] = off;
+        }
+        L->frame_bytes = off;
+        L->frame_class = c;
+        cap[c] += s->n_expert;  // entries of the class, for now
+        min[c] = min[c] == 0 || L->entry_bytes < min[c] ? L->entry_bytes : min[c];
+        L->frame = malloc((size_t) s->n_expert * sizeof *L->frame);
+        if (!L->frame) {
+            rc = -ENOMEM;
+            break;
+        }
+        for (int32_t e = 0; e < s->n_expert; e++) {
+            L->frame[e] = -1;
+        }
+    }
+    for (int32_t c = 0; c < n_cls && rc == 0; c++) {
+        const uint64_t fill = s->cfg.budget_bytes / min[c] + 2;
+        cap[c]              = fill < (uint64_t) cap[c] ? (int32_t) fill : cap[c];
+        ratio               = (double) fb[c] / (double) min[c] > ratio ? (double) fb[c] / (double) min[c] : ratio;
+        frame_max           = fb[c] > frame_max ? fb[c] : frame_max;
+    }
+    if (rc == 0) {
+        const size_t limit = (size_t) ((double) s->cfg.budget_bytes * ratio) + frame_max;
+        rc                 = mf_frames_init(&s->frames, fb, cap, n_cls, limit);
+        snprintf(s->memory_note, sizeof s->memory_note,
+                 "experts in frames: %d size(s), the largest %zu bytes; at most %zu MiB with pages", (int) n_cls,
+                 frame_max, limit >> 20);
+    }
+    free(fb);
+    free(cap);
+    free(min);
+    return rc;
 }
 
 int mf_streamer_check_loaded(mf_streamer * s) {
@@ -387,7 +460,7 @@ int mf_streamer_check_loaded(mf_streamer * s) {
             }
         }
     }
-    free(s->layers);
+    free_layers(s);
     s->layers   = calloc((size_t) n_layers, sizeof *s->layers);
     s->n_layers = n_layers;
     if (!s->layers) {
@@ -423,24 +496,25 @@ int mf_streamer_check_loaded(mf_streamer * s) {
     // see "Holding every expert" above; decided before any expert is read
     s->hold_all = s->cfg.budget_bytes >= s->expert_bytes;
     if (s->hold_all) {
-        mf_pages_stop(&s->pages, "no page moves: the budget holds every expert (huge pages where the kernel has them)",
-                      s->pages_note, sizeof s->pages_note);
         const int hrc = mf_buft_hold_all(s);
         if (hrc != 0) {
             snprintf(s->last_error, sizeof s->last_error, "cannot make expert memory read-write: %s", strerror(-hrc));
             return hrc;
         }
-    }
-    // the pool holds what evictions give up until loads take it: at most the budget, plus the
-    // pages a route evicts before its loads take them back
-    uint64_t slice_max = 0;  // a release is one slice's pages at most
-    for (int32_t j = 0; j < s->n_xt; j++) {
-        slice_max = s->xts[j]->nb2 > slice_max ? s->xts[j]->nb2 : slice_max;
-    }
-    if (!s->hold_all && mf_pages_pool(&s->pages, (size_t) s->cfg.budget_bytes + 2 * (size_t) s->layer_bytes_max,
-                                      (size_t) slice_max + MF_PAGE) != 0) {
-        snprintf(s->last_error, sizeof s->last_error, "cannot reserve the page pool: %s", strerror(errno));
-        return -ENOMEM;
+        for (int32_t j = 0; j < s->n_xt; j++) {
+            for (int32_t e = 0; e < s->xts[j]->n_expert; e++) {
+                s->xts[j]->slot[e] = s->xts[j]->data + (size_t) e * s->xts[j]->nb2;
+            }
+        }
+        snprintf(s->memory_note, sizeof s->memory_note,
+                 "the budget holds every expert: slices read into place (huge pages where the kernel has them)");
+    } else {
+        mf_frames_free(&s->frames);  // (a zeroed struct the first time)
+        const int frc = setup_frames(s);
+        if (frc != 0) {
+            snprintf(s->last_error, sizeof s->last_error, "cannot map the experts' frames: %s", strerror(-frc));
+            return frc;
+        }
     }
     mf_cache_free(s->cache);
     s->cache = NULL;
@@ -498,7 +572,6 @@ int mf_streamer_new(const mf_config * cfg, mf_streamer ** out, char * last_error
         return -ENOMEM;
     }
     pthread_mutex_init(&s->mu, NULL);
-    pthread_mutex_init(&s->page_mu, NULL);
     pthread_cond_init(&s->work_cv, NULL);
     pthread_cond_init(&s->done_cv, NULL);
     s->cfg = *cfg;
@@ -549,7 +622,6 @@ int mf_streamer_new(const mf_config * cfg, mf_streamer ** out, char * last_error
     if (s->direct && posix_memalign(&s->bounce, MF_PAGE, MF_BOUNCE_SIZE) != 0) {
         s->bounce = NULL;
     }
-    mf_pages_open(&s->pages, !cfg->no_page_moves, s->pages_note, sizeof s->pages_note);
     mf_buft_init(s);
     for (int32_t i = 0; i < cfg->n_lanes; i++) {
         rc = pthread_create(&s->lanes[i], NULL, mf_lane_main, s);
@@ -559,10 +631,9 @@ int mf_streamer_new(const mf_config * cfg, mf_streamer ** out, char * last_error
         }
         s->n_lanes_started++;
     }
-    if (cfg->overlap) {
-        // a stateless dispatcher: safe to leave installed, and shared by every streamer
-        ggml_cpu_set_mul_mat_id_ready_hook(mf_ready_hook, NULL);
-    }
+    // always: the hook says where each slice is (its frame). A stateless dispatcher, safe to leave
+    // installed, and shared by every streamer
+    ggml_cpu_set_mul_mat_id_ready_hook(mf_ready_hook, NULL);
     *out = s;
     return 0;
 }
@@ -580,10 +651,11 @@ void mf_streamer_free(mf_streamer * s) {
     }
     for (int32_t i = 0; i < s->n_xt; i++) {
         free(s->xts[i]->state);
+        free(s->xts[i]->slot);
         free(s->xts[i]);
     }
     free(s->xts);
-    free(s->layers);
+    free_layers(s);
     free(s->queue);
     free(s->want);
     free(s->noted);
@@ -593,13 +665,12 @@ void mf_streamer_free(mf_streamer * s) {
     free(s->pf_mark);
     free(s->bounce);
     mf_cache_free(s->cache);
-    mf_pages_close(&s->pages);
+    mf_frames_free(&s->frames);
     mf_index_close(&s->ix);
     free(s->model_path);
     pthread_cond_destroy(&s->work_cv);
     pthread_cond_destroy(&s->done_cv);
     pthread_mutex_destroy(&s->mu);
-    pthread_mutex_destroy(&s->page_mu);
     free(s);
 }
 
@@ -646,9 +717,8 @@ void mf_streamer_get_stats(const mf_streamer * s, mf_stats * out) {
     out->violations     = LOAD(st_violations);
     out->errors         = LOAD(st_errors);
     out->direct_io      = s->direct ? 1 : 0;
-    out->page_moves     = mf_pages_moving(&s->pages) ? 1 : 0;
-    out->pages_moved    = atomic_load_explicit(&s->pages.moved, memory_order_relaxed);
-    out->pages_zeroed   = atomic_load_explicit(&s->pages.zeroed, memory_order_relaxed);
+    out->memory_bytes    = atomic_load_explicit(&s->frames.populated, memory_order_relaxed);
+    out->frames_released = atomic_load_explicit(&s->frames.released, memory_order_relaxed);
     out->prefetched     = LOAD(st_prefetched);
     out->prefetch_used  = LOAD(st_prefetch_used);
     out->mapped_bytes   = LOAD(st_mapped_bytes);
@@ -706,7 +776,7 @@ void mf_streamer_drop_cache(mf_streamer * s) {
     mf_cache_evict_all(s->cache);
     mf_evict_listed_now(s);
     s->pf_layer = -1;
-    mf_pages_trim(&s->pages);  // a cold cache holds no memory
+    mf_frames_trim(&s->frames);  // a cold cache holds no memory
 }
 
 uint64_t mf_streamer_layer_bytes(const mf_streamer * s) {
@@ -730,8 +800,8 @@ int32_t mf_streamer_n_moe_layers(const mf_streamer * s) {
     return n;
 }
 
-const char * mf_streamer_page_path(const mf_streamer * s) {
-    return s->pages_note;
+const char * mf_streamer_memory_note(const mf_streamer * s) {
+    return s->memory_note;
 }
 
 int32_t mf_streamer_n_expert(const mf_streamer * s) {

@@ -2,13 +2,18 @@
 //
 //   test_ready_hook MODEL.gguf N_THREADS
 //
-// Decodes a fixed prompt three times on a fresh context each time:
+// Decodes a fixed prompt five times on a fresh context each time:
 //   1. no hook                        -> reference logits
 //   2. a hook that records and allows -> every routed (layer, expert) of every MUL_MAT_ID was
 //      announced before use, nothing unrouted was, and the logits equal the reference
 //   3. a hook that refuses everything -> the logits differ (the hook sits on the consumption path)
+//   4. a hook that hands out a copy of each slice, elsewhere -> the logits equal the reference
+//   5. a hook that hands out the copy of the next expert's slice -> the logits differ (the matmul
+//      reads the slice where the hook says it is, not at the tensor's own address)
+// Run with GGML_CPU_TILED_MM_FORCE=1 on a K-quant model, the same holds for the tiled matmul.
 // Without the patch this file does not link (ggml_cpu_set_mul_mat_id_ready_hook is missing).
 // Prints one "ok ..." or "FAIL ..." line per check; exit status 0 only if all pass.
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -22,7 +27,10 @@
 
 #define MAX_LAYERS  256
 #define MAX_EXPERTS 512
+#define MAX_KINDS   4  // gate, up, down, gate_up
 #define N_PROMPT    12
+
+enum hook_mode { HOOK_ALLOW, HOOK_REFUSE, HOOK_COPY, HOOK_WRONG_COPY };
 
 typedef struct {
     // routed experts per layer, from the ffn_moe_topk-<il> nodes (written on the decode thread)
@@ -31,8 +39,52 @@ typedef struct {
     atomic_uint    announced[MAX_LAYERS][MAX_EXPERTS];
     atomic_long    calls;
     atomic_long    unrouted;  // hook calls for an expert the router did not pick
-    bool           allow;
+    enum hook_mode mode;
+    // copies of slices, made on first use (under mu): [layer][kind][expert]
+    pthread_mutex_t mu;
+    void *          copies[MAX_LAYERS][MAX_KINDS][MAX_EXPERTS];
 } probe;
+
+static int kind_of(const char * name) {
+    return strstr(name, "ffn_gate_up_exps") ? 3 : strstr(name, "ffn_gate_exps") ? 0 : strstr(name, "ffn_up_exps") ? 1 : 2;
+}
+
+// a copy of slice `expert` of src0 in memory of its own (freed by free_copies)
+static const void * copy_of(probe * p, const struct ggml_tensor * src0, int il, int64_t expert) {
+    const int kind = kind_of(src0->name);
+    pthread_mutex_lock(&p->mu);
+    void * c = p->copies[il][kind][expert];
+    if (!c && (c = malloc(src0->nb[2])) != NULL) {
+        memcpy(c, (const char *) src0->data + expert * (int64_t) src0->nb[2], src0->nb[2]);
+        p->copies[il][kind][expert] = c;
+    }
+    pthread_mutex_unlock(&p->mu);
+    return c;
+}
+
+static void free_copies(probe * p) {
+    for (int il = 0; il < MAX_LAYERS; il++) {
+        for (int k = 0; k < MAX_KINDS; k++) {
+            for (int e = 0; e < MAX_EXPERTS; e++) {
+                free(p->copies[il][k][e]);
+                p->copies[il][k][e] = NULL;
+            }
+        }
+    }
+}
+
+// clears the counters for the next run (the copies stay)
+static void reset(probe * p, enum hook_mode mode) {
+    memset(p->routed, 0, sizeof p->routed);
+    for (int il = 0; il < MAX_LAYERS; il++) {
+        for (int e = 0; e < MAX_EXPERTS; e++) {
+            atomic_store(&p->announced[il][e], 0);
+        }
+    }
+    atomic_store(&p->calls, 0);
+    atomic_store(&p->unrouted, 0);
+    p->mode = mode;
+}
 
 static int layer_of(const char * name) {
     int il = -1;
@@ -63,16 +115,26 @@ static bool on_eval(struct ggml_tensor * t, bool ask, void * ud) {
     return true;
 }
 
-static bool on_ready(const struct ggml_tensor * src0, int64_t expert, void * ud) {
+static const void * on_ready(const struct ggml_tensor * src0, int64_t expert, void * ud) {
     probe *   p  = ud;
     const int il = layer_of(src0->name);
     atomic_fetch_add(&p->calls, 1);
     if (il < 0 || expert < 0 || expert >= MAX_EXPERTS || !p->routed[il][expert]) {
         atomic_fetch_add(&p->unrouted, 1);
-    } else {
-        atomic_fetch_add(&p->announced[il][expert], 1);
+        return NULL;
     }
-    return p->allow;
+    atomic_fetch_add(&p->announced[il][expert], 1);
+    switch (p->mode) {
+        case HOOK_ALLOW:
+            return (const char *) src0->data + expert * (int64_t) src0->nb[2];
+        case HOOK_REFUSE:
+            return NULL;
+        case HOOK_COPY:
+            return copy_of(p, src0, il, expert);
+        case HOOK_WRONG_COPY:
+            return copy_of(p, src0, il, (expert + 1) % src0->ne[2]);
+    }
+    return NULL;
 }
 
 // decodes the prompt on a fresh context; copies the last row of logits into out (n_vocab floats)
@@ -131,6 +193,7 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "FAIL out of memory\n");
         return 1;
     }
+    pthread_mutex_init(&p->mu, NULL);
 
     if (run(model, n_threads, p, false, ref, n_vocab) != 0) {
         return 1;
@@ -140,8 +203,7 @@ int main(int argc, char ** argv) {
         failed = 1;
     }
 
-    memset(p, 0, sizeof *p);
-    p->allow = true;
+    reset(p, HOOK_ALLOW);
     if (run(model, n_threads, p, true, got, n_vocab) != 0) {
         return 1;
     }
@@ -169,8 +231,7 @@ int main(int argc, char ** argv) {
         printf("ok an allowing hook leaves the logits bit-identical\n");
     }
 
-    memset(p, 0, sizeof *p);
-    p->allow = false;
+    reset(p, HOOK_REFUSE);
     if (run(model, n_threads, p, true, got, n_vocab) != 0) {
         return 1;
     }
@@ -181,6 +242,30 @@ int main(int argc, char ** argv) {
         printf("ok a refusing hook skips the experts (logits differ)\n");
     }
 
+    reset(p, HOOK_COPY);
+    if (run(model, n_threads, p, true, got, n_vocab) != 0) {
+        return 1;
+    }
+    if (memcmp(ref, got, sizeof(float) * (size_t) n_vocab) != 0) {
+        printf("FAIL slices handed out from copies elsewhere changed the logits\n");
+        failed = 1;
+    } else {
+        printf("ok slices handed out from copies elsewhere leave the logits bit-identical\n");
+    }
+
+    reset(p, HOOK_WRONG_COPY);
+    if (run(model, n_threads, p, true, got, n_vocab) != 0) {
+        return 1;
+    }
+    if (memcmp(ref, got, sizeof(float) * (size_t) n_vocab) == 0) {
+        printf("FAIL the next expert's copy handed out did not change the logits: the matmul reads elsewhere\n");
+        failed = 1;
+    } else {
+        printf("ok the matmul reads the slice the hook hands out (the next expert's copy: logits differ)\n");
+    }
+
+    free_copies(p);
+    pthread_mutex_destroy(&p->mu);
     free(p);
     free(got);
     free(ref);
