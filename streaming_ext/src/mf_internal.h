@@ -179,6 +179,14 @@ typedef struct mf_xtensor {
     size_t               frame_off;  // this tensor's pages within its layer's frames
 } mf_xtensor;
 
+// the page-aligned file range [*a0, *a1) an O_DIRECT read of slice e brings (its bytes and the
+// neighbours' that share its first and last pages)
+static inline void mf_slice_pages(const mf_xtensor * xt, int32_t e, uint64_t * a0, uint64_t * a1) {
+    const uint64_t f0 = xt->loc->offset + (uint64_t) e * xt->nb2;
+    *a0               = f0 & ~(uint64_t) (MF_PAGE - 1);
+    *a1               = (f0 + xt->nb2 + MF_PAGE - 1) & ~(uint64_t) (MF_PAGE - 1);
+}
+
 // a layer's norm-like vectors kept for the router's input: gemma4 has ten per layer (q/k norms,
 // pre- and post- norms around attention, MLP and experts, the router input scale), and the one
 // the router uses comes late in its file order

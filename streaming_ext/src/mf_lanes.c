@@ -78,9 +78,9 @@ static int read_slice(mf_streamer * s, mf_xtensor * xt, int32_t e) {
     }
     if (s->direct && f->fd_direct >= 0) {
         // whole pages, straight into place: the slot is congruent to the file offset (entry_place)
-        const uint64_t a0 = f0 & ~(uint64_t) (MF_PAGE - 1);
-        const uint64_t a1 = (f0 + len + MF_PAGE - 1) & ~(uint64_t) (MF_PAGE - 1);
-        const int      rc = mf_pread_full(f->fd_direct, m0 - (f0 - a0), (size_t) (a1 - a0), a0, (size_t) (f0 + len - a0));
+        uint64_t a0, a1;
+        mf_slice_pages(xt, e, &a0, &a1);
+        const int rc = mf_pread_full(f->fd_direct, m0 - (f0 - a0), (size_t) (a1 - a0), a0, (size_t) (f0 + len - a0));
         if (rc != -EINVAL) {
             return rc;
         }
@@ -196,17 +196,13 @@ void mf_reap_failures(mf_streamer * s) {
 
 // ---------------------------------------------------------------- queueing a route
 // the cache's last evictions: bookkeeping only (no read is in flight, the computation is paused)
-static void evict_listed(mf_streamer * s) {
+void mf_evict_listed_now(mf_streamer * s) {
     for (int32_t i = 0; i < s->cache->n_evict; i++) {
         mf_layer * L = &s->layers[s->cache->evict[i] / s->n_expert];
         entry_drop(s, L, s->cache->evict[i] % s->n_expert);
         atomic_fetch_sub(&s->st_resident_bytes, L->entry_bytes);
     }
     ADD(s->st_evictions, s->cache->n_evict);
-}
-
-void mf_evict_listed_now(mf_streamer * s) {
-    evict_listed(s);
 }
 
 static void push_job_locked(mf_streamer * s, mf_xtensor * xt, int32_t e, bool demand) {
@@ -251,7 +247,7 @@ int mf_queue_route(mf_streamer * s, int32_t il, bool demand) {
     pthread_mutex_lock(&s->mu);
     int rc = reserve_jobs_locked(s, (size_t) c->n_load * MF_MAX_XT);
     pthread_mutex_unlock(&s->mu);
-    evict_listed(s);
+    mf_evict_listed_now(s);
     int32_t placed = 0;
     while (rc == 0 && placed < c->n_load && entry_place(s, L, c->load[placed])) {
         placed++;

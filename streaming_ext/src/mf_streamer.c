@@ -364,14 +364,6 @@ static int kind_rank(const char * name) {
     return 3;
 }
 
-// the pages slice e of xt spans when read whole (its first byte at its file offset's place in a page)
-static size_t slice_span(const mf_xtensor * xt, int32_t e) {
-    const uint64_t f0 = xt->loc->offset + (uint64_t) e * xt->nb2;
-    const uint64_t a0 = f0 & ~(uint64_t) (MF_PAGE - 1);
-    const uint64_t a1 = (f0 + xt->nb2 + MF_PAGE - 1) & ~(uint64_t) (MF_PAGE - 1);
-    return (size_t) (a1 - a0);
-}
-
 // Frames for the entries (see mf_frames.c): each of a layer's tensors gets the most pages any of
 // its slices spans, layers whose frames have the same size share a class, and a class has as
 // many frames as the budget can fill with its smallest entries (or it has entries), plus two.
@@ -392,9 +384,11 @@ static int setup_frames(mf_streamer * s) {
         }
         size_t off = 0;
         for (int32_t j = 0; j < L->n_xt; j++) {
-            size_t span = 0;
+            size_t span = 0;  // the most pages any of its slices spans when read whole
             for (int32_t e = 0; e < L->xt[j]->n_expert; e++) {
-                span = slice_span(L->xt[j], e) > span ? slice_span(L->xt[j], e) : span;
+                uint64_t a0, a1;
+                mf_slice_pages(L->xt[j], e, &a0, &a1);
+                span = a1 - a0 > span ? (size_t) (a1 - a0) : span;
             }
             L->xt[j]->frame_off = off;
             off += span;
