@@ -168,6 +168,22 @@ static int run(struct llama_model * model, int n_threads, probe * p, bool hook, 
     return 0;
 }
 
+// runs the prompt in `mode` and checks its logits against the reference: equal if `same`, else not.
+// Prints "ok <ok>" or "FAIL <fail>"; returns -1 if the run failed, 1 if the check did, else 0
+static int expect(struct llama_model * model, int n_threads, probe * p, enum hook_mode mode, const float * ref,
+                  float * got, int n_vocab, bool same, const char * ok, const char * fail) {
+    reset(p, mode);
+    if (run(model, n_threads, p, true, got, n_vocab) != 0) {
+        return -1;
+    }
+    if ((memcmp(ref, got, sizeof(float) * (size_t) n_vocab) == 0) != same) {
+        printf("FAIL %s\n", fail);
+        return 1;
+    }
+    printf("ok %s\n", ok);
+    return 0;
+}
+
 int main(int argc, char ** argv) {
     if (argc != 3) {
         fprintf(stderr, "usage: %s MODEL.gguf N_THREADS\n", argv[0]);
@@ -231,37 +247,26 @@ int main(int argc, char ** argv) {
         printf("ok an allowing hook leaves the logits bit-identical\n");
     }
 
-    reset(p, HOOK_REFUSE);
-    if (run(model, n_threads, p, true, got, n_vocab) != 0) {
-        return 1;
-    }
-    if (memcmp(ref, got, sizeof(float) * (size_t) n_vocab) == 0) {
-        printf("FAIL a refusing hook did not change the logits: it is not on the expert path\n");
-        failed = 1;
-    } else {
-        printf("ok a refusing hook skips the experts (logits differ)\n");
-    }
-
-    reset(p, HOOK_COPY);
-    if (run(model, n_threads, p, true, got, n_vocab) != 0) {
-        return 1;
-    }
-    if (memcmp(ref, got, sizeof(float) * (size_t) n_vocab) != 0) {
-        printf("FAIL slices handed out from copies elsewhere changed the logits\n");
-        failed = 1;
-    } else {
-        printf("ok slices handed out from copies elsewhere leave the logits bit-identical\n");
-    }
-
-    reset(p, HOOK_WRONG_COPY);
-    if (run(model, n_threads, p, true, got, n_vocab) != 0) {
-        return 1;
-    }
-    if (memcmp(ref, got, sizeof(float) * (size_t) n_vocab) == 0) {
-        printf("FAIL the next expert's copy handed out did not change the logits: the matmul reads elsewhere\n");
-        failed = 1;
-    } else {
-        printf("ok the matmul reads the slice the hook hands out (the next expert's copy: logits differ)\n");
+    const struct {
+        enum hook_mode mode;
+        bool           same;
+        const char *   ok;
+        const char *   fail;
+    } checks[] = {
+        { HOOK_REFUSE, false, "a refusing hook skips the experts (logits differ)",
+          "a refusing hook did not change the logits: it is not on the expert path" },
+        { HOOK_COPY, true, "slices handed out from copies elsewhere leave the logits bit-identical",
+          "slices handed out from copies elsewhere changed the logits" },
+        { HOOK_WRONG_COPY, false, "the matmul reads the slice the hook hands out (the next expert's copy: logits differ)",
+          "the next expert's copy handed out did not change the logits: the matmul reads elsewhere" },
+    };
+    for (size_t c = 0; c < sizeof checks / sizeof checks[0]; c++) {
+        const int rc = expect(model, n_threads, p, checks[c].mode, ref, got, n_vocab, checks[c].same, checks[c].ok,
+                              checks[c].fail);
+        if (rc < 0) {
+            return 1;
+        }
+        failed |= rc;
     }
 
     free_copies(p);
