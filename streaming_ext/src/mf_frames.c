@@ -21,7 +21,10 @@
 // next load needs no fresh zeroed pages). The bytes of frames with pages, live or warm, stay
 // within `limit`, set by the caller just above the most the budget's entries can occupy: a class
 // that needs a frame it has never used first gives back (MADV_DONTNEED) warm frames of the other
-// classes, one TLB shootdown each, which happens only while the classes' shares shift.
+// classes, one TLB shootdown each, and its read then faults fresh pages in. The classes' shares
+// shift all the time (an entry of one size evicted for one of the other), so with two or more
+// classes the cache keeps some of the budget's frames free (free_frames in mf_streamer.c): a
+// class finds a warm frame of its own, and these releases become rare.
 // Threads. Frames are taken and given back on the decode thread only (routing, prefetch, failure
 // reaping, drop_cache), never while a read into them is in flight; lanes only read into them.
 #include "mf_internal.h"

@@ -288,6 +288,9 @@ struct mf_streamer {
     int32_t                     pf_layer;
 
     mf_frames     frames;  // the memory of resident entries (not under hold_all)
+    // the cache's byte budget: the whole budget, less the frames kept free where frames come in
+    // several sizes (setup_frames)
+    uint64_t      cache_budget;
     char          memory_note[200];
 
     // dense reads at load: an aligned bounce buffer for O_DIRECT

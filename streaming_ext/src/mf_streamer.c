@@ -364,10 +364,28 @@ static int kind_rank(const char * name) {
     return 3;
 }
 
+// Frames kept free out of `fit` (the entries the budget holds at most) where frames come in several
+// sizes. A load whose class has no free frame with pages takes one without (its first read faults
+// every page in) while another class gives back one of its free frames (madvise, a TLB shootdown):
+// with no frame to spare that happened on about one load in two, as the classes' live shares
+// wander a frame at a time. Free frames absorb the wandering; releases fall about as one over their
+// number. qwen30b-q4km-shape (two sizes), 20-token prompt and 48 tokens, alternated with the
+// library before this (/tmp/exp/dec.sh, not kept): under the 25% cap's budget, 64 frames kept
+// free, releases 8127 -> 524, decode 1.45-1.46 -> 1.87-2.04 tok/s (3 rounds), cache management
+// 51-53 -> 11-12 ms per token (a test build keeping 32: 1186 releases, 1.99 tok/s); under the 50%
+// cap's, 3786 -> 438 releases, 2.07-2.42 -> 2.79-2.98 tok/s (2 rounds). The cache gives up 64 of the
+// 1074 entries the budget holds at most there. One in 16 of the budget's frames, at most 64.
+static uint64_t free_frames(uint64_t fit) {
+    const uint64_t keep = fit / 16;
+    return keep < 64 ? keep : 64;
+}
+
 // Frames for the entries (see mf_frames.c): each of a layer's tensors gets the most pages any of
 // its slices spans, layers whose frames have the same size share a class, and a class has as
 // many frames as the budget can fill with its smallest entries (or it has entries), plus two.
 // The memory held stays within what the budget's entries can occupy in frames, plus one frame.
+// With two or more classes the cache gets less than the whole budget: the rest stays free frames
+// for the classes' shares to shift into (see "Memory" in mf_frames.c).
 static int setup_frames(mf_streamer * s) {
     const int32_t n   = s->n_layers;
     size_t *      fb  = calloc((size_t) n, sizeof *fb);
@@ -422,9 +440,18 @@ static int setup_frames(mf_streamer * s) {
     if (rc == 0) {
         const size_t limit = (size_t) ((double) s->cfg.budget_bytes * ratio) + frame_max;
         rc                 = mf_frames_init(&s->frames, fb, cap, n_cls, limit);
+        uint64_t smallest  = UINT64_MAX;
+        for (int32_t c = 0; c < n_cls; c++) {
+            smallest = min[c] < smallest ? min[c] : smallest;
+        }
+        const uint64_t keep = n_cls > 1 ? free_frames(s->cfg.budget_bytes / smallest) : 0;
+        const uint64_t held = keep * frame_max;
+        const uint64_t rest = held < s->cfg.budget_bytes ? s->cfg.budget_bytes - held : 0;
+        s->cache_budget     = rest > s->layer_bytes_max ? rest : s->layer_bytes_max;
         snprintf(s->memory_note, sizeof s->memory_note,
-                 "experts in frames: %d size(s), the largest %zu bytes; at most %zu MiB with pages", (int) n_cls,
-                 frame_max, limit >> 20);
+                 "experts in frames: %d size(s), the largest %zu bytes; at most %zu MiB with pages; %llu frames "
+                 "kept free",
+                 (int) n_cls, frame_max, limit >> 20, (unsigned long long) keep);
     }
     free(fb);
     free(cap);
@@ -502,6 +529,7 @@ int mf_streamer_check_loaded(mf_streamer * s) {
         }
         snprintf(s->memory_note, sizeof s->memory_note,
                  "the budget holds every expert: slices read into place (huge pages where the kernel has them)");
+        s->cache_budget = s->cfg.budget_bytes;
     } else {
         mf_frames_free(&s->frames);  // (a zeroed struct the first time)
         const int frc = setup_frames(s);
@@ -512,7 +540,7 @@ int mf_streamer_check_loaded(mf_streamer * s) {
     }
     mf_cache_free(s->cache);
     s->cache = NULL;
-    int rc   = mf_cache_new(n_layers, s->n_expert, entry_bytes, s->cfg.budget_bytes, s->cfg.policy, &s->cache);
+    int rc   = mf_cache_new(n_layers, s->n_expert, entry_bytes, s->cache_budget, s->cfg.policy, &s->cache);
     free(entry_bytes);
     if (rc != 0) {
         snprintf(s->last_error, sizeof s->last_error, "cannot create the expert cache: %s", strerror(-rc));
