@@ -103,10 +103,10 @@ def test_streaming_gates_under_sanitizers() -> None:
 FRAMES_TEST = REPO / "tests" / "c" / "build" / "test_frames"
 
 
-def test_frames_reuse_and_limit() -> None:
-    """tests/c/test_frames.c (sanitizer build): frames given back come back first with their bytes;
-    a class short of frames with pages takes them from the others' warm frames within the limit;
-    200000 random takes and gives keep live frames distinct and intact."""
+def test_frames_reuse_warm_and_trim() -> None:
+    """tests/c/test_frames.c (sanitizer build): bad sizes are refused; frames given back come back
+    first with their bytes, before fresh ones; 200000 random takes and gives keep live frames
+    distinct and intact and the memory held exact; a trim gives back only the free frames."""
     assert FRAMES_TEST.is_file(), "build it with `make ext`"
     proc = subprocess.run([str(FRAMES_TEST)], capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]

@@ -15,16 +15,21 @@
 // at 0.6 of their all-cached speed next to the reads. With the pages left in place (a test build
 // that never released them, tokens 100 to 160 of one run, once every expert had pages), the same
 // reads decoded 2.33 tok/s against 1.87.
-// Classes. Layers whose entries span the same bytes share a class: one region and one free list.
-// Most models have one; Q4_K_M's experts come in two sizes (Q6_K ffn_down on half the layers).
+// One size. Every frame has the bytes of the largest layer's entry in whole pages, so any free
+// frame serves any entry, and the cache counts every entry at the largest entry's bytes (see
+// setup_frames in mf_streamer.c). Why (session 12): frames of one size per entry size (Q4_K_M's
+// experts come in two: Q6_K ffn_down on half the layers) kept memory exact, but a load of one
+// size that found no free frame of its size made the other size give a frame's pages back
+// (madvise, a TLB shootdown) and faulted fresh ones in: on about one load in two, as the sizes'
+// live shares wander. Alternated A/B, 20-token prompt and 48 tokens (/tmp/exp/dec.sh, not kept),
+// one size against the per-size frames with 64 of the budget's frames kept free (be21c58):
+// gemma4-26b-shape under its 25% cap's budget 1.59-1.60 against 0.94-1.09 tok/s (6239 releases),
+// qwen30b-q4km-shape 1.92-2.02 against 1.45-1.67 (524), both at 50% 2.00-2.38 against 1.77-1.93
+// and 2.16-2.25 against 2.15-2.26 tok/s. The smaller entries' frames waste their tail (gemma4's
+// Q5_0-down layers 17%), which the cache pays in entries it holds; the shootdowns cost more.
 // Memory. A frame's pages are faulted in by its first read and kept while it is free ("warm": the
-// next load needs no fresh zeroed pages). The bytes of frames with pages, live or warm, stay
-// within `limit`, set by the caller just above the most the budget's entries can occupy: a class
-// that needs a frame it has never used first gives back (MADV_DONTNEED) warm frames of the other
-// classes, one TLB shootdown each, and its read then faults fresh pages in. The classes' shares
-// shift all the time (an entry of one size evicted for one of the other), so with two or more
-// classes the cache keeps some of the budget's frames free (free_frames in mf_streamer.c): a
-// class finds a warm frame of its own, and these releases become rare.
+// next load needs no fresh zeroed pages). There are as many frames as the budget holds entries
+// (plus two), so the memory held stays within the budget's entries in frames.
 // Threads. Frames are taken and given back on the decode thread only (routing, prefetch, failure
 // reaping, drop_cache), never while a read into them is in flight; lanes only read into them.
 #include "mf_internal.h"
@@ -34,108 +39,68 @@
 #include <string.h>
 #include <sys/mman.h>
 
-int mf_frames_init(mf_frames * fr, const size_t * frame_bytes, const int32_t * cap, int32_t n_cls, size_t limit) {
+int mf_frames_init(mf_frames * fr, size_t frame_bytes, int32_t cap) {
     memset(fr, 0, sizeof *fr);
-    if (n_cls <= 0) {
+    if (cap <= 0 || frame_bytes == 0 || frame_bytes % MF_PAGE != 0) {
         return -EINVAL;
     }
-    fr->cls   = calloc((size_t) n_cls, sizeof *fr->cls);
-    fr->n_cls = n_cls;
-    fr->limit = limit;
-    if (!fr->cls) {
-        fr->n_cls = 0;
-        return -ENOMEM;
+    fr->frame_bytes = frame_bytes;
+    fr->cap         = cap;
+    fr->size        = (size_t) cap * frame_bytes;
+    // address space only (MAP_NORESERVE): a frame uses memory once a read has touched it
+    void * p        = mmap(NULL, fr->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    fr->warm        = calloc((size_t) cap, sizeof *fr->warm);
+    fr->cold        = calloc((size_t) cap, sizeof *fr->cold);
+    if (p == MAP_FAILED || !fr->warm || !fr->cold) {
+        const int rc = p == MAP_FAILED ? -errno : -ENOMEM;
+        fr->base     = p == MAP_FAILED ? NULL : p;
+        mf_frames_free(fr);
+        return rc;
     }
-    for (int32_t c = 0; c < n_cls; c++) {
-        mf_frame_class * k = &fr->cls[c];
-        if (cap[c] <= 0 || frame_bytes[c] == 0 || frame_bytes[c] % MF_PAGE != 0) {
-            mf_frames_free(fr);
-            return -EINVAL;
-        }
-        k->frame_bytes = frame_bytes[c];
-        k->cap         = cap[c];
-        k->size        = (size_t) cap[c] * frame_bytes[c];
-        // address space only (MAP_NORESERVE): a frame uses memory once a read has touched it
-        void * p       = mmap(NULL, k->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-        k->warm        = calloc((size_t) cap[c], sizeof *k->warm);
-        k->cold        = calloc((size_t) cap[c], sizeof *k->cold);
-        if (p == MAP_FAILED || !k->warm || !k->cold) {
-            const int rc = p == MAP_FAILED ? -errno : -ENOMEM;
-            k->base      = p == MAP_FAILED ? NULL : p;
-            mf_frames_free(fr);
-            return rc;
-        }
-        k->base = p;
-        // popped from the top: frames are first used in address order
-        for (int32_t i = 0; i < cap[c]; i++) {
-            k->cold[i] = cap[c] - 1 - i;
-        }
-        k->n_cold = cap[c];
+    fr->base = p;
+    // popped from the top: frames are first used in address order
+    for (int32_t i = 0; i < cap; i++) {
+        fr->cold[i] = cap - 1 - i;
     }
+    fr->n_cold = cap;
     return 0;
 }
 
 void mf_frames_free(mf_frames * fr) {
-    for (int32_t c = 0; c < fr->n_cls; c++) {
-        mf_frame_class * k = &fr->cls[c];
-        if (k->base) {
-            munmap(k->base, k->size);
-        }
-        free(k->warm);
-        free(k->cold);
+    if (fr->base) {
+        munmap(fr->base, fr->size);
     }
-    free(fr->cls);
+    free(fr->warm);
+    free(fr->cold);
     memset(fr, 0, sizeof *fr);
 }
 
-char * mf_frames_addr(const mf_frames * fr, int32_t c, int32_t id) {
-    return fr->cls[c].base + (size_t) id * fr->cls[c].frame_bytes;
+char * mf_frames_addr(const mf_frames * fr, int32_t id) {
+    return fr->base + (size_t) id * fr->frame_bytes;
 }
 
-// gives the pages of warm frame `id` of class c back to the kernel (it becomes cold)
-static void release(mf_frames * fr, int32_t c, int32_t id) {
-    mf_frame_class * k = &fr->cls[c];
-    // errors are not fatal: the frame keeps its pages, only the memory is not returned
-    (void) madvise(mf_frames_addr(fr, c, id), k->frame_bytes, MADV_DONTNEED);
-    k->cold[k->n_cold++] = id;
-    atomic_fetch_sub_explicit(&fr->populated, k->frame_bytes, memory_order_relaxed);
-    atomic_fetch_add_explicit(&fr->released, 1, memory_order_relaxed);
-}
-
-// whether `bytes` more of frames with pages stay within the limit
-static bool fits(const mf_frames * fr, size_t bytes) {
-    return atomic_load_explicit(&fr->populated, memory_order_relaxed) + bytes <= fr->limit;
-}
-
-int32_t mf_frames_take(mf_frames * fr, int32_t c) {
-    mf_frame_class * k = &fr->cls[c];
-    if (k->n_warm > 0) {
-        return k->warm[--k->n_warm];  // the most recently freed: its pages are likely in the CPU cache
+int32_t mf_frames_take(mf_frames * fr) {
+    if (fr->n_warm > 0) {
+        return fr->warm[--fr->n_warm];  // the most recently freed: its pages are likely in the CPU cache
     }
-    if (k->n_cold == 0) {
+    if (fr->n_cold == 0) {
         return -1;
     }
-    // a frame without pages adds to the memory held: make room from the other classes' warm frames
-    for (int32_t o = 0; o < fr->n_cls && !fits(fr, k->frame_bytes); o++) {
-        mf_frame_class * other = &fr->cls[o];
-        while (o != c && other->n_warm > 0 && !fits(fr, k->frame_bytes)) {
-            release(fr, o, other->warm[--other->n_warm]);
-        }
-    }
-    atomic_fetch_add_explicit(&fr->populated, k->frame_bytes, memory_order_relaxed);
-    return k->cold[--k->n_cold];
+    atomic_fetch_add_explicit(&fr->populated, fr->frame_bytes, memory_order_relaxed);
+    return fr->cold[--fr->n_cold];
 }
 
-void mf_frames_give(mf_frames * fr, int32_t c, int32_t id) {
-    mf_frame_class * k = &fr->cls[c];
-    k->warm[k->n_warm++] = id;
+void mf_frames_give(mf_frames * fr, int32_t id) {
+    fr->warm[fr->n_warm++] = id;
 }
 
 void mf_frames_trim(mf_frames * fr) {
-    for (int32_t c = 0; c < fr->n_cls; c++) {
-        mf_frame_class * k = &fr->cls[c];
-        while (k->n_warm > 0) {
-            release(fr, c, k->warm[--k->n_warm]);
-        }
+    while (fr->n_warm > 0) {
+        const int32_t id = fr->warm[--fr->n_warm];
+        // errors are not fatal: the frame keeps its pages, only the memory is not returned
+        (void) madvise(mf_frames_addr(fr, id), fr->frame_bytes, MADV_DONTNEED);
+        fr->cold[fr->n_cold++] = id;
+        atomic_fetch_sub_explicit(&fr->populated, fr->frame_bytes, memory_order_relaxed);
+        atomic_fetch_add_explicit(&fr->released, 1, memory_order_relaxed);
     }
 }

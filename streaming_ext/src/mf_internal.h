@@ -206,41 +206,32 @@ typedef struct mf_layer {
     mf_xtensor * xt[MF_MAX_XT];  // in consumption order
     int32_t      n_xt;
     uint64_t     entry_bytes;    // one expert of this layer, all its tensors
-    size_t       frame_bytes;    // its frame: each tensor's slice in whole pages
-    int32_t      frame_class;    // index into s->frames.cls
     int32_t *    frame;          // [n_expert] frame of each resident entry, -1: none (not under hold_all)
     mf_router    router;
 } mf_layer;
 
 // ---------------------------------------------------------------- expert memory (mf_frames.c)
-// frames of one size: the entries of every layer whose tensors' slices span frame_bytes together
-typedef struct mf_frame_class {
-    size_t    frame_bytes;  // a multiple of MF_PAGE
-    char *    base;         // cap frames, read-write, MAP_NORESERVE
-    size_t    size;
-    int32_t   cap;
-    int32_t * warm;         // free frames whose pages are present (a stack)
-    int32_t   n_warm;
-    int32_t * cold;         // free frames without pages (a stack: the lowest address on top at first)
-    int32_t   n_cold;
-} mf_frame_class;
-
+// frames of one size, for the entries of every layer
 typedef struct mf_frames {
-    mf_frame_class *     cls;
-    int32_t              n_cls;
-    size_t               limit;      // bytes of frames with pages (live or warm) to stay within
-    atomic_size_t        populated;  // bytes of frames with pages now
-    atomic_uint_fast64_t released;   // warm frames whose pages were given back to the kernel
+    size_t               frame_bytes;  // a multiple of MF_PAGE
+    char *               base;         // cap frames, read-write, MAP_NORESERVE
+    size_t               size;
+    int32_t              cap;
+    int32_t *            warm;         // free frames whose pages are present (a stack)
+    int32_t              n_warm;
+    int32_t *            cold;         // free frames without pages (a stack: the lowest address on top at first)
+    int32_t              n_cold;
+    atomic_size_t        populated;    // bytes of frames with pages now
+    atomic_uint_fast64_t released;     // warm frames whose pages were given back to the kernel
 } mf_frames;
 
-// maps cap[c] frames of frame_bytes[c] for each class; 0 or -errno (nothing left mapped)
-int     mf_frames_init(mf_frames * fr, const size_t * frame_bytes, const int32_t * cap, int32_t n_cls, size_t limit);
+// maps cap frames of frame_bytes; 0 or -errno (nothing left mapped)
+int     mf_frames_init(mf_frames * fr, size_t frame_bytes, int32_t cap);
 void    mf_frames_free(mf_frames * fr);  // also after a failed init, or on a zeroed struct
-// a free frame of class c (warm first; a cold one after giving back other classes' warm frames
-// beyond the limit), -1 when the class has none left. Decode thread.
-int32_t mf_frames_take(mf_frames * fr, int32_t c);
-void    mf_frames_give(mf_frames * fr, int32_t c, int32_t id);  // decode thread, no read in flight
-char *  mf_frames_addr(const mf_frames * fr, int32_t c, int32_t id);
+// a free frame (warm first, else cold), -1 when none is left. Decode thread.
+int32_t mf_frames_take(mf_frames * fr);
+void    mf_frames_give(mf_frames * fr, int32_t id);  // decode thread, no read in flight
+char *  mf_frames_addr(const mf_frames * fr, int32_t id);
 void    mf_frames_trim(mf_frames * fr);  // gives every warm frame's pages back (a cold cache)
 
 // ---------------------------------------------------------------- the streamer (mf_streamer.c)
@@ -288,9 +279,6 @@ struct mf_streamer {
     int32_t                     pf_layer;
 
     mf_frames     frames;  // the memory of resident entries (not under hold_all)
-    // the cache's byte budget: the whole budget, less the frames kept free where frames come in
-    // several sizes (setup_frames)
-    uint64_t      cache_budget;
     char          memory_note[200];
 
     // dense reads at load: an aligned bounce buffer for O_DIRECT

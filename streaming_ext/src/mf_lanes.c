@@ -34,7 +34,7 @@ static void entry_drop(mf_streamer * s, mf_layer * L, int32_t e) {
         }
     }
     if (L->frame && L->frame[e] >= 0) {
-        mf_frames_give(&s->frames, L->frame_class, L->frame[e]);
+        mf_frames_give(&s->frames, L->frame[e]);
         L->frame[e] = -1;
     }
 }
@@ -44,12 +44,12 @@ static bool entry_place(mf_streamer * s, mf_layer * L, int32_t e) {
     if (s->hold_all) {
         return true;  // slots are the tensors' own addresses (mf_buft_hold_all)
     }
-    const int32_t id = mf_frames_take(&s->frames, L->frame_class);
+    const int32_t id = mf_frames_take(&s->frames);
     if (id < 0) {
         return false;
     }
     L->frame[e]      = id;
-    char * const frm = mf_frames_addr(&s->frames, L->frame_class, id);
+    char * const frm = mf_frames_addr(&s->frames, id);
     for (int32_t j = 0; j < L->n_xt; j++) {
         mf_xtensor * xt = L->xt[j];
         // the slice's first byte sits at its file offset's place within a page, as in the tensor
@@ -234,8 +234,7 @@ static int reserve_jobs_locked(mf_streamer * s, size_t need) {
 
 // Hands the cache's last evictions and loads (of layer il) to memory and the lanes: evictions free
 // their frames first, so the loads can take them. `demand`: the running layer's reads (waited
-// for), else a prefetch. The decode thread itself makes no system call here, unless a load needs
-// a frame without pages while the limit is reached (mf_frames_take).
+// for), else a prefetch. The decode thread itself makes no system call here.
 int mf_queue_route(mf_streamer * s, int32_t il, bool demand) {
     mf_cache * c = s->cache;
     if (c->n_evict == 0 && c->n_load == 0) {

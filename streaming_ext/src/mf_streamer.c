@@ -364,38 +364,14 @@ static int kind_rank(const char * name) {
     return 3;
 }
 
-// Frames kept free out of `fit` (the entries the budget holds at most) where frames come in several
-// sizes. A load whose class has no free frame with pages takes one without (its first read faults
-// every page in) while another class gives back one of its free frames (madvise, a TLB shootdown):
-// with no frame to spare that happened on about one load in two, as the classes' live shares
-// wander a frame at a time. Free frames absorb the wandering; releases fall about as one over their
-// number. qwen30b-q4km-shape (two sizes), 20-token prompt and 48 tokens, alternated with the
-// library before this (/tmp/exp/dec.sh, not kept): under the 25% cap's budget, 64 frames kept
-// free, releases 8127 -> 524, decode 1.45-1.46 -> 1.87-2.04 tok/s (3 rounds), cache management
-// 51-53 -> 11-12 ms per token (a test build keeping 32: 1186 releases, 1.99 tok/s); under the 50%
-// cap's, 3786 -> 438 releases, 2.07-2.42 -> 2.79-2.98 tok/s (2 rounds). The cache gives up 64 of the
-// 1074 entries the budget holds at most there. One in 16 of the budget's frames, at most 64.
-static uint64_t free_frames(uint64_t fit) {
-    const uint64_t keep = fit / 16;
-    return keep < 64 ? keep : 64;
-}
-
 // Frames for the entries (see mf_frames.c): each of a layer's tensors gets the most pages any of
-// its slices spans, layers whose frames have the same size share a class, and a class has as
-// many frames as the budget can fill with its smallest entries (or it has entries), plus two.
-// The memory held stays within what the budget's entries can occupy in frames, plus one frame.
-// With two or more classes the cache gets less than the whole budget: the rest stays free frames
-// for the classes' shares to shift into (see "Memory" in mf_frames.c).
+// its slices spans, at its own offset in the frame, and every frame has the largest layer's span.
+// The cache counts every entry at the largest entry's bytes (mf_streamer_check_loaded), so it
+// holds at most budget / entry_bytes_max entries: that many frames, plus two.
 static int setup_frames(mf_streamer * s) {
-    const int32_t n   = s->n_layers;
-    size_t *      fb  = calloc((size_t) n, sizeof *fb);
-    int32_t *     cap = calloc((size_t) n, sizeof *cap);
-    uint64_t *    min = calloc((size_t) n, sizeof *min);
-    int32_t       n_cls = 0;
-    int           rc    = fb && cap && min ? 0 : -ENOMEM;
-    double        ratio = 1.0;   // frame bytes per entry byte, at most
-    size_t        frame_max = 0;
-    for (int32_t l = 0; l < n && rc == 0; l++) {
+    size_t  frame = 0;
+    int32_t total = 0;  // entries of the layers with experts
+    for (int32_t l = 0; l < s->n_layers; l++) {
         mf_layer * L = &s->layers[l];
         if (L->n_xt == 0) {
             continue;
@@ -411,51 +387,22 @@ static int setup_frames(mf_streamer * s) {
             L->xt[j]->frame_off = off;
             off += span;
         }
-        int32_t c = 0;
-        while (c < n_cls && fb[c] != off) {
-            c++;
-        }
-        if (c == n_cls) {
-            fb[n_cls++] = off;
-        }
-        L->frame_bytes = off;
-        L->frame_class = c;
-        cap[c] += s->n_expert;  // entries of the class, for now
-        min[c] = min[c] == 0 || L->entry_bytes < min[c] ? L->entry_bytes : min[c];
+        frame = off > frame ? off : frame;
+        total += s->n_expert;
         L->frame = malloc((size_t) s->n_expert * sizeof *L->frame);
         if (!L->frame) {
-            rc = -ENOMEM;
-            break;
+            return -ENOMEM;
         }
         for (int32_t e = 0; e < s->n_expert; e++) {
             L->frame[e] = -1;
         }
     }
-    for (int32_t c = 0; c < n_cls && rc == 0; c++) {
-        const uint64_t fill = s->cfg.budget_bytes / min[c] + 2;
-        cap[c]              = fill < (uint64_t) cap[c] ? (int32_t) fill : cap[c];
-        ratio               = (double) fb[c] / (double) min[c] > ratio ? (double) fb[c] / (double) min[c] : ratio;
-        frame_max           = fb[c] > frame_max ? fb[c] : frame_max;
-    }
-    if (rc == 0) {
-        const size_t limit = (size_t) ((double) s->cfg.budget_bytes * ratio) + frame_max;
-        rc                 = mf_frames_init(&s->frames, fb, cap, n_cls, limit);
-        uint64_t smallest  = UINT64_MAX;
-        for (int32_t c = 0; c < n_cls; c++) {
-            smallest = min[c] < smallest ? min[c] : smallest;
-        }
-        const uint64_t keep = n_cls > 1 ? free_frames(s->cfg.budget_bytes / smallest) : 0;
-        const uint64_t held = keep * frame_max;
-        const uint64_t rest = held < s->cfg.budget_bytes ? s->cfg.budget_bytes - held : 0;
-        s->cache_budget     = rest > s->layer_bytes_max ? rest : s->layer_bytes_max;
-        snprintf(s->memory_note, sizeof s->memory_note,
-                 "experts in frames: %d size(s), the largest %zu bytes; at most %zu MiB with pages; %llu frames "
-                 "kept free",
-                 (int) n_cls, frame_max, limit >> 20, (unsigned long long) keep);
-    }
-    free(fb);
-    free(cap);
-    free(min);
+    const uint64_t fill = s->cfg.budget_bytes / s->entry_bytes_max + 2;
+    const int32_t  cap  = fill < (uint64_t) total ? (int32_t) fill : total;
+    const int      rc   = mf_frames_init(&s->frames, frame, cap);
+    snprintf(s->memory_note, sizeof s->memory_note,
+             "experts in %d frames of %zu bytes (the largest entry, %llu bytes, in whole pages): at most %zu MiB",
+             (int) cap, frame, (unsigned long long) s->entry_bytes_max, ((size_t) cap * frame) >> 20);
     return rc;
 }
 
@@ -520,6 +467,7 @@ int mf_streamer_check_loaded(mf_streamer * s) {
         const int hrc = mf_buft_hold_all(s);
         if (hrc != 0) {
             snprintf(s->last_error, sizeof s->last_error, "cannot make expert memory read-write: %s", strerror(-hrc));
+            free(entry_bytes);
             return hrc;
         }
         for (int32_t j = 0; j < s->n_xt; j++) {
@@ -529,18 +477,22 @@ int mf_streamer_check_loaded(mf_streamer * s) {
         }
         snprintf(s->memory_note, sizeof s->memory_note,
                  "the budget holds every expert: slices read into place (huge pages where the kernel has them)");
-        s->cache_budget = s->cfg.budget_bytes;
     } else {
         mf_frames_free(&s->frames);  // (a zeroed struct the first time)
         const int frc = setup_frames(s);
         if (frc != 0) {
             snprintf(s->last_error, sizeof s->last_error, "cannot map the experts' frames: %s", strerror(-frc));
+            free(entry_bytes);
             return frc;
+        }
+        // every entry takes a frame of the largest entry's size: the cache counts it so
+        for (int32_t l = 0; l < n_layers; l++) {
+            entry_bytes[l] = entry_bytes[l] ? s->entry_bytes_max : 0;
         }
     }
     mf_cache_free(s->cache);
     s->cache = NULL;
-    int rc   = mf_cache_new(n_layers, s->n_expert, entry_bytes, s->cache_budget, s->cfg.policy, &s->cache);
+    int rc   = mf_cache_new(n_layers, s->n_expert, entry_bytes, s->cfg.budget_bytes, s->cfg.policy, &s->cache);
     free(entry_bytes);
     if (rc != 0) {
         snprintf(s->last_error, sizeof s->last_error, "cannot create the expert cache: %s", strerror(-rc));
