@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import server
 from server.bench.cgroup import probe
 from server.bench.command import describe_model
 from server.bench.replay import Route, Trace
@@ -62,6 +64,11 @@ def test_bench_runs_every_system_on_a_tiny_model(tiny_model: Callable[..., Path]
     assert {"command", "model", "environment", "cgroup", "page_cache", "ceiling", "runs", "ratios"} <= set(
         data
     )
+    env = data["environment"]
+    assert env["moeflash"] == server.__version__
+    if (Path(__file__).resolve().parents[1] / ".git").exists():
+        assert re.fullmatch(r"[0-9a-f]{40}( \+local changes)?", env["commit"]), env["commit"]
+    assert f"commit {env['commit']}" in out.with_suffix(".md").read_text()
     expected = default_systems(2)
     # a system with repeats runs that many times, its runs numbered from 0
     names = [s.name for s in expected.uncapped + expected.capped for _ in range(s.repeats)]

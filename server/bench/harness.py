@@ -66,10 +66,35 @@ class BenchConfig:
     expert_bytes_per_read: int = 0  # one expert slice; from the model when 0
 
 
+def _source_commit() -> str | None:
+    """The checkout's commit, "+local changes" when tracked files differ from it; None outside git."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode != 0 or dirty.returncode != 0:
+        return None
+    return head.stdout.strip() + (" +local changes" if dirty.stdout.strip() else "")
+
+
 def _environment() -> dict[str, Any]:
     import llama_cpp
 
+    from server import __version__
+
     env: dict[str, Any] = {
+        # which code measured: reports are compared across commits
+        "moeflash": __version__,
+        "commit": _source_commit(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "machine": platform.machine(),

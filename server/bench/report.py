@@ -46,6 +46,8 @@ def markdown(result: BenchResult, command: str) -> str:
         f"Machine: {result.environment.get('cpu_model', '?')}, {result.environment.get('cpus')} cores, "
         f"{result.environment.get('mem_total_bytes', 0) / 2**30:.1f} GiB; read_ahead_kb "
         f"{result.environment.get('read_ahead_kb')}; {result.cgroup}; page cache {result.page_cache}.",
+        f"Code: moeflash {result.environment.get('moeflash', '?')}, commit "
+        f"{result.environment.get('commit') or 'unknown (not a git checkout)'}.",
         "",
         "## Disk ceiling (same file)",
         "",
