@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from server import __version__
 from server.bench.cgroup import MemoryCgroup, drop_page_cache, probe
 from server.bench.disk import CeilingResult, random_reads, sequential_read
 from server.bench.systems import System, SystemSet
@@ -67,14 +68,13 @@ class BenchConfig:
 
 
 def _source_commit() -> str | None:
-    """The checkout's commit, "+local changes" when tracked files differ from it; None outside git."""
-    root = Path(__file__).resolve().parents[2]
+    """The checkout's commit, "+local changes" when tracked files other than the reports (which a
+    bench run writes) differ from it; None outside git."""
+    git = ["git", "-C", str(Path(__file__).resolve().parents[2])]
     try:
-        head = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
-        )
+        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            [*git, "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/reports"],
             capture_output=True,
             text=True,
             timeout=10,
@@ -88,8 +88,6 @@ def _source_commit() -> str | None:
 
 def _environment() -> dict[str, Any]:
     import llama_cpp
-
-    from server import __version__
 
     env: dict[str, Any] = {
         # which code measured: reports are compared across commits
