@@ -1,12 +1,17 @@
-"""The expert cache budget: explicit bytes, or `auto` from the memory this process may use.
+"""The memory budget: what the process holds beside the expert cache, and the cache's share.
 
-auto = limit - dense weights - KV cache - margin, where the limit is the memory cgroup's
-(v2 memory.max or v1 memory.limit_in_bytes) when one is set, else MemAvailable, and the margin
-covers llama.cpp's compute buffers, the Python process, page tables and the streamer's spare
-pages (5% of the limit plus 256 MiB: on qwen30b-shape the cgroup peak exceeded budget + dense + KV
-by 215-230 MiB at 4.19 and 8.38 GiB caps, bench/reports/qwen30b-shape.md). The result is
-clamped to [one layer's experts, all experts]; below the floor the model cannot run in this
-memory and that is an error.
+Every term is measured where it can be, once the llama.cpp context exists:
+- in use: the process before the model (Python, libraries), its RSS; counted only under a
+  cgroup limit (MemAvailable, read before the load, already leaves the process out);
+- dense: the weights read into RAM (a streamed model's non-expert tensors; a resident model's
+  weights are page cache, which the kernel reclaims instead of killing the process);
+- the context (server/context.py): KV cache, compute buffers reserved for a full micro-batch
+  over the whole context, output buffer, and without flash attention ggml's work buffer for the
+  attention product (allocated on the first long prompt);
+- margin: what cannot be measured (page tables, thread stacks, allocator slack, ggml's other
+  work buffers, the server's per-request objects): 64 MiB + 3% of the limit.
+auto = limit - all of them, clamped to [one layer's experts, all experts]; below the floor the
+context cannot be held in this memory and that is an error naming the terms.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from server.context import ContextBytes
 from server.errors import ConfigError
 from server.memcg import own_memory_cgroup
 from server.model_files import split_files
@@ -28,12 +34,59 @@ _MIB = 2**20
 _UNLIMITED = 2**60  # cgroup v1 reports "no limit" as a huge page-rounded number
 
 
+def _mib(n: int) -> str:
+    return f"{n / _MIB:.0f} MiB"
+
+
 @dataclass(frozen=True)
 class BudgetChoice:
     """The budget in bytes and the reason it was chosen (logged at start-up)."""
 
     bytes: int
     reason: str
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """The memory this process may use, where that number comes from, and what of it the process
+    already held when it was read (its RSS under a cgroup limit; 0 for MemAvailable)."""
+
+    bytes: int
+    source: str
+    in_use: int = 0
+
+
+@dataclass(frozen=True)
+class MemoryTerms:
+    """What the process holds beside the expert cache, bytes (see the module docstring)."""
+
+    in_use: int
+    dense: int
+    context: ContextBytes
+    margin: int
+
+    @property
+    def total(self) -> int:
+        return self.in_use + self.dense + self.context.total + self.margin
+
+    def describe(self) -> str:
+        c = self.context
+        parts = [
+            f"in use {_mib(self.in_use)}",
+            f"dense {_mib(self.dense)}",
+            f"KV {_mib(c.kv)}",
+            f"compute {_mib(c.compute)}",
+            f"output {_mib(c.output)}",
+        ]
+        if c.attention_scratch:
+            parts.append(f"attention scratch {_mib(c.attention_scratch)}")
+        parts.append(f"margin {_mib(self.margin)}")
+        return " - ".join(parts)
+
+
+def margin_bytes(limit_bytes: int) -> int:
+    """What cannot be measured ahead of time (module docstring)."""
+    return 64 * _MIB + limit_bytes * 3 // 100
 
 
 def streamer_dense_bytes(path: Path, expert_bytes: int) -> int:
@@ -55,19 +108,31 @@ def _cgroup_limit() -> tuple[int, str] | None:
     return None
 
 
-def _mem_available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise ConfigError("cannot read MemAvailable from /proc/meminfo; give an explicit --budget")
+def _meminfo_bytes(path: str, key: str) -> int | None:
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
-def memory_limit() -> tuple[int, str]:
-    """(bytes this process may use, where that number comes from)."""
+def memory_limit() -> MemoryLimit:
+    """What this process may use now: its cgroup's limit (minus nothing yet: `in_use` says what
+    the process holds of it), else MemAvailable, which already leaves the process out."""
     cg = _cgroup_limit()
     if cg is not None:
-        return cg
-    return _mem_available(), "MemAvailable (/proc/meminfo)"
+        return MemoryLimit(cg[0], cg[1], _meminfo_bytes("/proc/self/status", "VmRSS") or 0)
+    available = _meminfo_bytes("/proc/meminfo", "MemAvailable")
+    if available is None:
+        raise ConfigError("cannot read MemAvailable from /proc/meminfo; give an explicit --budget")
+    return MemoryLimit(available, "MemAvailable (/proc/meminfo)")
+
+
+def memory_terms(limit: MemoryLimit, dense: int, context: ContextBytes) -> MemoryTerms:
+    """The terms beside the expert cache under `limit`."""
+    return MemoryTerms(limit.in_use, dense, context, margin_bytes(limit.bytes))
 
 
 def choose_budget(
@@ -75,94 +140,69 @@ def choose_budget(
     requested: int | None,
     expert_bytes: int,
     layer_bytes: int,
-    dense_bytes: int,
-    kv_bytes: int,
-    limit: tuple[int, str] | None = None,
+    terms: MemoryTerms,
+    limit: MemoryLimit,
+    n_ctx: int,
 ) -> BudgetChoice:
-    """The expert budget: `requested` bytes as given, or automatic when it is None."""
+    """The expert budget: `requested` bytes as given (a warning when it and the rest exceed the
+    limit), or automatic when it is None (ConfigError when the rest leaves less than one layer's
+    experts: this context cannot be held in this memory)."""
+    free = limit.bytes - terms.total
+    why = f"{limit.source} {_mib(limit.bytes)} - {terms.describe()}"
     if requested is not None:
-        if requested < layer_bytes:
-            raise ConfigError(
-                f"budget {requested / _MIB:.1f} MiB is smaller than one layer's experts "
-                f"({layer_bytes / _MIB:.1f} MiB), which one prompt can route to"
+        check_budget_floor(requested, layer_bytes)
+        if requested > free:
+            logger.warning(
+                "expert budget %s + the rest (%s) exceed the memory limit (%s %s) by %s: a prompt "
+                "that fills the %d-token context may get the process killed; lower --budget or --ctx-size",
+                _mib(requested),
+                terms.describe(),
+                limit.source,
+                _mib(limit.bytes),
+                _mib(requested - free),
+                n_ctx,
             )
         return BudgetChoice(requested, "given explicitly")
-    limit_bytes, source = limit or memory_limit()
-    margin = limit_bytes // 20 + 256 * _MIB
-    auto = limit_bytes - dense_bytes - kv_bytes - margin
-    why = (
-        f"auto: {source} {limit_bytes / _MIB:.0f} MiB - dense {dense_bytes / _MIB:.0f} MiB"
-        f" - KV {kv_bytes / _MIB:.0f} MiB - margin {margin / _MIB:.0f} MiB"
-    )
-    if auto >= expert_bytes:
+    if free >= expert_bytes:
         return BudgetChoice(
-            expert_bytes, f"{why} >= all experts ({expert_bytes / _MIB:.0f} MiB): everything cached"
+            expert_bytes, f"auto: {why} >= all experts ({_mib(expert_bytes)}): everything cached"
         )
-    if auto < layer_bytes:
+    if free < layer_bytes:
         raise ConfigError(
-            f"not enough memory to stream this model: {why} = {auto / _MIB:.0f} MiB, below one layer's "
-            f"experts ({layer_bytes / _MIB:.0f} MiB); free memory, lower --ctx-size, or use a smaller model"
+            f"not enough memory for a {n_ctx}-token context: {why} = {_mib(free)}, below one layer's "
+            f"experts ({_mib(layer_bytes)}); lower --ctx-size, free memory, or use a smaller model"
         )
-    return BudgetChoice(auto, why)
+    return BudgetChoice(free, f"auto: {why}")
 
 
-def kv_cache_bytes(metadata: Mapping[str, Any], n_ctx: int, swa_ubatch: int | None = None) -> int:
-    """F16 K and V bytes llama.cpp allocates for n_ctx tokens (without flash attention).
-
-    Per layer with a KV cache: K holds n_head_kv(il) x the layer's key width, V the widest
-    layer's values (llama.cpp pads V to it when the layers differ and flash attention is off:
-    gemma4's 256-wide sliding-window and 512-wide full-attention heads). Sliding-window layers
-    hold the whole context (swa_full, llama.cpp's default), or with `swa_ubatch` (swa_full off,
-    that micro-batch size) the window plus one micro-batch, padded to 256 cells. Per-layer
-    values come from arrays (head_count_kv, sliding_window_pattern), which llama-cpp-python's
-    metadata leaves out: pass `gguf_header.read_metadata(path)`.
-    """
-    arch = metadata.get("general.architecture", "")
-    n_layer = int(_number(metadata.get(f"{arch}.block_count"), 0))
-    n_embd = int(_number(metadata.get(f"{arch}.embedding_length"), 0))
-    if n_layer < 1:
-        return 0
-
-    def per_layer(key: str, default: list[int]) -> list[int]:
-        raw = metadata.get(f"{arch}.{key}")
-        values = _numbers(raw)
-        if len(values) == 1:
-            return [int(values[0])] * n_layer
-        if len(values) == n_layer:
-            return [int(v) for v in values]
-        return default
-
-    n_head = per_layer("attention.head_count", [1] * n_layer)
-    n_head_kv = per_layer("attention.head_count_kv", n_head)
-    swa = _swa_layers(metadata, arch, n_layer)
-    k_full = int(_number(metadata.get(f"{arch}.attention.key_length"), n_embd // max(1, n_head[0])))
-    v_full = int(_number(metadata.get(f"{arch}.attention.value_length"), n_embd // max(1, n_head[0])))
-    k_swa = int(_number(metadata.get(f"{arch}.attention.key_length_swa"), k_full))
-    v_swa = int(_number(metadata.get(f"{arch}.attention.value_length_swa"), v_full))
-    # gemma4's last shared_kv_layers layers read earlier layers' caches
-    with_kv = range(n_layer - int(_number(metadata.get(f"{arch}.attention.shared_kv_layers"), 0)))
-    k = [n_head_kv[il] * (k_swa if swa[il] else k_full) for il in with_kv]
-    v = [n_head_kv[il] * (v_swa if swa[il] else v_full) for il in with_kv]
-    window = int(_number(metadata.get(f"{arch}.attention.sliding_window"), 0))
-    swa_cells = n_ctx
-    if swa_ubatch is not None and window > 0:
-        swa_cells = min(n_ctx, -(-(window + swa_ubatch) // 256) * 256)
-    cells = [swa_cells if swa[il] else n_ctx for il in with_kv]
-    v_max = max(v, default=0)
-    return sum(c * (k_il + v_max) for c, k_il in zip(cells, k, strict=True)) * 2
+def check_budget_floor(requested: int, layer_bytes: int) -> None:
+    """An explicit budget must hold one layer's experts, which one prompt can route to."""
+    if requested < layer_bytes:
+        raise ConfigError(
+            f"budget {requested / _MIB:.1f} MiB is smaller than one layer's experts "
+            f"({layer_bytes / _MIB:.1f} MiB), which one prompt can route to"
+        )
 
 
-def _swa_layers(metadata: Mapping[str, Any], arch: str, n_layer: int) -> list[bool]:
-    """Which layers use the sliding window, where the header says so: a per-layer array, or
-    gpt-oss's fixed pattern (the even layers, llama.cpp's default there). Else none: a scalar
-    period leaves open which layer of a period is the full one, and counting every layer as full
-    can only overestimate the cache."""
-    raw = metadata.get(f"{arch}.attention.sliding_window_pattern")
-    if isinstance(raw, (list, tuple)) and len(raw) == n_layer:
-        return [bool(x) for x in raw]
-    if raw is None and arch == "gpt-oss" and _number(metadata.get(f"{arch}.attention.sliding_window"), 0) > 0:
-        return [il % 2 == 0 for il in range(n_layer)]
-    return [False] * n_layer
+def check_resident(terms: MemoryTerms, limit: MemoryLimit, file_bytes: int, n_ctx: int) -> None:
+    """A resident model's context must fit beside the process (ConfigError otherwise); its weights
+    should too (the page cache holds them; a warning when they do not: they are read again and
+    again from flash)."""
+    why = f"{limit.source} {_mib(limit.bytes)} - {terms.describe()}"
+    free = limit.bytes - terms.total
+    if free < 0:
+        raise ConfigError(
+            f"not enough memory for a {n_ctx}-token context: {why} = {_mib(free)}; lower --ctx-size "
+            "or free memory"
+        )
+    if free < file_bytes:
+        logger.warning(
+            "the model file (%s) does not fit in what the context leaves (%s = %s): its weights will be "
+            "read from flash again and again; --mode streaming bounds that",
+            _mib(file_bytes),
+            why,
+            _mib(free),
+        )
 
 
 def _numbers(raw: Any) -> list[float]:
@@ -179,3 +219,9 @@ def _numbers(raw: Any) -> list[float]:
 def _number(raw: Any, default: float) -> float:
     values = _numbers(raw)
     return values[0] if len(values) == 1 else default
+
+
+def max_heads(metadata: Mapping[str, Any]) -> int:
+    """The most attention heads of any layer (a scalar or a per-layer array in the header)."""
+    arch = metadata.get("general.architecture", "")
+    return max((int(v) for v in _numbers(metadata.get(f"{arch}.attention.head_count"))), default=1)

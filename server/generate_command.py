@@ -36,8 +36,6 @@ logger = logging.getLogger(__name__)
 _MB = 1e6
 
 
-# micro-batch size of a run without --ubatch-size (the bench's runs: their KV cache estimate)
-DEFAULT_UBATCH = 512
 
 
 @dataclass
@@ -81,6 +79,8 @@ class GenerateReport:
     load_bytes_read: int | None = None
     budget_bytes: int | None = None
     budget_reason: str | None = None
+    # what the process holds beside the expert cache (server/budget.py MemoryTerms), bytes
+    memory: dict[str, Any] = field(default_factory=dict)
     prompt_bytes_read: int | None = None  # the prompt's reads, as TokenRecord.bytes_read
     totals: dict[str, Any] = field(default_factory=dict)
     per_token: list[TokenRecord] = field(default_factory=list)
@@ -128,7 +128,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--policy", default="layer", choices=["layer", "lru", "none"], help="cache policy")
     p.add_argument("--ctx-size", "-c", type=int, default=4096, help="context size in tokens")
     p.add_argument("--batch-size", type=int, default=512, help="logical batch size (n_batch)")
-    p.add_argument("--ubatch-size", type=int, default=DEFAULT_UBATCH, help="micro-batch size (n_ubatch)")
+    p.add_argument("--ubatch-size", type=int, default=512, help="micro-batch size (n_ubatch)")
+    p.add_argument(
+        "--flash-attn",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="flash attention (default auto: on when a full context's attention buffers would crowd "
+        "the expert cache or the weights out of memory)",
+    )
     p.add_argument("--threads", "-t", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -156,8 +163,6 @@ def _check_args(args: argparse.Namespace) -> None:
 def _load(args: argparse.Namespace) -> Any:
     import os
 
-    import llama_cpp
-
     threads = args.threads or os.cpu_count() or 1
     common: dict[str, Any] = {
         "n_ctx": args.ctx_size,
@@ -170,12 +175,9 @@ def _load(args: argparse.Namespace) -> Any:
         "verbose": False,
     }
     if args.resident:
-        try:
-            return llama_cpp.Llama(
-                str(args.model), load_mode=llama_cpp.LLAMA_LOAD_MODE_MMAP, use_extra_bufts=False, **common
-            )
-        except ValueError as exc:
-            raise ModelLoadError(f"llama.cpp could not load {args.model} ({exc})") from exc
+        from server.resident import load_resident_llama
+
+        return load_resident_llama(args.model, flash_attn=args.flash_attn, **common)
     try:
         named: dict[str, int | None] = {"auto": None, "all": BUDGET_ALL}
         budget = named[args.budget] if args.budget in named else parse_size(args.budget)
@@ -191,7 +193,7 @@ def _load(args: argparse.Namespace) -> Any:
         preload=args.preload,
     )
     n_ctx = common.pop("n_ctx")
-    return load_streaming_llama(args.model, options, n_ctx=n_ctx, **common)
+    return load_streaming_llama(args.model, options, n_ctx=n_ctx, flash_attn=args.flash_attn, **common)
 
 
 def _prompt_tokens(llm: Any, args: argparse.Namespace) -> list[int]:
@@ -348,6 +350,8 @@ def generate(
         load_bytes_read=storage0 - storage_before_load,
         per_token=records,
     )
+    if llm.memory is not None:
+        report.memory = asdict(llm.memory)
     if streaming:
         report.budget_bytes = llm.budget.bytes
         report.budget_reason = llm.budget.reason

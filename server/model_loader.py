@@ -1,12 +1,11 @@
 """Model loading behind one function, `load_model(settings) -> LoadedModel`.
 
-Two modes. resident: llama.cpp maps the file (load mode MMAP) with use_extra_bufts off, so no
-weight is repacked into another layout (the resident reference of the byte-identity gates uses
-the same setting). streaming: the expert streamer (server/streaming.py) keeps dense weights in
-RAM and streams routed experts from flash into a bounded cache. auto (the default) streams when
-the model file does not fit comfortably in the memory this process may use. `load_model` is the
-only place that decides how a model is loaded; `LoadedModel.telemetry()` surfaces the streamer's
-counters.
+Two modes. resident (server/resident.py): llama.cpp maps the file the stock way. streaming: the
+expert streamer (server/streaming.py) keeps dense weights in RAM and streams routed experts from
+flash into a bounded cache. Both measure what the context holds against the memory limit. auto
+(the default) streams when the model file does not fit comfortably in the memory this process
+may use. `load_model` is the only place that decides how a model is loaded;
+`LoadedModel.telemetry()` surfaces the streamer's counters.
 """
 
 from __future__ import annotations
@@ -130,11 +129,11 @@ def choose_mode(settings: ModelSettings, file_size: int) -> tuple[str, str]:
         return settings.mode, "chosen in the settings"
     from server.budget import memory_limit
 
-    limit, source = memory_limit()
+    limit = memory_limit()
     # resident needs the whole file in page cache plus KV and compute buffers: keep headroom
-    if file_size <= limit * 0.6:
-        return "resident", f"auto: the file ({file_size / 2**30:.1f} GiB) fits in {source}"
-    return "streaming", f"auto: the file ({file_size / 2**30:.1f} GiB) exceeds 60% of {source}"
+    if file_size <= (limit.bytes - limit.in_use) * 0.6:
+        return "resident", f"auto: the file ({file_size / 2**30:.1f} GiB) fits in {limit.source}"
+    return "streaming", f"auto: the file ({file_size / 2**30:.1f} GiB) exceeds 60% of {limit.source}"
 
 
 def load_model(settings: ModelSettings) -> LoadedModel:
@@ -146,8 +145,6 @@ def load_model(settings: ModelSettings) -> LoadedModel:
     file_size = sum(part.stat().st_size for part in files)
     mode, why = choose_mode(settings, file_size)
     logger.info("loading %s %s (%s)", path, mode, why)
-
-    import llama_cpp  # heavy import (loads libllama): only when a model is really loaded
 
     kwargs: dict[str, Any] = {
         "n_batch": settings.n_batch,
@@ -173,20 +170,15 @@ def load_model(settings: ModelSettings) -> LoadedModel:
             policy=settings.cache_policy,
             prefetch=settings.prefetch,
         )
-        streamed = load_streaming_llama(path, options, n_ctx=settings.ctx_size, **kwargs)
+        streamed = load_streaming_llama(
+            path, options, n_ctx=settings.ctx_size, flash_attn=settings.flash_attn, **kwargs
+        )
         budget_bytes = streamed.budget.bytes
         llama: Llama = streamed
     else:
-        try:
-            llama = llama_cpp.Llama(
-                str(path),
-                n_ctx=settings.ctx_size,
-                load_mode=llama_cpp.LLAMA_LOAD_MODE_MMAP,
-                use_extra_bufts=False,
-                **kwargs,
-            )
-        except (ValueError, RuntimeError, OSError) as exc:
-            raise ModelLoadError(f"llama.cpp could not load {path}: {exc}") from exc
+        from server.resident import load_resident_llama
+
+        llama = load_resident_llama(path, n_ctx=settings.ctx_size, flash_attn=settings.flash_attn, **kwargs)
 
     metadata: dict[str, str] = dict(llama.metadata)
     template = metadata.get("tokenizer.chat_template")

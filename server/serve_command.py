@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import threading
 from typing import Any
 
-from server.errors import ConfigError
+from server.errors import ConfigError, ModelLoadError, MoeflashError
 from server.model_files import split_files
 from server.model_loader import LoadedModel, load_model
 from server.settings import ModelSettings, ServerSettings, add_arguments, load_settings
 
 logger = logging.getLogger(__name__)
+
+_YEAR_S = 365 * 24 * 3600.0
 
 _LAN_WARNING = """
   ************************************************************************
@@ -50,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from server.app import create_app
-    from server.engine import Engine
+    from server.engine import Engine, EngineState
 
     cli: dict[str, Any] = {
         name: getattr(args, name, None)
@@ -83,15 +86,28 @@ def run(args: argparse.Namespace) -> int:
         server_settings.port,
         "required" if key else "not required",
     )
-    uvicorn.run(
-        app,
-        host=host,
-        port=server_settings.port,
-        log_level="warning",
-        timeout_graceful_shutdown=10,
-        # our own logging config (the CLI's) stays in force
-        log_config=None,
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=server_settings.port,
+            log_level="warning",
+            timeout_graceful_shutdown=10,
+            # our own logging config (the CLI's) stays in force
+            log_config=None,
+        )
     )
+
+    def stop_if_the_load_fails() -> None:
+        # a model that cannot be loaded (e.g. a context the memory cannot hold) ends the server
+        if not engine.wait_ready(_YEAR_S) and engine.state is EngineState.FAILED:
+            server.should_exit = True
+
+    threading.Thread(target=stop_if_the_load_fails, name="moeflash-load-watch", daemon=True).start()
+    server.run()
+    failure = engine.load_error
+    if failure is not None:
+        raise failure if isinstance(failure, MoeflashError) else ModelLoadError(str(failure))
     return 0
 
 

@@ -133,6 +133,11 @@ class ModelSettings(BaseSettings):
     ctx_size: int = Field(4096, ge=64, le=1 << 20, description="context window in tokens")
     n_batch: int = Field(512, ge=1, le=1 << 16, description="prompt tokens per decode call")
     threads: int | None = Field(None, ge=1, le=1024, description="CPU threads (default: all)")
+    flash_attn: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="flash attention: on, off, or auto (on when the attention buffers of a full context "
+        "would crowd the expert cache or the weights out of memory; they shrink about 6x)",
+    )
     mode: Literal["auto", "resident", "streaming"] = Field(
         "auto",
         description="resident: weights mapped from the file; streaming: experts from flash into a "

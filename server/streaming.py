@@ -23,7 +23,17 @@ from typing import Any
 
 import llama_cpp
 
-from server.budget import BudgetChoice, choose_budget, kv_cache_bytes, streamer_dense_bytes
+from server.budget import (
+    BudgetChoice,
+    MemoryTerms,
+    check_budget_floor,
+    choose_budget,
+    max_heads,
+    memory_limit,
+    memory_terms,
+    streamer_dense_bytes,
+)
+from server.context import ContextBytes, fit_context
 from server.errors import ConfigError, ExpertReadError, ModelLoadError
 from server.gguf_header import read_metadata
 from streaming_ext import Policy, Reader, Streamer, StreamerConfig, StreamerError, StreamerStats
@@ -96,12 +106,14 @@ class StreamingLlama(llama_cpp.Llama):
 
     streamer: Streamer
     budget: BudgetChoice
+    memory: MemoryTerms | None  # what the process holds beside the expert cache
     telemetry: deque[DecodeTelemetry]
     compute_ns_total: int
 
     def __init__(self, model_path: str, *, streamer: Streamer, **kwargs: Any) -> None:
         self.streamer = streamer
         self.budget = BudgetChoice(0, "not chosen yet")
+        self.memory = None
         # one record per llama_decode, bounded: the server reads the latest, the CLI all of them
         self.telemetry = deque(maxlen=4096)
         self.compute_ns_total = 0  # sum of the records' compute_ns, never trimmed
@@ -176,20 +188,31 @@ def _streamer_config(options: StreamingOptions) -> StreamerConfig:
 
 
 def load_streaming_llama(
-    model_path: str | os.PathLike[str], options: StreamingOptions, *, n_ctx: int = 4096, **llama_kwargs: Any
+    model_path: str | os.PathLike[str],
+    options: StreamingOptions,
+    *,
+    n_ctx: int = 4096,
+    flash_attn: str = "auto",
+    **llama_kwargs: Any,
 ) -> StreamingLlama:
     """Load `model_path` (a GGUF or the first file of a split set) with its experts streamed.
 
-    Raises ConfigError for bad options (lanes, budget below one layer's experts, ...) and
-    ModelLoadError for a file that cannot be streamed (missing, truncated, not MoE, ...), in
-    both cases before any generation.
+    `flash_attn`: "on", "off", or "auto" (on when the context's attention buffers would keep the
+    cache from holding the budget asked for, or every expert for an automatic one). The budget
+    counts what the context holds, measured (server/budget.py). Raises ConfigError for bad
+    options (lanes, budget below one layer's experts, a context the memory cannot hold, ...) and
+    ModelLoadError for a file that cannot be streamed (missing, truncated, not MoE, ...), in both
+    cases before any generation.
     """
     path = Path(model_path)
     if not path.is_file():
         raise ModelLoadError(f"model file {path} does not exist")
     if not 1 <= options.lanes <= 16:
         raise ConfigError(f"lanes must be 1..16, got {options.lanes}")
+    if flash_attn not in ("auto", "on", "off"):
+        raise ConfigError(f"flash_attn must be auto, on or off, got {flash_attn!r}")
     parse_policy(options.policy)
+    limit = memory_limit()  # before the load: what the process holds now is `in_use`
     # the streamer indexes the file first: a bad file is refused before llama.cpp sees it
     try:
         streamer = Streamer(path, _streamer_config(options))
@@ -206,13 +229,7 @@ def load_streaming_llama(
             options = dataclasses.replace(options, budget_bytes=streamer.expert_bytes)
         if options.budget_bytes is not None:
             # an explicit budget is checked before anything is loaded
-            choice = choose_budget(
-                requested=options.budget_bytes,
-                expert_bytes=streamer.expert_bytes,
-                layer_bytes=streamer.layer_bytes,
-                dense_bytes=dense,
-                kv_bytes=0,
-            )
+            check_budget_floor(options.budget_bytes, streamer.layer_bytes)
         kwargs = dict(llama_kwargs)
         kwargs.setdefault("verbose", False)
         try:
@@ -225,6 +242,7 @@ def load_streaming_llama(
                 tensor_buft_overrides=overrides,
                 cb_eval=streamer.eval_callback,
                 cb_eval_user_data=streamer.handle,
+                flash_attn=flash_attn == "on",
                 **kwargs,
             )
         except ValueError as exc:
@@ -235,19 +253,26 @@ def load_streaming_llama(
             failure = streamer.take_error()
             if failure is not None:
                 raise ModelLoadError(f"loading {path} failed: {failure}")
-            if options.budget_bytes is None:
-                # automatic: the KV cache's size is known now that the context exists
-                choice = choose_budget(
-                    requested=None,
-                    expert_bytes=streamer.expert_bytes,
-                    layer_bytes=streamer.layer_bytes,
-                    dense_bytes=dense,
-                    kv_bytes=kv_cache_bytes(
-                        read_metadata(path),
-                        llm.n_ctx(),
-                        llm.context_params.n_ubatch if kwargs.get("swa_full") is False else None,
-                    ),
-                )
+            wanted = options.budget_bytes or streamer.expert_bytes
+
+            def fits(context: ContextBytes) -> bool:
+                return limit.bytes - memory_terms(limit, dense, context).total >= wanted
+
+            ctx_before = llm._ctx
+            context = fit_context(
+                llm, flash_attn=flash_attn, n_head_max=max_heads(read_metadata(path)), fits=fits
+            )
+            if llm._ctx is not ctx_before:
+                llm._wrap_decode()
+            terms = memory_terms(limit, dense, context)
+            choice = choose_budget(
+                requested=options.budget_bytes,
+                expert_bytes=streamer.expert_bytes,
+                layer_bytes=streamer.layer_bytes,
+                terms=terms,
+                limit=limit,
+                n_ctx=llm.n_ctx(),
+            )
             streamer.set_budget(choice.bytes)
             streamer.check_loaded()
             if options.preload:
@@ -258,6 +283,7 @@ def load_streaming_llama(
                 raise ModelLoadError(str(exc)) from exc
             raise
         llm.budget = choice
+        llm.memory = terms
         logger.info("expert budget %.1f MiB: %s", choice.bytes / 2**20, choice.reason)
         logger.info("expert memory: %s", streamer.memory_note())
         if mapped:

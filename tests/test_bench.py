@@ -111,6 +111,7 @@ def test_bench_runs_every_system_on_a_tiny_model(tiny_model: Callable[..., Path]
         "roofline_efficiency",
         "speedup_vs_mmap",
         "memory_discipline",
+        "memory_discipline_full_context",
         "hit_rate",
         "prefill_512_roofline_efficiency",
         "prefill_512_speedup_vs_mmap",
@@ -148,6 +149,7 @@ def test_bench_runs_every_system_on_a_tiny_model(tiny_model: Callable[..., Path]
     assert {
         "residency (all cached / resident)",
         "memory discipline",
+        "memory discipline, a prompt filling the context",
         "time to first token, 20-token prompt (s)",
         "bytes read at load / non-expert bytes",
     } <= target_names
@@ -164,7 +166,7 @@ def test_model_description_counts_every_layers_experts(
     # routed bytes per token are k of each layer's experts, not k x layers x the largest layer's
     overrides = {"down_qtype": down} if down else {}
     spec = dataclasses.replace(preset("tiny-qwen3moe"), **overrides)
-    info = describe_model(tiny_model("tiny-qwen3moe", **overrides), ctx_size=512)
+    info = describe_model(tiny_model("tiny-qwen3moe", **overrides))
     assert info["routed_bytes_per_token"] == spec.routed_bytes_per_token
     assert info["bytes_per_expert"] == spec.bytes_per_expert
     assert info["expert_bytes"] == spec.n_expert * sum(spec.expert_bytes_of(il) for il in range(spec.n_layer))

@@ -5,6 +5,8 @@
      (built by `make ext`), through the vec_dot and the tiled matmul.
 0003 llama-cpp-python Llama(...): cb_eval, cb_eval_user_data, tensor_buft_overrides,
      use_extra_bufts and load_mode reach llama.cpp, and survive context re-creation.
+0004 llama_get_context_bytes: a context's KV cache, compute and output buffers, as llama.cpp
+     allocated them (they grow with the context and the micro-batch as llama.cpp sizes them).
 """
 
 from __future__ import annotations
@@ -164,3 +166,21 @@ def test_0003_tensor_buft_overrides_reach_the_loader(qwen: Path, capfd: pytest.C
 def test_0003_null_buffer_type_is_refused(qwen: Path) -> None:
     with pytest.raises(ValueError, match="null buffer type"):
         load_llama(qwen, tensor_buft_overrides=[(r"ffn_up_exps\.weight", 0)])
+
+
+def test_0004_context_bytes_follow_the_context_and_the_micro_batch(qwen: Path) -> None:
+    def measured(**kw: int) -> tuple[llama_cpp.llama_context_bytes, int]:
+        llm = load_llama(qwen, **kw)
+        try:
+            return llama_cpp.llama_get_context_bytes(llm._ctx.ctx), llm.n_vocab()
+        finally:
+            llm.close()
+
+    small, n_vocab = measured(n_ctx=256, n_batch=64, n_ubatch=64)
+    long_ctx, _ = measured(n_ctx=2048, n_batch=64, n_ubatch=64)
+    big_batch, _ = measured(n_ctx=256, n_batch=256, n_ubatch=256)
+    # the KV cache holds n_ctx cells (F16 K and V); the scores of a micro-batch over the whole
+    # context live in the compute buffers; the output buffer holds one row of logits
+    assert long_ctx.memory == 8 * small.memory > 0
+    assert long_ctx.compute > small.compute > 0 and big_batch.compute > small.compute
+    assert small.output >= n_vocab * 4

@@ -3,9 +3,9 @@
 Every gate decodes greedily with the resident reference (load mode MMAP, use_extra_bufts off, no
 callback) and with the streamer under one setting, and compares the tokens AND a sha256 of every
 logits row. Each lever of the streamer (cache policy and size, reader mode, lanes, overlap,
-micro-batch size, architecture, expert sizes that differ by layer, split files, KV-cache reuse)
-has a gate here; the negative control proves a gate fails when an expert is deliberately not
-loaded.
+micro-batch size, flash attention, architecture, expert sizes that differ by layer, split files,
+KV-cache reuse) has a gate here; the negative control proves a gate fails when an expert is
+deliberately not loaded.
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ def streamed(path: Path, options: StreamingOptions, **kw: Any) -> StreamingLlama
     settings = {**LLAMA_DEFAULTS, **kw}
     settings.pop("use_extra_bufts")
     n_ctx = settings.pop("n_ctx")
-    return load_streaming_llama(path, options, n_ctx=n_ctx, **settings)
+    # the reference's flash attention, never the loader's automatic choice
+    flash_attn = "on" if settings.pop("flash_attn", False) else "off"
+    return load_streaming_llama(path, options, n_ctx=n_ctx, flash_attn=flash_attn, **settings)
 
 
 @pytest.fixture(scope="module")
@@ -311,6 +313,21 @@ def test_gate_sliding_window_cache_cut_to_the_window(
     prompt = [(13 * i + 5) % 300 for i in range(256)]
     settings = {"n_ctx": 1024, "n_batch": 32, "n_ubatch": 32, "swa_full": False}
     gate(path, StreamingOptions(budget_bytes=expert_layer_bytes(path)), reference, prompt=prompt, **settings)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3moe", "tiny-gptoss", "tiny-gemma4"])
+def test_gate_flash_attention(
+    tiny_model: Callable[..., Path], reference: Callable[..., Result], preset: str
+) -> None:
+    """Flash attention (the loader's lever for long contexts): streamed and resident agree with it
+    on, for a cache that evicts every layer, a sliding-window cache cut to the window and a prompt
+    in micro-batches of 32."""
+    path = tiny_model(preset)
+    prompt = [(11 * i + 3) % 300 for i in range(160)]
+    settings = {"n_ctx": 1024, "n_batch": 32, "n_ubatch": 32, "swa_full": False, "flash_attn": True}
+    gate(path, StreamingOptions(budget_bytes=expert_layer_bytes(path)), reference, prompt=prompt, **settings)
+    off = reference(path, prompt, N_TOKENS, **{**settings, "flash_attn": False})
+    assert off[1] != reference(path, prompt, N_TOKENS, **settings)[1], "flash attention was not on"
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from server.memcg import own_memory_cgroup
 
@@ -70,13 +71,30 @@ class MemoryCgroup:
     ) -> None:
         self.close()
 
+    def _joining(self, argv: Sequence[str]) -> list[str]:
+        procs = self.path / "cgroup.procs"
+        return ["/bin/sh", "-c", f'echo $$ > "{procs}" && exec "$@"', "moeflash-cgroup", *argv]
+
     def run(
         self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float | None = None
     ) -> subprocess.CompletedProcess[str]:
         """Run argv inside the group (it joins before exec), capturing its output."""
-        procs = self.path / "cgroup.procs"
-        wrapper = ["/bin/sh", "-c", f'echo $$ > "{procs}" && exec "$@"', "moeflash-cgroup", *argv]
-        return subprocess.run(wrapper, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+        return subprocess.run(
+            self._joining(argv), env=env, capture_output=True, text=True, timeout=timeout, check=False
+        )
+
+    def popen(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[str]:
+        """Start argv inside the group (it joins before exec); kwargs go to subprocess.Popen."""
+        return subprocess.Popen(self._joining(argv), text=True, **kwargs)
+
+    def oom_kills(self) -> int:
+        """Processes of the group the kernel killed for want of memory."""
+        name = "memory.oom_control" if self.support.version == 1 else "memory.events"
+        for line in (self.path / name).read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
 
     def peak_bytes(self) -> int:
         """Peak memory charged to the group: RSS + page cache."""

@@ -119,12 +119,10 @@ def _shape_model(args: argparse.Namespace, progress: bool) -> tuple[Path, bool]:
     return path, True
 
 
-def describe_model(path: Path, ctx_size: int) -> dict[str, Any]:
-    """Size, bytes per expert, routed bytes per token, dense bytes and KV bytes of a GGUF."""
+def describe_model(path: Path) -> dict[str, Any]:
+    """Size, bytes per expert, routed bytes per token and dense bytes of a GGUF."""
     import gguf
 
-    from server.budget import kv_cache_bytes
-    from server.generate_command import DEFAULT_UBATCH
     from server.gguf_header import read_metadata
     from server.model_files import split_files
     from streaming_ext import Streamer, StreamerConfig
@@ -159,8 +157,6 @@ def describe_model(path: Path, ctx_size: int) -> dict[str, Any]:
         "routed_bytes_per_token": expert_bytes * k // n_expert,
         "expert_bytes": expert_bytes,
         "dense_bytes": file_bytes - expert_bytes,
-        # the runs' sliding-window caches hold the window and a micro-batch (swa_full off)
-        "kv_bytes": kv_cache_bytes(meta, ctx_size, DEFAULT_UBATCH),
     }
 
 
@@ -189,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         if not path.exists():
             raise ConfigError(f"model {path} does not exist")
     try:
-        info = describe_model(path, args.ctx_size)
+        info = describe_model(path)
         if args.shape:
             info["sha256"] = path.with_suffix(".sha256").read_text().strip()
         cfg = BenchConfig(

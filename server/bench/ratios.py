@@ -122,6 +122,20 @@ def _cap_ceiling(ceiling: list[dict[str, Any]], cap: int) -> float | None:
     return _best_random(ceiling, {before, before + 1})
 
 
+def _memory_discipline(run: Run | None) -> float | None:
+    """Peak memory of a capped run (RSS + page cache charged) / what the loader accounted for:
+    the budget and the terms it measured beside it (server/budget.py), its margin left out."""
+    if run is None or not run.ok or not run.cgroup_peak_bytes:
+        return None
+    rep = run.report
+    terms = rep.get("memory") or {}
+    if not terms:
+        return None
+    accounted = rep["budget_bytes"] + terms["in_use"] + terms["dense"]
+    accounted += sum(v for k, v in terms["context"].items() if k != "flash_attn")
+    return float(run.cgroup_peak_bytes / accounted)
+
+
 def compute_ratios(result: BenchResult) -> dict[str, Any]:
     """Every BENCH.md ratio, per cap where it depends on one."""
     ceiling_all = _best_random(result.ceiling)
@@ -176,11 +190,8 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
             if (compute_bound or io_bound)
             else None
         )
-        memory = None
-        if stream and stream.ok and stream.cgroup_peak_bytes:
-            rep = stream.report
-            accounted = rep["budget_bytes"] + rep["totals"]["dense_bytes"] + result.model.get("kv_bytes", 0)
-            memory = stream.cgroup_peak_bytes / accounted
+        memory = _memory_discipline(stream)
+        memory_full = _memory_discipline(_by_name(result, "streaming-full-context", cap))
         ideal = None
         if sd and ceiling and compute_bound:
             ideal = max(1.0 / compute_bound, sd["bytes_read"] / ceiling)
@@ -238,6 +249,7 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
             ),
             "overlap_efficiency": _ratio(ideal, sd["seconds"] if sd else None),
             "memory_discipline": memory,
+            "memory_discipline_full_context": memory_full,
             "hit_rate": 1.0 - sd["miss_rate"] if sd and "miss_rate" in sd else None,
             "cache_hit_rate": sd.get("cache_hit_rate") if sd else None,
             "prefetch_hit_rate": sd.get("prefetch_hit_rate") if sd else None,

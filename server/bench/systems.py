@@ -40,10 +40,14 @@ class System:
     # tok/s back to back after stock mmap (gemma4-26b-shape at 4.12 GiB: the first after stock
     # mmap slowest, repeated identical reads faster as the virtual disk's host caches them)
     repeats: int = 1
+    # a prompt that fills the context but for the tokens it decodes (the memory bound's worst case)
+    fill_context: bool = False
 
     def argv(
         self, model: str, prompt: str, n_predict: int, ctx_size: int, extra: tuple[str, ...] = ()
     ) -> list[str]:
+        n = self.decode_tokens or n_predict
+        filled = ("--prompt-tokens", str(ctx_size - n)) if self.fill_context else ()
         return [
             sys.executable,
             "-m",
@@ -56,7 +60,7 @@ class System:
             "--prompt",
             prompt,
             "-n",
-            str(self.decode_tokens or n_predict),
+            str(n),
             "--ignore-eos",
             "--ctx-size",
             str(ctx_size),
@@ -66,6 +70,7 @@ class System:
             "--prompt-tokens",
             str(SHORT_PROMPT_TOKENS),
             *self.args,
+            *filled,
             *extra,
         ]
 
@@ -142,6 +147,14 @@ def default_systems(mmap_tokens: int, levers: bool = True) -> SystemSet:
             ("--prompt-tokens", str(LONG_PROMPT_TOKENS)),
             decode_tokens=4,
             description="moeflash, a 512-token prompt (prefill rate and time to first token)",
+        ),
+        System(
+            "streaming-full-context",
+            True,
+            (),
+            decode_tokens=4,
+            description="moeflash, a prompt that fills the context (memory discipline at its worst)",
+            fill_context=True,
         ),
     ]
     if levers:

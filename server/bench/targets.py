@@ -67,6 +67,13 @@ def check_targets(ratios: dict[str, Any], file_bytes: int) -> list[Target]:
             Target("roofline efficiency", scope, cap.get("roofline_efficiency"), 0.85, True),
             Target("I/O efficiency while waiting", scope, cap.get("io_efficiency"), 0.85, True),
             Target("memory discipline", scope, cap.get("memory_discipline"), 1.1, False),
+            Target(
+                "memory discipline, a prompt filling the context",
+                scope,
+                cap.get("memory_discipline_full_context"),
+                1.1,
+                False,
+            ),
             Target("512-token prefill / I/O roofline", scope, cap.get("prefill_512_efficiency"), 0.85, True),
             Target("time to first token, 20-token prompt (s)", scope, cap.get("ttft_20_s"), TTFT_20_S, False),
             Target(
