@@ -41,11 +41,36 @@ MAX_PARALLEL_CALLS = 8
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def json_text(value: Any) -> str:
+    """`value` as strict JSON text; ValueError when it has none (NaN, infinities, lone surrogates,
+    which could not be written as UTF-8). Tool arguments reach a client through this or through a
+    JSON grammar."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"a lone surrogate: {exc}") from None
+    return text
+
+
+def strict_json(text: str) -> Any:
+    """The value of `text` if a strict parser accepts it (json_text's rules too); ValueError if not."""
+    value = json.loads(text, parse_constant=_refuse_constant)
+    json_text(value)
+    return value
+
+
 def _hermes_call(body: str) -> tuple[str, Any] | None:
     try:
-        call = json.loads(body)
+        call = strict_json(body)
         name = call["name"]
         arguments = call.get("arguments", {})
+        if isinstance(arguments, str):  # arguments written as a JSON string, as OpenAI sends them
+            arguments = strict_json(arguments)
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
     return (name, arguments) if isinstance(name, str) else None
@@ -347,7 +372,7 @@ class ChatOutput:
         self._in_tool = False
         # whitespace between and after tool calls is layout, not content
         self._after_call = False
-        self._harmony_call: tuple[str, int] | None = None
+        self._harmony_call: tuple[str, str] | None = None  # (name, arguments so far)
 
     @property
     def n_calls(self) -> int:
@@ -374,6 +399,7 @@ class ChatOutput:
         if self._scanner is not None:
             return []  # cut short by max_tokens: what streamed stays, finish_reason says length
         out = self._route(self._splitter.finish())
+        out.extend(self._end_harmony_call())
         if self._after_call and not self._tool_buf.strip():
             self._tool_buf = ""
         if self._tool_buf:
@@ -386,19 +412,31 @@ class ChatOutput:
         out: list[OutPiece] = []
         for kind, text in pieces:
             if kind.startswith("tool:"):
+                # harmony's arguments have no grammar: a call is held until it ends, then checked
                 name = kind[5:]
-                if self._harmony_call is None or self._harmony_call[0] != name:
-                    self._harmony_call = (name, self._calls)
-                    out.append(ToolCallStart(self._calls, new_call_id(), name))
-                    self._calls += 1
-                out.append(ToolCallArgs(self._harmony_call[1], text))
-            elif kind == "content" and self._parse_tools:
-                self._harmony_call = None
+                if self._harmony_call is not None and self._harmony_call[0] != name:
+                    out.extend(self._end_harmony_call())
+                held = self._harmony_call[1] if self._harmony_call is not None else ""
+                self._harmony_call = (name, held + text)
+                continue
+            out.extend(self._end_harmony_call())
+            if kind == "content" and self._parse_tools:
                 out.extend(self._content_with_calls(text))
             else:
-                self._harmony_call = None
                 out.append((kind, text))
         return out
+
+    def _end_harmony_call(self) -> list[OutPiece]:
+        """The held harmony call as a tool call, or as content when its arguments are not strict
+        JSON (the text the model wrote, rather than arguments no client can parse)."""
+        if self._harmony_call is None:
+            return []
+        name, text = self._harmony_call
+        self._harmony_call = None
+        try:
+            return self._call(name, strict_json(text))
+        except ValueError:
+            return [("content", text)]
 
     def _content_with_calls(self, text: str) -> list[OutPiece]:
         out: list[OutPiece] = []
@@ -436,12 +474,16 @@ class ChatOutput:
 
     def _parsed_call(self, body: str) -> list[OutPiece]:
         call = self._syntax.parse(body)
-        if call is None:
-            return [("content", self._syntax.open + body + self._syntax.close)]
-        return self._call(*call)
+        if call is not None:
+            try:
+                return self._call(*call)
+            except ValueError:
+                pass  # arguments with no strict JSON form (an infinity, a lone surrogate)
+        return [("content", self._syntax.open + body + self._syntax.close)]
 
     def _call(self, name: str, arguments: Any) -> list[OutPiece]:
+        """A call's pieces; ValueError (nothing counted) when its arguments have no strict JSON form."""
+        text = json_text(arguments)
         index = self._calls
         self._calls += 1
-        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
         return [ToolCallStart(index, new_call_id(), name), ToolCallArgs(index, text)]

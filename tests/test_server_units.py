@@ -99,6 +99,49 @@ def test_harmony_tool_call_goes_to_its_arguments() -> None:
     assert output.n_calls == 1
 
 
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        pytest.param('{"note": "a\x05b"}', id="raw-control-character"),
+        pytest.param('{"x": NaN}', id="nan"),
+        pytest.param('{"x": 1e999}', id="infinity"),
+        pytest.param('{"s": "\\ud800"}', id="lone-surrogate"),
+        pytest.param('{"unit": "c"', id="unterminated"),
+    ],
+)
+def test_harmony_arguments_a_strict_parser_refuses_stay_content(arguments: str) -> None:
+    """Harmony's arguments have no grammar: what no strict parser takes never becomes a call."""
+    text = (
+        "<|channel|>analysis<|message|>go<|end|><|start|>assistant to=functions.get_weather"
+        f"<|channel|>commentary <|constrain|>json<|message|>{arguments}"
+    )
+    output = ChatOutput(HarmonySplitter())
+    pieces = [p for i in range(0, len(text), 3) for p in output.feed(text[i : i + 3])] + output.finish()
+    assert not [p for p in pieces if isinstance(p, ToolCallStart | ToolCallArgs)]
+    assert output.n_calls == 0
+    assert _joined([p for p in pieces if isinstance(p, tuple)])["content"] == arguments
+
+
+@pytest.mark.parametrize(
+    ("body", "is_call"),
+    [
+        pytest.param('{"name": "f", "arguments": "{\\"a\\": 1}"}', True, id="arguments-as-a-json-string"),
+        pytest.param('{"name": "f", "arguments": "not json"}', False, id="arguments-string-not-json"),
+        pytest.param('{"name": "f", "arguments": {"x": Infinity}}', False, id="infinity"),
+        pytest.param('{"name": "f", "arguments": {"x": 1e400}}', False, id="overflow"),
+    ],
+)
+def test_hermes_arguments_are_strict_json(body: str, is_call: bool) -> None:
+    output = ChatOutput(PlainSplitter(), parse_tools=True)
+    pieces = output.feed(f"<tool_call>{body}</tool_call>") + output.finish()
+    args = "".join(p.text for p in pieces if isinstance(p, ToolCallArgs))
+    assert output.n_calls == int(is_call)
+    if is_call:
+        assert json.loads(args) == {"a": 1}
+    else:
+        assert pieces == [("content", f"<tool_call>{body}</tool_call>")]
+
+
 @pytest.mark.parametrize("size", [1, 4, 1000])
 def test_gemma4_tool_calls_are_parsed_out_of_the_content(size: int) -> None:
     q = '<|"|>'
