@@ -62,10 +62,10 @@ def _validation_message(exc: RequestValidationError, request: Request) -> Invali
     return InvalidRequest(f"{where}{first.get('msg')}{more}", param=param, code="invalid_value")
 
 
-def _card(ctx: ServeContext) -> ModelCard:
+def _card(ctx: ServeContext, name: str) -> ModelCard:
     info = ctx.ready_model().info
     return ModelCard(
-        id=info.id,
+        id=name,
         created=info.created,
         context_length=info.n_ctx,
         architecture=info.architecture,
@@ -142,16 +142,15 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
 
     @app.get("/v1/models", tags=["openai"])
     async def list_models() -> ModelList:
-        """The loaded model."""
-        return ModelList(data=[_card(ctx)])
+        """The loaded model, once under each of its names (--alias, then the file stem)."""
+        return ModelList(data=[_card(ctx, name) for name in ctx.ready_model().info.names])
 
     @app.get("/v1/models/{model_id:path}", tags=["openai"])
     async def get_model(model_id: str) -> ModelCard:
-        """The loaded model, if `model_id` names it."""
-        card = _card(ctx)
-        if model_id != card.id:
+        """The loaded model, if `model_id` is one of its names."""
+        if model_id not in ctx.ready_model().info.names:
             raise NotFound(f"the model {model_id!r} does not exist", param="model", code="model_not_found")
-        return card
+        return _card(ctx, model_id)
 
     @app.post(
         "/v1/chat/completions",
@@ -183,7 +182,8 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             CORSMiddleware,
             allow_origins=settings.cors_origins,
             allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["Authorization", "Content-Type", "X-Moeflash-Timings"],
+            # whatever an allowed origin's client sends (the openai npm SDK: X-Stainless-*, OpenAI-*)
+            allow_headers=["*"],
         )
     app.add_middleware(
         SecurityMiddleware,

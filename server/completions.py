@@ -33,6 +33,7 @@ from server.protocol import (
     CompletionRequest,
     ResponseFormatJsonObject,
     ResponseFormatJsonSchema,
+    media_parts,
 )
 from server.reasoning import PlainSplitter, make_splitter
 from server.settings import ServerSettings
@@ -93,30 +94,38 @@ class ServeContext:
 
 
 def _check_model(ctx: ServeContext, model: LoadedModel, requested: str) -> None:
-    if requested != model.info.id:
+    if requested not in model.info.names:
+        served = ", ".join(repr(name) for name in model.info.names)
         raise NotFound(
-            f"the model {requested!r} does not exist; this server serves {model.info.id!r}",
+            f"the model {requested!r} does not exist; this server serves {served}",
             param="model",
             code="model_not_found",
         )
 
 
 def _max_tokens(ctx: ServeContext, model: LoadedModel, requested: int | None, n_prompt: int) -> int:
+    """The tokens to generate: what was asked, clamped to the server's cap and to the context left
+    (as llama-server does: clients that send large defaults work, finish_reason says "length")."""
     cap = ctx.settings.max_completion_tokens
-    if requested is not None and requested > cap:
-        raise InvalidRequest(f"max_tokens {requested} is over the server's cap of {cap}", param="max_tokens")
     room = model.info.n_ctx - n_prompt
     return min(requested or cap, cap, room)
 
 
-def _check_prompt(ctx: ServeContext, model: LoadedModel, n_prompt: int) -> None:
+def _check_prompt(ctx: ServeContext, model: LoadedModel, n_prompt: int, what: str) -> None:
+    """A prompt that leaves no room for a token is refused in OpenAI's words, which client
+    libraries (litellm, LangChain) recognise as a context-window error; `what`: "messages" or
+    "prompt"."""
     n_ctx = model.info.n_ctx
     cap = ctx.settings.max_prompt_tokens
     if cap is not None and n_prompt > cap:
-        raise ContextLengthExceeded(f"the prompt is {n_prompt} tokens, over the server's cap of {cap}")
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {cap} tokens (the server's prompt cap). However, "
+            f"your {what} resulted in {n_prompt} tokens. Please reduce the length of the {what}."
+        )
     if n_prompt >= n_ctx:
         raise ContextLengthExceeded(
-            f"this model's context is {n_ctx} tokens; the prompt alone is {n_prompt} tokens"
+            f"This model's maximum context length is {n_ctx} tokens. However, your {what} resulted in "
+            f"{n_prompt} tokens. Please reduce the length of the {what}."
         )
 
 
@@ -242,6 +251,13 @@ async def create_chat_completion(
     _check_model(ctx, model, body.model)
     if body.n is not None and body.n > 1:
         raise InvalidRequest("n > 1 is not supported: this server generates one choice", param="n")
+    for param, kind in media_parts(body.messages):
+        raise InvalidRequest(
+            f"this model takes text only: the content part at {param} is {kind!r}; send text parts "
+            "(type 'text') or a string",
+            param=param,
+            code="unsupported_content",
+        )
     if body.top_logprobs is not None and body.top_logprobs > 0 and not body.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
     template = ctx.template(model)
@@ -274,7 +290,7 @@ async def create_chat_completion(
         extra["reasoning_effort"] = body.reasoning_effort  # gpt-oss templates read it
     prompt = await run_in_threadpool(template.render, list(body.messages), body.tools, tool_choice, extra)
     tokens = await run_in_threadpool(template.tokenize, prompt)
-    _check_prompt(ctx, model, len(tokens))
+    _check_prompt(ctx, model, len(tokens), "messages")
     if grammar is not None:
         await run_in_threadpool(
             check_grammar,
@@ -312,7 +328,7 @@ async def create_chat_completion(
         job=job,
         output=output,
         created=int(time.time()),
-        model_id=model.info.id,
+        model_id=body.model,
         fingerprint=model.info.fingerprint,
         timings=_want_timings(body.timings, request),
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
@@ -472,7 +488,7 @@ async def create_completion(ctx: ServeContext, body: CompletionRequest, request:
     tokens = tuple(await run_in_threadpool(llama.tokenize, prompt.encode("utf-8"), add_bos, True))
     if not tokens:
         raise InvalidRequest("the prompt is empty", param="prompt")
-    _check_prompt(ctx, model, len(tokens))
+    _check_prompt(ctx, model, len(tokens), "prompt")
     params = body.to_sampling_params(
         max_tokens=_max_tokens(ctx, model, body.max_tokens, len(tokens)),
         logit_bias=_logit_bias(model, body.logit_bias),
@@ -482,7 +498,7 @@ async def create_completion(ctx: ServeContext, body: CompletionRequest, request:
         "id": job.id,
         "object": "text_completion",
         "created": int(time.time()),
-        "model": model.info.id,
+        "model": body.model,
         "system_fingerprint": model.info.fingerprint,
     }
     timings = _want_timings(body.timings, request)

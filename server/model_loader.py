@@ -40,6 +40,7 @@ class ModelInfo:
 
     path: Path
     id: str
+    names: tuple[str, ...]  # every name a request may use: the id, the other aliases, the file stem
     architecture: str
     file_size: int  # bytes, all split files together
     n_ctx: int  # context window of the created context, tokens
@@ -95,14 +96,13 @@ class LoadedModel:
             self.llama.close()
 
 
-def _model_id(settings: ModelSettings, path: Path) -> str:
-    if settings.alias:
-        return settings.alias
+def _model_names(settings: ModelSettings, path: Path) -> tuple[str, ...]:
+    """The id (the first alias, else the file stem without a split suffix), then the other names."""
     name = path.name.removesuffix(".gguf")
     marker = name.rfind("-of-")
     if marker > 6 and name[marker - 6] == "-":
         name = name[: marker - 6]
-    return name
+    return tuple(dict.fromkeys([*settings.alias, name]))
 
 
 def _fingerprint(path: Path, size: int) -> str:
@@ -188,9 +188,11 @@ def load_model(settings: ModelSettings) -> LoadedModel:
         except OSError as exc:
             llama.close()
             raise ConfigError(f"cannot read the chat template {settings.chat_template_file}: {exc}") from exc
+    names = _model_names(settings, path)
     info = ModelInfo(
         path=path,
-        id=_model_id(settings, path),
+        id=names[0],
+        names=names,
         architecture=metadata.get("general.architecture", "unknown"),
         file_size=file_size,
         n_ctx=llama.n_ctx(),

@@ -7,6 +7,7 @@ Unknown request fields are accepted (extra="allow") and logged once by the app.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -42,7 +43,15 @@ class TextPart(_Strict):
     text: str
 
 
-Content = str | list[TextPart]
+class MediaPart(_Strict):
+    """An image, audio or file part: accepted by validation so that the request is refused in plain
+    words (the models served take text only), not with the validator's internals."""
+
+    type: Literal["image_url", "input_audio", "file", "image", "audio", "input_image", "input_file"]
+
+
+ContentPart = Annotated[TextPart | MediaPart, Field(discriminator="type")]
+Content = str | list[ContentPart]
 
 
 class FunctionCall(_Strict):
@@ -102,7 +111,17 @@ def content_text(content: Content | None) -> str:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(part.text for part in content)
+    return "".join(part.text for part in content if isinstance(part, TextPart))
+
+
+def media_parts(messages: list[Any]) -> Iterator[tuple[str, str]]:
+    """(param, part type) of every non-text content part of `messages`."""
+    for i, message in enumerate(messages):
+        content = getattr(message, "content", None)
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if isinstance(part, MediaPart):
+                    yield f"messages.{i}.content.{j}", part.type
 
 
 # ---------------------------------------------------------------------- tools, formats

@@ -127,8 +127,10 @@ class ModelSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     model: Path | None = Field(None, description="path of the GGUF model (first file of a split)")
-    alias: str | None = Field(
-        None, max_length=256, description="model id in the API (default: the file stem)"
+    alias: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="a name clients may ask for the model by (repeatable; the first is its id in the API, "
+        "default: the file stem)",
     )
     ctx_size: int = Field(4096, ge=64, le=1 << 20, description="context window in tokens")
     n_batch: int = Field(512, ge=1, le=1 << 16, description="prompt tokens per decode call")
@@ -163,6 +165,22 @@ class ModelSettings(BaseSettings):
     chat_template_file: Path | None = Field(
         None, description="Jinja chat template overriding the one in the GGUF metadata"
     )
+
+    @field_validator("alias", mode="before")
+    @classmethod
+    def _split_aliases(cls, value: Any) -> Any:
+        # env vars and TOML strings arrive as "a,b"; lists pass through
+        if isinstance(value, str):
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value
+
+    @field_validator("alias")
+    @classmethod
+    def _check_aliases(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not 0 < len(name) <= 256:
+                raise ValueError(f"an alias must be 1 to 256 characters, got {name!r}")
+        return value
 
     @field_validator("budget")
     @classmethod

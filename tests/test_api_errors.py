@@ -76,12 +76,14 @@ def assert_error(
         pytest.param({"top_logprobs": 21, "logprobs": True}, "top_logprobs", id="top-logprobs-high"),
         pytest.param({"presence_penalty": 3}, "presence_penalty", id="penalty-high"),
         pytest.param({"max_tokens": 0}, "max_tokens", id="max-tokens-zero"),
-        pytest.param({"max_tokens": 101}, "max_tokens", id="max-tokens-over-cap"),
         pytest.param({"stop": ["a", "b", "c", "d", "e"]}, None, id="five-stops"),
         pytest.param({"logit_bias": {"abc": 1}}, "logit_bias", id="logit-bias-key"),
         pytest.param({"logit_bias": {"1": 101}}, None, id="logit-bias-value"),
         pytest.param({"messages": []}, "messages", id="no-messages"),
         pytest.param({"messages": [{"role": "wizard", "content": "x"}]}, None, id="bad-role"),
+        pytest.param(
+            {"messages": [{"role": "user", "content": [{"type": "video", "url": "x"}]}]}, None, id="bad-part"
+        ),
         pytest.param(
             {
                 "tool_choice": {"type": "function", "function": {"name": "nope"}},
@@ -107,6 +109,39 @@ def test_bad_input_is_400(
 ) -> None:
     response = http.post("/v1/chat/completions", json=_chat(server, **fields))
     assert_error(response, 400, param=param)
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        pytest.param({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, id="image"),
+        pytest.param({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, id="audio"),
+    ],
+)
+def test_media_parts_are_refused_in_plain_words(
+    http: httpx.Client, server: RunningServer, part: dict[str, Any]
+) -> None:
+    content = [{"type": "text", "text": "what is this?"}, part]
+    response = http.post(
+        "/v1/chat/completions", json=_chat(server, messages=[{"role": "user", "content": content}])
+    )
+    assert_error(response, 400, code="unsupported_content", param="messages.0.content.1")
+    message = response.json()["error"]["message"]
+    assert "text only" in message and part["type"] in message
+    assert "validation" not in message and "Input should be" not in message
+
+
+def test_max_tokens_over_the_cap_is_clamped(http: httpx.Client, server: RunningServer) -> None:
+    """Clients with large defaults work: the server generates up to its cap (100 here) and says
+    finish_reason "length" when it stops there."""
+    word = server.model.llama.tokenize(b" word", add_bos=False)[0]
+    forced = {"logit_bias": {str(word): 100}, "temperature": 0}  # never an end-of-generation token
+    for fields in ({"max_tokens": 100_000}, {"max_completion_tokens": 4096, "max_tokens": None}):
+        response = http.post("/v1/chat/completions", json=_chat(server, **fields, **forced))
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == 100
 
 
 def test_bad_input_is_400_for_streams_too(http: httpx.Client, server: RunningServer) -> None:
@@ -159,7 +194,12 @@ def test_unknown_route_is_404_and_wrong_method_is_405(http: httpx.Client) -> Non
 
 def test_prompt_longer_than_the_context_is_400(http: httpx.Client, server: RunningServer) -> None:
     long = _chat(server, messages=[{"role": "user", "content": "word " * 700}])
-    assert_error(http.post("/v1/chat/completions", json=long), 400, code="context_length_exceeded")
+    response = http.post("/v1/chat/completions", json=long)
+    assert_error(response, 400, code="context_length_exceeded")
+    # OpenAI's words, which litellm and LangChain recognise as a context-window error
+    message = response.json()["error"]["message"]
+    assert message.startswith("This model's maximum context length is 200 tokens (the server's prompt cap). ")
+    assert "However, your messages resulted in" in message
     legacy = {"model": server.model_id, "prompt": "word " * 700}
     assert_error(http.post("/v1/completions", json=legacy), 400, code="context_length_exceeded")
 
@@ -234,6 +274,23 @@ def test_cors_allow_list(model_path: Path) -> None:
             )
             assert preflight.status_code == 200
             assert preflight.headers["access-control-allow-origin"] == allowed
+            # what the openai npm SDK sends from a browser (dangerouslyAllowBrowser)
+            sdk_headers = (
+                "authorization,content-type,x-stainless-os,x-stainless-lang,x-stainless-package-version,"
+                "x-stainless-runtime,x-stainless-runtime-version,x-stainless-arch,x-stainless-retry-count,"
+                "x-stainless-timeout,openai-organization,openai-project"
+            )
+            sdk = client.options(
+                "/v1/chat/completions",
+                headers={
+                    "Origin": allowed,
+                    "Access-Control-Request-Method": "POST",
+                    "Access-Control-Request-Headers": sdk_headers,
+                },
+            )
+            assert sdk.status_code == 200, sdk.text
+            allowed_headers = sdk.headers["access-control-allow-headers"].lower()
+            assert all(h in allowed_headers for h in sdk_headers.split(","))
             ok = client.get("/v1/models", headers={"Origin": allowed})
             assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == allowed
             assert_error(client.get("/v1/models", headers={"Origin": "http://other.example"}), 403)

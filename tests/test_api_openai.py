@@ -431,3 +431,22 @@ def test_timings_extension_is_opt_in(client: openai.OpenAI, server: RunningServe
         assert timings["prompt_ms"] >= 0 and timings["decode_ms"] >= 0
         # a resident model streams nothing: the streamer's numbers are absent, not invented
         assert timings["flash_wait_ms"] is None and timings["bytes_read"] is None
+
+
+def test_aliases_serve_the_model_under_the_names_clients_send(tiny_model: Any) -> None:
+    """--alias is repeatable: the first is the model's id, every alias and the file stem are
+    accepted and listed, the answer names the model as it was asked for, other names are 404."""
+    path = tiny_model("tiny-qwen3moe")
+    with running_server(path, ctx_size=512, alias=["gpt-4o-mini", "claude-x"]) as server:
+        with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as c:
+            assert server.model_id == "gpt-4o-mini"
+            names = [m.id for m in c.models.list().data]
+            assert names == ["gpt-4o-mini", "claude-x", path.name.removesuffix(".gguf")]
+            for name in names:
+                assert c.models.retrieve(name).id == name
+                answer = c.chat.completions.create(model=name, messages=MESSAGES, max_tokens=2, **GREEDY)
+                assert answer.model == name
+            with pytest.raises(openai.NotFoundError):
+                c.chat.completions.create(model="gpt-5", messages=MESSAGES, max_tokens=2)
+            with pytest.raises(openai.NotFoundError):
+                c.models.retrieve("gpt-5")
