@@ -34,6 +34,7 @@ from server.protocol import (
     ModelCard,
     ModelList,
 )
+from server.responses_api import ResponsesRequest, create_response
 from server.security import SecurityMiddleware
 from server.settings import ServerSettings
 from server.webui import index_html
@@ -160,6 +161,15 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     async def chat_completions(body: Annotated[ChatCompletionRequest, Body()], request: Request) -> Response:
         """Chat completion, whole or streamed (SSE)."""
         return await create_chat_completion(ctx, body, request)
+
+    @app.post(
+        "/v1/responses",
+        tags=["openai"],
+        responses={200: {"description": "a response object, or an SSE stream of Responses API events"}},
+    )
+    async def responses(body: Annotated[ResponsesRequest, Body()], request: Request) -> Response:
+        """OpenAI Responses API (stateless), whole or streamed (SSE)."""
+        return await create_response(ctx, body, request)
 
     @app.post(
         "/v1/completions",

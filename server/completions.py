@@ -144,7 +144,7 @@ def _want_timings(flag: bool | None, request: Request) -> bool:
     return bool(flag) or request.headers.get(TIMINGS_HEADER, "").lower() in ("1", "true", "yes")
 
 
-def _usage(stats: GenerationStats) -> dict[str, Any]:
+def usage_of(stats: GenerationStats) -> dict[str, Any]:
     return {
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.completion_tokens,
@@ -153,7 +153,7 @@ def _usage(stats: GenerationStats) -> dict[str, Any]:
     }
 
 
-def _timings(stats: GenerationStats, telemetry: StreamerTelemetry | None) -> dict[str, Any]:
+def timings_of(stats: GenerationStats, telemetry: StreamerTelemetry | None) -> dict[str, Any]:
     decode_s = stats.decode_ns / 1e9
     lookups = (telemetry.cache_hits + telemetry.cache_misses) if telemetry else 0
     return {
@@ -221,18 +221,13 @@ async def _collect(
     return finished
 
 
-def _finish_reason(stats: GenerationStats, n_calls: int) -> str:
-    # a call cut short by max_tokens is "length", like OpenAI: its arguments are incomplete
-    if stats.finish_reason == "length":
-        return "length"
-    return "tool_calls" if n_calls else "stop"
-
-
 # ---------------------------------------------------------------------- chat
 
 
 @dataclass
-class _ChatPlan:
+class ChatPlan:
+    """A submitted chat job and how to present its output."""
+
     job: Job
     output: ChatOutput
     created: int
@@ -247,6 +242,17 @@ async def create_chat_completion(
 ) -> Response:
     """POST /v1/chat/completions."""
     ctx.warn_unknown(body.model_extra)
+    plan = await prepare_chat(ctx, body, request)
+    if body.stream:
+        shutdown = anyio.Event()
+        return sse_response(_chat_stream(ctx, plan, shutdown), ctx.settings.keepalive_s, shutdown)
+    return await _chat_whole(ctx, plan, request)
+
+
+async def prepare_chat(ctx: ServeContext, body: ChatCompletionRequest, request: Request) -> ChatPlan:
+    """Check a chat request against the model, render and tokenize it, submit its job: everything
+    that can refuse it, before any response starts. The Responses and Messages APIs map their
+    requests onto this one."""
     model = ctx.ready_model()
     _check_model(ctx, model, body.model)
     if body.n is not None and body.n > 1:
@@ -324,7 +330,7 @@ async def create_chat_completion(
         "chatcmpl-" + secrets.token_hex(12),
         GenerationRequest(tokens, params, render_special=template.style == "harmony"),
     )
-    plan = _ChatPlan(
+    return ChatPlan(
         job=job,
         output=output,
         created=int(time.time()),
@@ -333,10 +339,76 @@ async def create_chat_completion(
         timings=_want_timings(body.timings, request),
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
     )
-    if body.stream:
-        shutdown = anyio.Event()
-        return sse_response(_chat_stream(ctx, plan, shutdown), settings.keepalive_s, shutdown)
-    return await _chat_whole(ctx, plan, request)
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """Output of a job as it comes: content / reasoning / tool-call pieces and their logprobs."""
+
+    pieces: list[OutPiece]
+    logprobs: list[TokenLogprob]
+
+
+async def generated(ctx: ServeContext, plan: ChatPlan) -> AsyncIterator[Pieces | Finished]:
+    """A chat job's output pieces, then its Finished event (observed by the metrics). A failure
+    on the worker is raised; a job cancelled while its reader is still here means the server is
+    stopping (raised as such). The caller cancels the job when it stops reading."""
+    async for ev in plan.job.events():
+        if isinstance(ev, TextDelta):
+            yield Pieces(plan.output.feed(ev.text), list(ev.logprobs))
+        elif isinstance(ev, Failed):
+            raise ev.error
+        elif ev.stats.finish_reason == "cancelled":
+            raise _SHUTDOWN
+        else:
+            yield Pieces(plan.output.finish(), [])
+            ctx.metrics.observe(ev.stats)
+            yield ev
+
+
+async def collect(
+    ctx: ServeContext, plan: ChatPlan, request: Request
+) -> tuple[list[OutPiece], list[TokenLogprob], Finished]:
+    """A non-streamed chat job run to its end (cancelled if the client leaves): every piece, the
+    logprobs, the Finished event."""
+    watcher = asyncio.create_task(_watch_disconnect(request, plan.job))
+    pieces: list[OutPiece] = []
+    logprobs: list[TokenLogprob] = []
+    finished: Finished | None = None
+    try:
+        async for item in generated(ctx, plan):
+            if isinstance(item, Pieces):
+                pieces += item.pieces
+                logprobs += item.logprobs
+            else:
+                finished = item
+    finally:
+        watcher.cancel()
+        plan.job.cancel()
+    assert finished is not None  # generated() ends with it or raises
+    return pieces, logprobs, finished
+
+
+async def streamed(
+    ctx: ServeContext, plan: ChatPlan, shutdown: anyio.Event
+) -> AsyncIterator[Pieces | Finished]:
+    """`generated` for a stream: the job is cancelled when the server shuts down or the reader
+    goes away (the generator is closed)."""
+    watcher = asyncio.create_task(_cancel_on(shutdown, plan.job))
+    try:
+        async for item in generated(ctx, plan):
+            yield item
+    finally:
+        watcher.cancel()
+        plan.job.cancel()
+
+
+def finish_reason(stats: GenerationStats, n_calls: int) -> str:
+    """stop | length | tool_calls; a call cut short by max_tokens is "length", like OpenAI: its
+    arguments are incomplete."""
+    if stats.finish_reason == "length":
+        return "length"
+    return "tool_calls" if n_calls else "stop"
 
 
 def _apply(pieces: list[OutPiece], acc: dict[str, Any]) -> None:
@@ -351,7 +423,7 @@ def _apply(pieces: list[OutPiece], acc: dict[str, Any]) -> None:
             acc[piece[0]] = acc.get(piece[0], "") + piece[1]
 
 
-async def _chat_whole(ctx: ServeContext, plan: _ChatPlan, request: Request) -> Response:
+async def _chat_whole(ctx: ServeContext, plan: ChatPlan, request: Request) -> Response:
     job = plan.job
     acc: dict[str, Any] = {"calls": []}
     logprobs: list[TokenLogprob] = []
@@ -382,13 +454,13 @@ async def _chat_whole(ctx: ServeContext, plan: _ChatPlan, request: Request) -> R
                 "index": 0,
                 "message": message,
                 "logprobs": _chat_logprobs(logprobs) if job.request.params.logprobs else None,
-                "finish_reason": _finish_reason(stats, plan.output.n_calls),
+                "finish_reason": finish_reason(stats, plan.output.n_calls),
             }
         ],
-        "usage": _usage(stats),
+        "usage": usage_of(stats),
     }
     if plan.timings:
-        result["timings"] = _timings(stats, finished.telemetry)
+        result["timings"] = timings_of(stats, finished.telemetry)
     return JSONResponse(result)
 
 
@@ -413,7 +485,7 @@ async def _cancel_on(shutdown: anyio.Event, job: Job) -> None:
 
 
 async def _chat_stream(
-    ctx: ServeContext, plan: _ChatPlan, shutdown: anyio.Event
+    ctx: ServeContext, plan: ChatPlan, shutdown: anyio.Event
 ) -> AsyncIterator[ServerSentEvent]:
     job = plan.job
     watcher = asyncio.create_task(_cancel_on(shutdown, job))
@@ -457,12 +529,12 @@ async def _chat_stream(
                     pending_lps = []
                 stats = ev.stats
                 ctx.metrics.observe(stats)
-                last = chunk({}, _finish_reason(stats, plan.output.n_calls), logprobs=pending_lps)
+                last = chunk({}, finish_reason(stats, plan.output.n_calls), logprobs=pending_lps)
                 if plan.timings:
-                    last["timings"] = _timings(stats, ev.telemetry)
+                    last["timings"] = timings_of(stats, ev.telemetry)
                 yield event(last)
                 if plan.include_usage:
-                    yield event({**head, "choices": [], "usage": _usage(stats)})
+                    yield event({**head, "choices": [], "usage": usage_of(stats)})
         yield event(DONE)
     finally:
         watcher.cancel()
@@ -526,13 +598,13 @@ async def create_completion(ctx: ServeContext, body: CompletionRequest, request:
                 "index": 0,
                 "text": text,
                 "logprobs": _legacy_logprobs(lps, len(echo)) if params.logprobs else None,
-                "finish_reason": _finish_reason(stats, 0),
+                "finish_reason": finish_reason(stats, 0),
             }
         ],
-        "usage": _usage(stats),
+        "usage": usage_of(stats),
     }
     if timings:
-        result["timings"] = _timings(stats, finished.telemetry)
+        result["timings"] = timings_of(stats, finished.telemetry)
     return JSONResponse(result)
 
 
@@ -581,12 +653,12 @@ async def _completion_stream(
             else:
                 stats = ev.stats
                 ctx.metrics.observe(stats)
-                last = chunk("", _finish_reason(stats, 0))
+                last = chunk("", finish_reason(stats, 0))
                 if timings:
-                    last["timings"] = _timings(stats, ev.telemetry)
+                    last["timings"] = timings_of(stats, ev.telemetry)
                 yield event(last)
                 if include_usage:
-                    yield event({**head, "choices": [], "usage": _usage(stats)})
+                    yield event({**head, "choices": [], "usage": usage_of(stats)})
         yield event(DONE)
     finally:
         watcher.cancel()

@@ -36,8 +36,6 @@ logger = logging.getLogger(__name__)
 _MB = 1e6
 
 
-
-
 @dataclass
 class TokenRecord:
     """One decoded token: its id and where its time went (seconds, bytes)."""

@@ -1,8 +1,8 @@
 """Server-sent events exactly as the openai SDK expects them (sse-starlette underneath).
 
-`data: <json>\\n\\n` events only, `: ping` comment keep-alives (a non-JSON data line would
-break the SDK), `data: [DONE]` last. An error after the 200 went out is sent as
-`data: {"error": {...}}` followed by `data: [DONE]`.
+Chat completions: `data: <json>\\n\\n` events only (Responses and Messages: `event:` lines too),
+`: ping` comment keep-alives (a non-JSON data line would break the SDK), `data: [DONE]` last.
+An error after the 200 went out is sent as `data: {"error": {...}}` followed by `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -30,6 +30,13 @@ def event(payload: dict[str, Any] | str) -> ServerSentEvent:
         else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
     )
     return ServerSentEvent(data=data, sep=SEP)
+
+
+def named_event(name: str, payload: dict[str, Any]) -> ServerSentEvent:
+    """One `event: <name>` + `data: <json>` event, the framing of the Responses and Anthropic
+    Messages streams (their SDKs dispatch on the event name)."""
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return ServerSentEvent(event=name, data=data, sep=SEP)
 
 
 # seconds a stream gets, once the server shuts down, to send its last events
