@@ -31,7 +31,7 @@ CTEST_FRAMES := tests/c/build/test_frames
 
 setup: $(VENV)/.deps-stamp llama ext $(VENV)/.install-stamp
 
-setup-dev: setup $(VENV)/.dev-stamp
+setup-dev: setup $(VENV)/.dev-stamp $(VENV)/.instructor-stamp
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,13 @@ $(VENV)/.deps-stamp: pyproject.toml | $(VPY)
 $(VENV)/.dev-stamp: pyproject.toml | $(VPY)
 	$(VPY) -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml","rb"))["project"]["optional-dependencies"]["dev"]))' > $(VENV)/requirements-dev.txt
 	$(VPY) -m pip install --quiet -r $(VENV)/requirements-dev.txt
+	touch $@
+
+# instructor, for the client tests, in an environment of its own (its pins clash with the dev set's)
+$(VENV)/.instructor-stamp: pyproject.toml | $(VPY)
+	$(VPY) -m venv $(VENV)/instructor
+	$(VPY) -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml","rb"))["project"]["optional-dependencies"]["client-instructor"]))' > $(VENV)/requirements-instructor.txt
+	$(VENV)/instructor/bin/python -m pip install --quiet -r $(VENV)/requirements-instructor.txt
 	touch $@
 
 # the moeflash packages themselves, editable, with the `moeflash` console script
