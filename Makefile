@@ -27,11 +27,11 @@ EXT_ASAN_LIB := streaming_ext/lib/libmoeflash_stream_asan.so
 CTEST_BIN := tests/c/build/test_ready_hook
 CTEST_FRAMES := tests/c/build/test_frames
 
-.PHONY: setup setup-dev llama ext serve serve-container require-api-key demo-model test lint bench-small bench replay clean distclean
+.PHONY: setup setup-dev chromium llama ext serve serve-container require-api-key demo-model test lint bench-small bench replay clean distclean
 
 setup: $(VENV)/.deps-stamp llama ext $(VENV)/.install-stamp
 
-setup-dev: setup $(VENV)/.dev-stamp $(VENV)/.instructor-stamp
+setup-dev: setup $(VENV)/.dev-stamp $(VENV)/.instructor-stamp tests/js/node_modules/.package-lock.json chromium
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,20 @@ $(VENV)/.instructor-stamp: pyproject.toml | $(VPY)
 	$(VPY) -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml","rb"))["project"]["optional-dependencies"]["client-instructor"]))' > $(VENV)/requirements-instructor.txt
 	$(VENV)/instructor/bin/python -m pip install --quiet -r $(VENV)/requirements-instructor.txt
 	touch $@
+
+# the openai npm SDK for the JavaScript client tests (tests/js), exactly as locked
+tests/js/node_modules/.package-lock.json: tests/js/package.json tests/js/package-lock.json
+	npm ci --prefix tests/js --no-audit --no-fund --loglevel=error
+
+# Debian's chromium for the browser tests (Playwright drives it); installed when run as root
+chromium:
+	@if [ ! -x /usr/bin/chromium ]; then \
+		if [ "$$(id -u)" = 0 ]; then \
+			apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+		else \
+			echo "setup-dev: /usr/bin/chromium is missing: 'sudo apt-get install chromium' for the browser tests" >&2; \
+		fi; \
+	fi
 
 # the moeflash packages themselves, editable, with the `moeflash` console script
 $(VENV)/.install-stamp: pyproject.toml $(VENV)/.deps-stamp

@@ -6,13 +6,19 @@ Random weights cannot show that a JSON string ever ends or that a tool call carr
 client can use; a real model can. Each library is used as its documentation shows: LangChain's
 ChatOpenAI (invoke, stream, with_structured_output, bind_tools), litellm (completion, streaming,
 its context-window error), instructor (response_model, in its own environment: it pins an
-older jiter than the openai SDK this project tests with), the openai SDK's parse().
+older jiter than the openai SDK this project tests with), the openai SDK's parse(), and the
+openai npm SDK (tests/js) in node and in a web page of another origin in Chromium
+(dangerouslyAllowBrowser; the server allows that origin with --cors-origin).
 """
 
 from __future__ import annotations
 
+import functools
+import http.server
 import json
+import shutil
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -21,10 +27,12 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.test_server_support import RunningServer, running_server
+from tests.test_server_support import RunningServer, free_port, running_server
 
 REPO = Path(__file__).resolve().parents[1]
 INSTRUCTOR_PYTHON = REPO / ".venv" / "instructor" / "bin" / "python"
+JS = REPO / "tests" / "js"
+CHROMIUM = Path("/usr/bin/chromium")  # Debian's package, installed by `make setup-dev` as root
 ALIAS = "gpt-4o-mini"  # a name clients hard-code: served with --alias
 
 
@@ -49,8 +57,29 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(gemma: Path) -> Iterator[RunningServer]:
-    with running_server(gemma, ctx_size=1024, mode="resident", alias=[ALIAS]) as running:
+def page_origin() -> Iterator[str]:
+    """tests/js served over HTTP from another port: a web app's origin, not the server's."""
+    handler = functools.partial(_QuietHandler, directory=str(JS))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    extensions_map = {**http.server.SimpleHTTPRequestHandler.extensions_map, ".mjs": "text/javascript"}
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        pass
+
+
+@pytest.fixture(scope="module")
+def server(gemma: Path, page_origin: str) -> Iterator[RunningServer]:
+    with running_server(
+        gemma, ctx_size=1024, mode="resident", alias=[ALIAS], cors_origins=[page_origin]
+    ) as running:
         yield running
 
 
@@ -156,3 +185,55 @@ def test_instructor(server: RunningServer, mode: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     city = City.model_validate(json.loads(proc.stdout.strip().splitlines()[-1]))
     assert city.name
+
+
+def check_js_results(out: dict[str, Any]) -> None:
+    assert isinstance(out["text"], str) and out["text"]
+    assert out["streamed"] == out["text"] and out["streamUsage"] > 0
+    assert out["jsonFinish"] == "stop" and set(out["parsed"]) == {"city", "country"}
+    assert set(out["toolArguments"]) == {"city", "country"}
+    assert isinstance(out["responseText"], str)
+
+
+def test_openai_npm_sdk_in_node(server: RunningServer) -> None:
+    assert (JS / "node_modules" / "openai").is_dir(), "make setup-dev installs tests/js (npm ci)"
+    proc = subprocess.run(
+        ["node", str(JS / "node-clients.mjs"), server.base_url + "/v1", ALIAS],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_js_results(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def test_openai_npm_sdk_in_chromium(server: RunningServer, page_origin: str) -> None:
+    """A web app on another origin calls the server with the npm SDK: the CORS preflight must allow
+    the SDK's X-Stainless-* headers, or every call fails."""
+    if not CHROMIUM.exists() or shutil.which("node") is None:
+        pytest.skip("Debian's chromium is not installed (make setup-dev installs it when run as root)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=str(CHROMIUM),
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+            ],
+        )
+        try:
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+            page.goto(page_origin + "/browser.html")
+            page.wait_for_function("document.title === 'ready'", timeout=30_000)
+            options = {"baseURL": server.base_url + "/v1", "model": ALIAS, "apiKey": "unused"}
+            out = page.evaluate("(options) => window.runClients(options)", options)
+        finally:
+            browser.close()
+    assert not errors, errors
+    check_js_results(out)
