@@ -24,6 +24,7 @@ from server.completions import ServeContext, create_chat_completion, create_comp
 from server.engine import Engine, EngineState
 from server.errors import InvalidRequest, MethodNotAllowed, MoeflashError, NotFound, RequestError
 from server.http_errors import error_response
+from server.messages_api import MessageOut, MessagesRequest, create_message
 from server.metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
 from server.protocol import (
     ChatCompletion,
@@ -100,31 +101,32 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
 
     @app.exception_handler(MoeflashError)
     async def _moeflash_error(request: Request, exc: MoeflashError) -> Response:
-        return error_response(exc, queue_status)
+        return error_response(exc, queue_status, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return error_response(_validation_message(exc, request))
+        return error_response(_validation_message(exc, request), path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         cause = exc.__cause__
         if isinstance(cause, RequestError):  # e.g. the body cap hit while FastAPI read the body
-            return error_response(cause, queue_status)
+            return error_response(cause, queue_status, request.url.path)
         if exc.status_code == 404:
             return error_response(NotFound(f"no route {request.url.path}", code="not_found"))
         if exc.status_code == 405:
             allow = (exc.headers or {}).get("Allow", "")
             return error_response(
-                MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}", allow=allow)
+                MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}", allow=allow),
+                path=request.url.path,
             )
         if exc.status_code < 500:
-            return error_response(InvalidRequest(str(exc.detail)))
-        return error_response(exc)
+            return error_response(InvalidRequest(str(exc.detail)), path=request.url.path)
+        return error_response(exc, path=request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
-        return error_response(exc)
+        return error_response(exc, path=request.url.path)
 
     @app.get("/health", tags=["server"])
     async def health() -> JSONResponse:
@@ -161,6 +163,15 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     async def chat_completions(body: Annotated[ChatCompletionRequest, Body()], request: Request) -> Response:
         """Chat completion, whole or streamed (SSE)."""
         return await create_chat_completion(ctx, body, request)
+
+    @app.post(
+        "/v1/messages",
+        tags=["anthropic"],
+        responses={200: {"model": MessageOut, "description": "a message, or an SSE stream of its events"}},
+    )
+    async def messages(body: Annotated[MessagesRequest, Body()], request: Request) -> Response:
+        """Anthropic Messages API, whole or streamed (SSE); `x-api-key` is accepted as the key."""
+        return await create_message(ctx, body, request)
 
     @app.post(
         "/v1/responses",

@@ -95,6 +95,7 @@ class GenerationStats:
     cached_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str | None = None  # stop | length | cancelled
+    stop_string: str | None = None  # the request's stop string that ended generation, if one did
     prompt_ns: int = 0
     decode_ns: int = 0
     # tokens sampled after the request was marked cancelled (the contract: at most one)
@@ -107,6 +108,7 @@ class _StopFilter:
     def __init__(self, stops: tuple[str, ...]) -> None:
         self._stops = [s for s in stops if s]
         self._pending = ""
+        self.matched: str | None = None  # the stop string found (the earliest in the text)
         self._pending_lps: list[tuple[int, TokenLogprob]] = []  # (end offset in pending, lp)
 
     def feed(self, text: str, logprob: TokenLogprob | None) -> tuple[TextDelta, bool]:
@@ -114,10 +116,9 @@ class _StopFilter:
         self._pending += text
         if logprob is not None:
             self._pending_lps.append((len(self._pending), logprob))
-        hits = [self._pending.find(s) for s in self._stops]
-        hits = [h for h in hits if h >= 0]
+        hits = [(at, stop) for stop in self._stops if (at := self._pending.find(stop)) >= 0]
         if hits:
-            cut = min(hits)
+            cut, self.matched = min(hits, key=lambda hit: hit[0])
             delta = self._release(cut)
             self._pending, self._pending_lps = "", []
             return delta, True
@@ -285,6 +286,7 @@ def generate(
                 emit(delta)
             if stopped:
                 finish = "stop"
+                stats.stop_string = stop_filter.matched
                 break
             if stats.completion_tokens >= max_tokens:
                 break

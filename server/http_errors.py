@@ -2,7 +2,8 @@
 
 Used by the app's exception handlers and by the security middleware (which answers before
 FastAPI routes), so every error path shares one shape:
-{"error": {"message", "type", "param", "code"}}.
+{"error": {"message", "type", "param", "code"}}. On the Anthropic routes (ANTHROPIC_PATHS) the
+body also carries "type": "error" at the top, the envelope Anthropic's SDKs read.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from server.errors import (
 )
 
 logger = logging.getLogger(__name__)
+
+# routes of Anthropic's API: their error bodies add "type": "error", and they accept x-api-key
+ANTHROPIC_PATHS = frozenset({"/v1/messages"})
 
 # (status, OpenAI error type) per exception class; the first isinstance match wins
 _STATUS: tuple[tuple[type[BaseException], int, str], ...] = (
@@ -79,7 +83,9 @@ def describe(
     return status, error_body(str(exc), type_, param, code), headers
 
 
-def error_response(exc: BaseException, queue_full_status: int = 429) -> JSONResponse:
-    """A JSONResponse for `exc` (see `describe`)."""
+def error_response(exc: BaseException, queue_full_status: int = 429, path: str = "") -> JSONResponse:
+    """A JSONResponse for `exc` (see `describe`) to a request for `path`."""
     status, body, headers = describe(exc, queue_full_status)
+    if path in ANTHROPIC_PATHS:
+        body = {"type": "error", **body}
     return JSONResponse(body, status_code=status, headers=headers)

@@ -3,7 +3,8 @@
 Order: Host allow-list (loopback only: DNS-rebinding defence) -> Origin allow-list (a
 browser page from another origin is refused, not just left without CORS headers; the CORS
 middleware outside this one answers allowed preflights) -> Bearer key (constant-time
-compare; /health is exempt) -> body cap (Content-Length up front, and counted while read).
+compare; /health is exempt; the Anthropic routes also take it as `x-api-key`) -> body cap
+(Content-Length up front, and counted while read).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from urllib.parse import urlsplit
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import AuthenticationFailed, ForbiddenOrigin, InvalidHost, PayloadTooLarge, RequestError
-from server.http_errors import error_response
+from server.http_errors import ANTHROPIC_PATHS, error_response
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +69,16 @@ class SecurityMiddleware:
         if self._key is not None and scope["path"] not in NO_AUTH_PATHS and not preflight:
             auth = headers.get("authorization", "")
             scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
+            bearer = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key)
+            # Anthropic's SDKs send the key as x-api-key
+            x_api_key = scope["path"] in ANTHROPIC_PATHS and hmac.compare_digest(
+                headers.get("x-api-key", "").strip().encode(), self._key
+            )
+            if not (bearer or x_api_key):
+                also = " or 'x-api-key: KEY'" if scope["path"] in ANTHROPIC_PATHS else ""
                 raise AuthenticationFailed(
-                    "missing or invalid API key (send 'Authorization: Bearer KEY')", code="invalid_api_key"
+                    f"missing or invalid API key (send 'Authorization: Bearer KEY'{also})",
+                    code="invalid_api_key",
                 )
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self._max_body:
@@ -86,7 +94,7 @@ class SecurityMiddleware:
         try:
             self._check(scope, headers)
         except RequestError as exc:
-            await error_response(exc)(scope, receive, send)
+            await error_response(exc, path=scope["path"])(scope, receive, send)
             return
         await self.app(scope, self._capped(receive), send)
 

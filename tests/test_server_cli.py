@@ -82,6 +82,21 @@ def test_python_example_from_the_docs_runs(demo_server: tuple[subprocess.Popen[s
     assert re.search(r"\[\d+ tokens\]", result.stdout), result.stdout
 
 
+def test_readme_python_examples_run(demo_server: tuple[subprocess.Popen[str], int]) -> None:
+    """Every Python block of the README (chat, Responses, Anthropic Messages), run in order in one
+    interpreter as a reader would paste them, against the demo server."""
+    _, port = demo_server
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    assert len(blocks) >= 3, "the README shows one example per API"
+    code = "\n".join(blocks).replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"\[\d+ tokens\]", result.stdout), result.stdout
+    assert re.search(r"(end_turn|max_tokens|stop_sequence)\s*$", result.stdout), result.stdout
+
+
 def test_sigterm_during_a_stream_exits_cleanly(tiny_model: Any) -> None:
     with serve_process(
         tiny_model("tiny-qwen3moe"), "--ctx-size", "16384", "--max-completion-tokens", "16000"
