@@ -31,6 +31,8 @@ from server.model_files import split_files
 logger = logging.getLogger(__name__)
 
 _MIB = 2**20
+# a budget meaning "every expert": the cache never evicts (the compute-bound reference)
+BUDGET_ALL = -1
 _UNLIMITED = 2**60  # cgroup v1 reports "no limit" as a huge page-rounded number
 
 

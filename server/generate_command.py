@@ -22,9 +22,8 @@ from typing import Any
 import numpy as np
 
 from server.errors import ConfigError, ModelLoadError
-from server.settings import parse_size
+from server.settings import parse_budget
 from server.streaming import (
-    BUDGET_ALL,
     DecodeTelemetry,
     StreamingLlama,
     StreamingOptions,
@@ -177,8 +176,7 @@ def _load(args: argparse.Namespace) -> Any:
 
         return load_resident_llama(args.model, flash_attn=args.flash_attn, **common)
     try:
-        named: dict[str, int | None] = {"auto": None, "all": BUDGET_ALL}
-        budget = named[args.budget] if args.budget in named else parse_size(args.budget)
+        budget = parse_budget(args.budget)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     options = StreamingOptions(

@@ -40,6 +40,18 @@ def parse_size(text: str | int) -> int:
     return int(size)
 
 
+def parse_budget(text: str) -> int | None:
+    """An expert budget: bytes (`6G`), BUDGET_ALL for `all`, None for `auto`."""
+    from server.budget import BUDGET_ALL
+
+    word = text.strip().lower()
+    if word == "auto":
+        return None
+    if word == "all":
+        return BUDGET_ALL
+    return parse_size(text)
+
+
 class ServerSettings(BaseSettings):
     """HTTP-side settings: binding, security, limits, queueing."""
 
@@ -145,7 +157,11 @@ class ModelSettings(BaseSettings):
         description="resident: weights mapped from the file; streaming: experts from flash into a "
         "bounded cache; auto: streaming when the file exceeds 0.6 x the memory this process may use",
     )
-    budget: str | None = Field(None, description="RAM budget for streamed experts, e.g. 6G (streaming mode)")
+    budget: str | None = Field(
+        None,
+        description="RAM for streamed experts: a size (6G, 512M), all (every expert, read once) or auto "
+        "(the memory limit minus everything else the process holds)",
+    )
     # --- the expert streamer's options (streaming mode) ---------------------------------
     lanes: int = Field(4, ge=1, le=16, description="parallel read lanes of the expert streamer")
     reader: Literal["direct", "buffered"] = Field(
@@ -186,12 +202,12 @@ class ModelSettings(BaseSettings):
     @classmethod
     def _check_budget(cls, value: str | None) -> str | None:
         if value is not None:
-            parse_size(value)
+            parse_budget(value)
         return value
 
     def budget_bytes(self) -> int | None:
-        """The expert budget in bytes, or None when unset."""
-        return None if self.budget is None else parse_size(self.budget)
+        """The expert budget in bytes, BUDGET_ALL for every expert, or None for automatic."""
+        return None if self.budget is None else parse_budget(self.budget)
 
 
 S = TypeVar("S", bound=BaseSettings)

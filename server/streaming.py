@@ -24,6 +24,7 @@ from typing import Any
 import llama_cpp
 
 from server.budget import (
+    BUDGET_ALL,
     BudgetChoice,
     MemoryTerms,
     check_budget_floor,
@@ -47,10 +48,6 @@ DENSE_PATTERN = r".*"
 # output matrix is the same tensor (no output.weight: llama.cpp then multiplies by it every token)
 EMBEDDINGS = "token_embd.weight"
 UNTIED_OUTPUT = "output.weight"
-
-
-# budget_bytes value meaning "every expert": the cache never evicts (the compute-bound reference)
-BUDGET_ALL = -1
 
 
 @dataclass(frozen=True)

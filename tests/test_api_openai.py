@@ -450,3 +450,22 @@ def test_aliases_serve_the_model_under_the_names_clients_send(tiny_model: Any) -
                 c.chat.completions.create(model="gpt-5", messages=MESSAGES, max_tokens=2)
             with pytest.raises(openai.NotFoundError):
                 c.models.retrieve("gpt-5")
+
+
+@pytest.mark.parametrize("budget", ["all", "auto", "ALL"])
+def test_serve_budget_words(tiny_model: Any, budget: str) -> None:
+    """--budget all holds every expert (nothing is ever evicted); auto is the automatic budget."""
+    from tests.models import expert_layer_bytes
+
+    path = tiny_model("tiny-qwen3moe")
+    with running_server(path, ctx_size=512, mode="streaming", budget=budget) as server:
+        info = server.model.info
+        assert info.mode == "streaming" and info.budget_bytes is not None
+        if budget.lower() == "all":
+            n_layer = 4  # tiny-qwen3moe
+            assert info.budget_bytes == n_layer * expert_layer_bytes(path)
+        with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as c:
+            answer = c.chat.completions.create(
+                model=server.model_id, messages=MESSAGES, max_tokens=3, **GREEDY
+            )
+            assert answer.choices[0].message.content is not None

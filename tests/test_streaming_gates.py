@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 from gguf import GGUFReader
 
+from server.budget import BUDGET_ALL
 from server.errors import ModelLoadError
 from server.modelgen.spec import QType
 from server.streaming import (
-    BUDGET_ALL,
     EXPERT_PATTERN,
     StreamingLlama,
     StreamingOptions,
