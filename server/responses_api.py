@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -274,7 +274,16 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     ):
         if value is not None:
             chat[name] = value
-    return ChatCompletionRequest.model_validate(chat)
+    if not any(message["role"] != "system" for message in chat["messages"]):
+        raise InvalidRequest(
+            "input holds no message to answer (only instructions or reasoning)", param="input"
+        )
+    try:
+        return ChatCompletionRequest.model_validate(chat)
+    except ValidationError as exc:  # a value the chat path bounds more tightly (e.g. tool names)
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise InvalidRequest(f"{where}: {first.get('msg')}", param=where or None) from None
 
 
 # ---------------------------------------------------------------------- response

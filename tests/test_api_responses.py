@@ -156,6 +156,12 @@ def test_conversation_as_input_items(client: openai.OpenAI, server: RunningServe
             {"tools": [{"type": "web_search"}]}, openai.BadRequestError, "function tools only", id="tool"
         ),
         pytest.param({"model": "gpt-9"}, openai.NotFoundError, "does not exist", id="model"),
+        pytest.param(
+            {"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "hm"}]}]},
+            openai.BadRequestError,
+            "no message to answer",
+            id="only-reasoning",
+        ),
         pytest.param({"temperature": 3}, openai.BadRequestError, "temperature", id="bounds"),
     ],
 )

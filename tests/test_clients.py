@@ -16,8 +16,10 @@ from __future__ import annotations
 import functools
 import http.server
 import json
+import os
 import shutil
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -113,27 +115,42 @@ def test_langchain_chat_openai(server: RunningServer) -> None:
     Weather.model_validate(call["args"])  # LangChain parsed the arguments: they must fit the schema
 
 
-def test_litellm(server: RunningServer) -> None:
-    import litellm
+LITELLM_SCRIPT = """
+import json, sys
+import litellm
 
-    common: dict[str, Any] = {
-        "model": "openai/" + ALIAS,
-        "api_base": server.base_url + "/v1",
-        "api_key": "unused",
-        "max_tokens": 16,
-        "temperature": 0,
-        "num_retries": 0,
-    }
-    messages = [{"role": "user", "content": "The capital of France is"}]
-    answer = litellm.completion(messages=messages, **common)
-    text = answer.choices[0].message.content
-    assert isinstance(text, str) and text
-    chunks = litellm.completion(messages=messages, stream=True, **common)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+common = dict(model="openai/" + sys.argv[2], api_base=sys.argv[1], api_key="unused", max_tokens=16,
+              temperature=0, num_retries=0)
+messages = [{"role": "user", "content": "The capital of France is"}]
+out = {"text": litellm.completion(messages=messages, **common).choices[0].message.content}
+chunks = litellm.completion(messages=messages, stream=True, **common)
+out["streamed"] = "".join(c.choices[0].delta.content or "" for c in chunks)
+try:
+    litellm.completion(messages=[{"role": "user", "content": "word " * 2000}], **common)
+except Exception as exc:
+    out["overflow"] = type(exc).__name__
+print(json.dumps(out))
+"""
+
+
+def test_litellm(server: RunningServer) -> None:
+    """litellm in a process of its own, as an app would run it: it leaves threads and an event
+    loop behind, and looks for its model-cost map on the network unless told not to."""
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    proc = subprocess.run(
+        [sys.executable, "-c", LITELLM_SCRIPT, server.base_url + "/v1", ALIAS],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert isinstance(out["text"], str) and out["text"]
+    assert out["streamed"] == out["text"]
     # a prompt over the context: litellm must recognise it, so that its fallbacks trigger
-    too_long = [{"role": "user", "content": "word " * 2000}]
-    with pytest.raises(litellm.ContextWindowExceededError):
-        litellm.completion(messages=too_long, **common)
+    assert out["overflow"] == "ContextWindowExceededError"
 
 
 def test_openai_parse_ends_its_strings(server: RunningServer) -> None:
