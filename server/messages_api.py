@@ -13,6 +13,8 @@ request. The mapping:
   image / document blocks             -> 400 unsupported_content (the models take text only)
   tool_choice auto / any / tool / none -> auto / required / named / none
   stop_sequences, max_tokens, temperature, top_p, top_k -> their chat equivalents
+  output_config.format (a JSON schema)  -> response_format json_schema; its effort (low, medium,
+                                         high) -> reasoning_effort
 `thinking` and `metadata` are accepted and ignored.
 
 Output: the chat pieces become content blocks in order of arrival (thinking, text, tool_use);
@@ -127,6 +129,18 @@ class ToolChoice(_Block):
     disable_parallel_tool_use: bool | None = None
 
 
+class OutputFormat(_Block):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Block):
+    """Structured output (`format`, a JSON schema the answer's text follows) and `effort`."""
+
+    format: OutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class MessagesRequest(BaseModel):
     """POST /v1/messages (Anthropic's Messages API)."""
 
@@ -146,6 +160,7 @@ class MessagesRequest(BaseModel):
     tools: list[ToolDefinition] | None = Field(None, max_length=128)
     top_k: TopK | None = None
     top_p: TopP | None = None
+    output_config: OutputConfig | None = None
 
 
 # ---------------------------------------------------------------------- response (documentation)
@@ -325,6 +340,13 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     }
     if body.tools:
         chat["tools"] = _tools(body.tools)
+    config = body.output_config
+    if config is not None and config.format is not None:
+        # the text block follows the schema: the same grammar as the chat route's json_schema
+        schema = {"name": "output", "schema": config.format.schema_}
+        chat["response_format"] = {"type": "json_schema", "json_schema": schema}
+    if config is not None and config.effort in ("low", "medium", "high"):
+        chat["reasoning_effort"] = config.effort
     if body.tool_choice is not None:
         chat["tool_choice"] = _tool_choice(body.tool_choice, bool(body.tools))
         if body.tool_choice.disable_parallel_tool_use:

@@ -254,3 +254,19 @@ def test_openai_npm_sdk_in_chromium(server: RunningServer, page_origin: str) -> 
             browser.close()
     assert not errors, errors
     check_js_results(out)
+
+
+def test_anthropic_sdk_structured_output(server: RunningServer) -> None:
+    """messages.parse(output_format=...) sends output_config.format: the text block follows it."""
+    import anthropic
+
+    with anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0) as client:
+        message = client.messages.parse(
+            model=ALIAS,
+            max_tokens=200,
+            messages=[{"role": "user", "content": "Paris is the capital of France."}],
+            output_format=City,
+            extra_body={"temperature": 0},
+        )
+    assert message.stop_reason == "end_turn"
+    assert isinstance(message.parsed_output, City) and message.parsed_output.name
