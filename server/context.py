@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from server.errors import ConfigError
+
 if TYPE_CHECKING:
     from llama_cpp import Llama
 
@@ -41,6 +43,14 @@ class ContextBytes:
     @property
     def total(self) -> int:
         return self.kv + self.compute + self.output + self.attention_scratch
+
+
+def check_flash_attn(setting: str) -> bool:
+    """Whether a context is created with flash attention for `setting` ("on", "off", "auto": off
+    first, see fit_context); ConfigError for anything else, before any load."""
+    if setting not in ("auto", "on", "off"):
+        raise ConfigError(f"flash_attn must be auto, on or off, got {setting!r}")
+    return setting == "on"
 
 
 def flash_attn_on(llama: Llama) -> bool:

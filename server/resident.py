@@ -17,8 +17,8 @@ from typing import Any
 import llama_cpp
 
 from server.budget import MemoryTerms, check_resident, max_heads, memory_limit, memory_terms
-from server.context import ContextBytes, fit_context
-from server.errors import ConfigError, ModelLoadError
+from server.context import ContextBytes, check_flash_attn, fit_context
+from server.errors import ModelLoadError
 from server.gguf_header import read_metadata
 from server.model_files import split_files
 
@@ -34,8 +34,7 @@ def load_resident_llama(
 ) -> ResidentLlama:
     """Load `model_path` resident. ConfigError when its context cannot be held in this memory,
     ModelLoadError when llama.cpp cannot load it."""
-    if flash_attn not in ("auto", "on", "off"):
-        raise ConfigError(f"flash_attn must be auto, on or off, got {flash_attn!r}")
+    flash_first = check_flash_attn(flash_attn)
     path = Path(model_path)
     limit = memory_limit()  # before the load: what the process holds now is `in_use`
     kwargs = dict(llama_kwargs)
@@ -46,7 +45,7 @@ def load_resident_llama(
             n_ctx=n_ctx,
             load_mode=llama_cpp.LLAMA_LOAD_MODE_MMAP,
             use_extra_bufts=False,
-            flash_attn=flash_attn == "on",
+            flash_attn=flash_first,
             **kwargs,
         )
     except (ValueError, RuntimeError, OSError) as exc:

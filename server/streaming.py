@@ -34,7 +34,7 @@ from server.budget import (
     memory_terms,
     streamer_dense_bytes,
 )
-from server.context import ContextBytes, fit_context
+from server.context import ContextBytes, check_flash_attn, fit_context
 from server.errors import ConfigError, ExpertReadError, ModelLoadError
 from server.gguf_header import read_metadata
 from streaming_ext import Policy, Reader, Streamer, StreamerConfig, StreamerError, StreamerStats
@@ -206,8 +206,7 @@ def load_streaming_llama(
         raise ModelLoadError(f"model file {path} does not exist")
     if not 1 <= options.lanes <= 16:
         raise ConfigError(f"lanes must be 1..16, got {options.lanes}")
-    if flash_attn not in ("auto", "on", "off"):
-        raise ConfigError(f"flash_attn must be auto, on or off, got {flash_attn!r}")
+    flash_first = check_flash_attn(flash_attn)
     parse_policy(options.policy)
     limit = memory_limit()  # before the load: what the process holds now is `in_use`
     # the streamer indexes the file first: a bad file is refused before llama.cpp sees it
@@ -239,7 +238,7 @@ def load_streaming_llama(
                 tensor_buft_overrides=overrides,
                 cb_eval=streamer.eval_callback,
                 cb_eval_user_data=streamer.handle,
-                flash_attn=flash_attn == "on",
+                flash_attn=flash_first,
                 **kwargs,
             )
         except ValueError as exc:
