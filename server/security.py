@@ -3,8 +3,8 @@
 Order: Host allow-list (loopback only: DNS-rebinding defence) -> Origin allow-list (a
 browser page from another origin is refused, not just left without CORS headers; the CORS
 middleware outside this one answers allowed preflights) -> Bearer key (constant-time
-compare; /health is exempt; the Anthropic routes also take it as `x-api-key`) -> body cap
-(Content-Length up front, and counted while read).
+compare; /health and the chat page at / are exempt; the Anthropic routes also take it as
+`x-api-key`) -> body cap (Content-Length up front, and counted while read).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from server.http_errors import ANTHROPIC_PATHS, error_response
 logger = logging.getLogger(__name__)
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
-NO_AUTH_PATHS = frozenset({"/health"})
+# the health probe, and the chat page itself (static; it asks for the key and sends it on its calls)
+NO_AUTH_PATHS = frozenset({"/health", "/"})
 
 
 def _host_name(host: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import threading
 from typing import Any
 
@@ -19,8 +20,8 @@ _YEAR_S = 365 * 24 * 3600.0
 _LAN_WARNING = """
   ************************************************************************
   *  WARNING: serving on %s WITHOUT an API key.
-  *  Anyone on the network can use this model. Set --api-key or
-  *  --api-key-file (or MOEFLASH_API_KEY) unless this network is yours.
+  *  Anyone on the network can use this model (--insecure-no-key).
+  *  Set --api-key or --api-key-file (or MOEFLASH_API_KEY) instead.
   ************************************************************************"""
 
 
@@ -67,7 +68,13 @@ def run(args: argparse.Namespace) -> int:
     if not path.is_file():
         raise ConfigError(f"model file not found: {path}")
     key = server_settings.resolved_api_key()
-    if not server_settings.is_loopback() and key is None:
+    lan = not server_settings.is_loopback()
+    if lan and key is None:
+        if not server_settings.insecure_no_key:
+            raise ConfigError(
+                f"serving on {server_settings.host} (beyond this machine) needs an API key: --api-key, "
+                "--api-key-file or MOEFLASH_API_KEY; --insecure-no-key serves without one"
+            )
         logger.warning(_LAN_WARNING, server_settings.host)
     size = sum(p.stat().st_size for p in split_files(path) if p.is_file())
     logger.info("loading %s (%s) in mode %s", path, _size(size), model_settings.mode)
@@ -86,6 +93,11 @@ def run(args: argparse.Namespace) -> int:
         server_settings.port,
         "required" if key else "not required",
     )
+    if lan:
+        from server.lan import pairing_banner
+
+        # user-facing: the link and QR code that pair a phone or laptop
+        print(pairing_banner(host, server_settings.port, key), file=sys.stderr, flush=True)
     server = uvicorn.Server(
         uvicorn.Config(
             app,

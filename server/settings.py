@@ -63,6 +63,10 @@ class ServerSettings(BaseSettings):
         None, description="require 'Authorization: Bearer KEY' on every route but /health"
     )
     api_key_file: Path | None = Field(None, description="read the API key from this file")
+    insecure_no_key: bool = Field(
+        False,
+        description="serve beyond loopback without an API key: anyone on the network can use the model",
+    )
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="allow browser requests from this origin (repeatable); CORS is off by default",

@@ -2,7 +2,8 @@
 
 Plain HTML and JavaScript in server/static/index.html, no build step and no external assets
 (the phone may be offline). The bars read the opt-in timings extension; resident models show
-n/a there (nothing is streamed).
+n/a there (nothing is streamed). The page is served without the API key; it takes the key from
+a pairing link (#key=..., server/lan.py) or asks for it, keeps it in the browser and sends it.
 """
 
 from __future__ import annotations

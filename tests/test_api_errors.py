@@ -223,6 +223,15 @@ def test_json_schema_over_the_size_cap_is_400(http: httpx.Client, server: Runnin
     assert_error(http.post("/v1/chat/completions", json=body), 400, param="tools")
 
 
+def test_the_chat_page_is_served_without_the_key(server: RunningServer) -> None:
+    """The page is static; it asks for the key (or takes it from a pairing link) for its calls."""
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        page = client.get("/")
+        assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+        assert "Authorization" in page.text  # the page sends the key it holds
+        assert_error(client.get("/v1/models"), 401, code="invalid_api_key")
+
+
 @pytest.mark.parametrize(
     "headers",
     [
@@ -231,7 +240,7 @@ def test_json_schema_over_the_size_cap_is_400(http: httpx.Client, server: Runnin
         pytest.param({"Authorization": f"Basic {KEY}"}, id="wrong-scheme"),
     ],
 )
-@pytest.mark.parametrize("path", ["/v1/models", "/docs", "/openapi.json", "/metrics", "/"])
+@pytest.mark.parametrize("path", ["/v1/models", "/docs", "/openapi.json", "/metrics"])
 def test_api_key_required_everywhere_but_health(
     server: RunningServer, headers: dict[str, str], path: str
 ) -> None:

@@ -141,12 +141,39 @@ def test_sigterm_during_a_stream_exits_cleanly(tiny_model: Any) -> None:
     assert "model ready" in stderr and "architecture qwen3moe" in stderr
 
 
-def test_startup_warns_loudly_on_the_lan_without_a_key(tiny_model: Any) -> None:
-    with serve_process(tiny_model("tiny-qwen3moe"), "--host", "0.0.0.0") as (proc, _):
+def test_the_lan_needs_a_key_or_insecure_no_key(tiny_model: Any) -> None:
+    model = str(tiny_model("tiny-qwen3moe"))
+    refused = subprocess.run(
+        [sys.executable, "-m", "server.cli", "serve", "--model", model, "--host", "0.0.0.0", "--port", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert refused.returncode != 0
+    assert "needs an API key" in refused.stderr and "--insecure-no-key" in refused.stderr
+    with serve_process(tiny_model("tiny-qwen3moe"), "--host", "0.0.0.0", "--insecure-no-key") as (proc, _):
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
         _, stderr = proc.communicate(timeout=30)
     assert "WARNING: serving on 0.0.0.0 WITHOUT an API key" in stderr
+
+
+def test_lan_start_up_prints_the_pairing_link_and_qr_code(tiny_model: Any) -> None:
+    """The link opens the chat page with the key in its fragment; the QR code holds the same link."""
+    address = _lan_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    with serve_process(tiny_model("tiny-qwen3moe"), "--host", "0.0.0.0", "--api-key", "pair me") as (
+        proc,
+        port,
+    ):
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        _, stderr = proc.communicate(timeout=30)
+    assert f"http://{address}:{port}/#key=pair%20me" in stderr
+    assert "████" in stderr  # the QR code's quiet zone, in block characters
 
 
 def _lan_address() -> str | None:
