@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from server.chat_template import ChatTemplate
-from server.decode import GenerationRequest, GenerationStats, TextDelta, TokenLogprob
+from server.decode import GenerationRequest, GenerationStats, TextDelta, TokenLogprob, TokenTiming
 from server.engine import Engine, Failed, Finished, Job
 from server.errors import ContextLengthExceeded, InvalidRequest, NotFound, ServiceUnavailable
 from server.http_errors import describe
@@ -165,6 +165,22 @@ def timings_of(stats: GenerationStats, telemetry: StreamerTelemetry | None) -> d
         "cache_ms": telemetry.cache_ns / 1e6 if telemetry else None,
         "hit_rate": telemetry.cache_hits / lookups if telemetry and lookups else None,
         "bytes_read": telemetry.bytes_read if telemetry else None,
+    }
+
+
+def token_timings(t: TokenTiming) -> dict[str, Any]:
+    """The timings of one streamed token's decode step, in the shape of the final timings (no
+    prompt_ms: the prompt is the first token's step)."""
+    lookups = (t.hits or 0) + (t.misses or 0)
+    return {
+        "prompt_ms": None,
+        "decode_ms": t.wall_ns / 1e6,
+        "tok_per_s": 1e9 / t.wall_ns if t.wall_ns > 0 else None,
+        "flash_wait_ms": t.flash_wait_ns / 1e6 if t.flash_wait_ns is not None else None,
+        "compute_ms": t.compute_ns / 1e6 if t.compute_ns is not None else None,
+        "cache_ms": t.cache_ns / 1e6 if t.cache_ns is not None else None,
+        "hit_rate": (t.hits or 0) / lookups if lookups else None,
+        "bytes_read": t.bytes_read,
     }
 
 
@@ -514,8 +530,12 @@ async def _chat_stream(
         async for ev in job.events():
             if isinstance(ev, TextDelta):
                 pending_lps.extend(ev.logprobs)
+                timing = token_timings(ev.timing) if plan.timings and ev.timing is not None else None
                 for piece in plan.output.feed(ev.text):
-                    yield event(chunk(_delta(piece), logprobs=pending_lps))
+                    out = chunk(_delta(piece), logprobs=pending_lps)
+                    if timing is not None:  # on the chunk that carries the token, once
+                        out["timings"], timing = timing, None
+                    yield event(out)
                     pending_lps = []
             elif isinstance(ev, Failed):
                 _, body, _ = describe(ev.error, ctx.engine.queue_full_status)
@@ -644,7 +664,10 @@ async def _completion_stream(
             yield event(chunk(echo))
         async for ev in job.events():
             if isinstance(ev, TextDelta):
-                yield event(chunk(ev.text, lps=ev.logprobs))
+                out = chunk(ev.text, lps=ev.logprobs)
+                if timings and ev.timing is not None:
+                    out["timings"] = token_timings(ev.timing)
+                yield event(out)
             elif isinstance(ev, Failed):
                 _, body, _ = describe(ev.error, ctx.engine.queue_full_status)
                 yield event(body)

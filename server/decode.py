@@ -16,7 +16,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -80,11 +80,27 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class TokenTiming:
+    """The decode step that produced a token: its wall time and, for a streamed model, the
+    streamer's split of it (None for a resident model: nothing is streamed)."""
+
+    wall_ns: int
+    compute_ns: int | None = None
+    flash_wait_ns: int | None = None
+    cache_ns: int | None = None
+    bytes_read: int | None = None
+    hits: int | None = None  # None once routing is no longer watched (every expert resident)
+    misses: int | None = None
+
+
+@dataclass(frozen=True)
 class TextDelta:
-    """New visible text (stop strings already cut) and the logprobs of its tokens."""
+    """New visible text (stop strings already cut), the logprobs of its tokens and the timing of
+    the decode step of its last token (None for the first token: its step is the prompt)."""
 
     text: str
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    timing: TokenTiming | None = None
 
 
 @dataclass
@@ -227,6 +243,24 @@ def _reuse_prefix(llama: Llama, tokens: tuple[int, ...]) -> int:
     return 0
 
 
+def _step_timing(llama: Llama, wall_ns: int) -> TokenTiming:
+    """The timing of the decode step just run: a streamed model's last telemetry record
+    (StreamingLlama.telemetry), else its wall time alone."""
+    records = getattr(llama, "telemetry", None)
+    if not records:
+        return TokenTiming(wall_ns)
+    t = records[-1]
+    return TokenTiming(
+        wall_ns=wall_ns,
+        compute_ns=t.compute_ns,
+        flash_wait_ns=t.flash_wait_ns,
+        cache_ns=t.cache_ns,
+        bytes_read=t.bytes_read,
+        hits=t.hits if t.routed else None,
+        misses=t.misses if t.routed else None,
+    )
+
+
 def generate(
     llama: Llama,
     request: GenerationRequest,
@@ -263,6 +297,7 @@ def generate(
     vocab = llama._model.vocab
     max_tokens = min(params.max_tokens, llama.n_ctx() - len(tokens))
     finish = "length"
+    timing: TokenTiming | None = None  # of the step that produced the token being sampled
     try:
         while stats.completion_tokens < max_tokens:
             if cancelled():
@@ -283,7 +318,7 @@ def generate(
             )
             delta, stopped = stop_filter.feed(decoder.decode(piece), logprob)
             if delta.text or delta.logprobs:
-                emit(delta)
+                emit(replace(delta, timing=timing))
             if stopped:
                 finish = "stop"
                 stats.stop_string = stop_filter.matched
@@ -291,7 +326,9 @@ def generate(
             if stats.completion_tokens >= max_tokens:
                 break
             # the sampled token enters the KV cache so the next turn can reuse it
+            step = time.perf_counter_ns()
             llama.eval([token])
+            timing = _step_timing(llama, time.perf_counter_ns() - step)
         # after a stop-string match nothing is pending; otherwise release the held-back text
         tail = stop_filter.flush()
         tail = TextDelta(tail.text + decoder.decode(b"", final=True), tail.logprobs)

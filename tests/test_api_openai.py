@@ -469,3 +469,31 @@ def test_serve_budget_words(tiny_model: Any, budget: str) -> None:
                 model=server.model_id, messages=MESSAGES, max_tokens=3, **GREEDY
             )
             assert answer.choices[0].message.content is not None
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_streamed_chunks_carry_their_tokens_timings(tiny_model: Any, endpoint: str) -> None:
+    """With timings on, a streamed chunk carries the decode step of the token in it (the chat page
+    draws its bars from these as the answer streams); a streamed model splits it."""
+    with running_server(tiny_model("tiny-qwen3moe"), ctx_size=512, mode="streaming") as server:
+        with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as client:
+            common: dict[str, Any] = {
+                "model": server.model_id,
+                "max_tokens": 8,
+                "stream": True,
+                "extra_body": {"timings": True},
+                "logit_bias": _no_eog(server),
+                **GREEDY,
+            }
+            if endpoint == "chat":
+                chunks = list(client.chat.completions.create(messages=MESSAGES, **common))
+            else:
+                chunks = list(client.completions.create(prompt="hello", **common))
+    per_token = [c.model_extra["timings"] for c in chunks if c.model_extra and "timings" in c.model_extra]
+    # every token after the first (whose step is the prompt) and the final aggregate
+    assert len(per_token) >= 7, per_token
+    for timing in per_token[:-1]:
+        assert timing["prompt_ms"] is None and timing["decode_ms"] > 0
+        assert timing["compute_ms"] is not None and timing["flash_wait_ms"] is not None
+        assert timing["bytes_read"] is not None
+    assert per_token[-1]["prompt_ms"] is not None  # the final chunk's totals

@@ -1,6 +1,7 @@
 """The chat page at GET / in a real browser (Playwright driving Debian's chromium), against a real
 server that needs an API key: a pairing link (#key=...) fills the key in and the page chats; a
-browser without the key is asked for it once and keeps it. Screenshots of each state are saved
+browser without the key is asked for it once and keeps it; the streamer's bars move while the
+answer streams, not only at its end. Screenshots of each state are saved
 in the test's output folder.
 """
 
@@ -20,7 +21,7 @@ KEY = "page key/1"
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Any) -> Iterator[RunningServer]:
-    with running_server(tiny_model("tiny-qwen3moe"), ctx_size=1024, api_key=KEY) as running:
+    with running_server(tiny_model("tiny-qwen3moe"), ctx_size=1024, api_key=KEY, mode="streaming") as running:
         yield running
 
 
@@ -84,3 +85,28 @@ def test_without_the_key_the_page_asks_once_and_keeps_it(
     again.wait_for_function(f"document.getElementById('model').textContent === {server.model_id!r}")
     assert not again.is_visible("#keyform")
     context.close()
+
+
+def test_the_bars_move_while_the_answer_streams(server: RunningServer, browser: Any, tmp_path: Path) -> None:
+    page = browser.new_page()
+    page.goto(f"{server.base_url}/#key=page%20key%2F1")
+    page.wait_for_function(f"document.getElementById('model').textContent === {server.model_id!r}")
+    # record, at each change of the compute bar's label, how much of the answer had arrived
+    watch = """() => {
+        window.barLog = [];
+        const answered = () => {
+          const answers = document.querySelectorAll('.msg.assistant');
+          return answers.length ? answers[answers.length - 1].textContent.length : 0;
+        };
+        const label = document.getElementById('v-compute');
+        new MutationObserver(() => window.barLog.push([label.textContent, answered()]))
+          .observe(label, {childList: true, characterData: true, subtree: true});
+      }"""
+    page.evaluate(watch)
+    send(page, "tell me a long story")
+    page.wait_for_function("turns.length === 2")  # the page's conversation: the answer is complete
+    page.screenshot(path=str(tmp_path / "bars.png"))
+    log = page.evaluate("window.barLog")
+    final = page.evaluate("[...document.querySelectorAll('.msg.assistant')].pop().textContent.length")
+    assert all(label.endswith(" ms") for label, _ in log), log
+    assert any(length < final for _, length in log), "the bars only changed once the answer was complete"
