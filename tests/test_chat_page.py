@@ -7,6 +7,7 @@ in the test's output folder.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -192,3 +193,51 @@ def test_the_phone_viewport(gemma_server: RunningServer, browser: Any, tmp_path:
     assert header < 844 / 6, f"the header takes {header} px of 844"
     assert page.evaluate("document.documentElement.scrollWidth") <= 390  # nothing wider than the phone
     page.screenshot(path=str(tmp_path / "phone.png"))
+
+
+EVIL = (
+    "# Title\n\n**bold** and `code`\n\n```\nprint(1)\n```\n\n"
+    '<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2">'
+    '<a id=evil href="javascript:window.pwned = 3">link</a>'
+)
+
+
+def test_markdown_renders_and_model_output_never_runs_script(
+    server: RunningServer, browser: Any, tmp_path: Path
+) -> None:
+    """The answer is markdown: rendered, then sanitised. An answer carrying <script>, an onerror
+    handler and a javascript: link (served here in place of the model's, through the page's own
+    stream reader) shows as text and markup, and runs nothing."""
+    pieces = [EVIL[i : i + 7] for i in range(0, len(EVIL), 7)]
+    chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
+    chunks += [{"choices": [{"index": 0, "delta": {"content": piece}}]} for piece in pieces]
+    chunks += [{"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
+    stream = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
+    page = browser.new_page()
+    page.route(
+        "**/v1/chat/completions",
+        lambda route: route.fulfill(status=200, headers={"content-type": "text/event-stream"}, body=stream),
+    )
+    page.goto(f"{server.base_url}/#key=page%20key%2F1")
+    page.wait_for_function(f"document.getElementById('model').textContent === {server.model_id!r}")
+    page.fill("#q", "hi")
+    page.press("#q", "Enter")
+    page.wait_for_function("turns.length === 2")
+    answer = page.locator(".msg.assistant .text")
+    assert answer.locator("h1").text_content() == "Title"
+    assert answer.locator("strong").text_content() == "bold"
+    assert answer.locator("pre code").count() == 1
+    assert answer.locator("script").count() == 0
+    assert page.evaluate("document.querySelector('.msg.assistant img')?.getAttribute('onerror')") is None
+    link = answer.locator("a#evil")
+    if link.count():
+        link.click()
+    page.screenshot(path=str(tmp_path / "markdown.png"))
+    assert page.evaluate("window.pwned") is None
+
+
+def test_the_vendored_libraries_can_be_inlined() -> None:
+    """server/webui.py inlines them in <script> elements: a '</script' inside would end one early."""
+    vendor = Path(__file__).resolve().parents[1] / "server" / "static" / "vendor"
+    for name in ("marked.umd.js", "purify.min.js"):
+        assert "</script" not in (vendor / name).read_text(encoding="utf-8").lower(), name
