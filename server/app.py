@@ -73,6 +73,7 @@ def _card(ctx: ServeContext, name: str) -> ModelCard:
         architecture=info.architecture,
         file_size=info.file_size,
         mode=info.mode,
+        budget_bytes=info.budget_bytes,
     )
 
 

@@ -399,6 +399,7 @@ class ModelCard(BaseModel):
     architecture: str
     file_size: int
     mode: str
+    budget_bytes: int | None = None  # the expert cache's budget (streaming mode)
 
 
 class ModelList(BaseModel):

@@ -465,6 +465,8 @@ def test_serve_budget_words(tiny_model: Any, budget: str) -> None:
             n_layer = 4  # tiny-qwen3moe
             assert info.budget_bytes == n_layer * expert_layer_bytes(path)
         with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as c:
+            card = c.models.retrieve(server.model_id)
+            assert card.model_extra is not None and card.model_extra["budget_bytes"] == info.budget_bytes
             answer = c.chat.completions.create(
                 model=server.model_id, messages=MESSAGES, max_tokens=3, **GREEDY
             )

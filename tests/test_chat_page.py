@@ -111,6 +111,8 @@ def test_the_bars_move_while_the_answer_streams(server: RunningServer, browser: 
     per_token = [length for prompt_ms, length in log if prompt_ms is None]
     assert len(per_token) > 1 and min(per_token) < final, "the bars only changed once the answer was complete"
     assert page.text_content("#v-compute").endswith(" ms")
+    assert (page.text_content("#v-read") or "").endswith("iB")  # bytes read for the last token
+    assert "budget" in (page.text_content("#mode") or "")  # streamed experts: the cache's budget
 
 
 @pytest.fixture(scope="module")
