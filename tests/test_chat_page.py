@@ -243,3 +243,48 @@ def test_the_vendored_libraries_can_be_inlined() -> None:
     vendor = Path(__file__).resolve().parents[1] / "server" / "static" / "vendor"
     for name in ("marked.umd.js", "purify.min.js"):
         assert "</script" not in (vendor / name).read_text(encoding="utf-8").lower(), name
+
+
+def test_settings_and_conversations_are_kept_in_the_browser(
+    server: RunningServer, browser: Any, tmp_path: Path
+) -> None:
+    context = browser.new_context()
+    page = context.new_page()
+    sent: list[dict[str, Any]] = []
+    page.on(
+        "request",
+        lambda r: (
+            sent.append(json.loads(r.post_data or "{}")) if r.url.endswith("/chat/completions") else None
+        ),
+    )
+    page.goto(f"{server.base_url}/#key=page%20key%2F1")
+    page.wait_for_function(f"document.getElementById('model').textContent === {server.model_id!r}")
+    page.click("#gear")
+    page.fill("#sys", "You are terse.")
+    page.fill("#temp", "0.2")
+    page.fill("#max", "7")
+    page.screenshot(path=str(tmp_path / "settings.png"))
+    page.click("#gear")
+    page.fill("#q", "first conversation")
+    page.press("#q", "Enter")
+    page.wait_for_function("turns.length === 2")
+    body = sent[-1]
+    assert body["messages"][0] == {"role": "system", "content": "You are terse."}
+    assert body["temperature"] == 0.2 and body["max_completion_tokens"] == 7
+    first_answer = answers(page)[0]
+    page.click("#new")
+    page.fill("#q", "second conversation")
+    page.press("#q", "Enter")
+    page.wait_for_function("turns.length === 2")
+    # both conversations are listed; the first comes back as it was, after a reload too
+    again = context.new_page()
+    again.goto(server.base_url + "/")
+    again.wait_for_function("document.querySelectorAll('#convs option').length === 3")
+    titles = again.evaluate("[...document.querySelectorAll('#convs option')].map(o => o.textContent)")
+    assert titles[1:] == ["second conversation", "first conversation"]
+    again.select_option("#convs", label="first conversation")
+    assert again.evaluate("turns.map(t => t.content)")[0] == "first conversation"
+    assert answers(again)[0] == first_answer
+    assert again.input_value("#max") == "7"  # the settings are kept too
+    again.screenshot(path=str(tmp_path / "conversations.png"))
+    context.close()
