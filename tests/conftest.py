@@ -7,6 +7,8 @@
   shared: tests must not modify them (copy first).
 - `llama_factory(path, **kw) -> Llama`: tests.models.load_llama, closing every model it made
   when the test ends.
+- `chromium`: Debian's chromium driven by Playwright (a Browser), skipped with the reason where
+  it is not installed (`make setup-dev` installs it when run as root, as on CI).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import pytest
 
 from server.modelgen import generate_model, preset
 from tests.models import load_llama
+
+CHROMIUM = Path("/usr/bin/chromium")
 
 
 class TinyModelFactory(Protocol):
@@ -61,3 +65,26 @@ def llama_factory() -> Iterator[Callable[..., llama_cpp.Llama]]:
     yield load
     for llm in opened:
         llm.close()
+
+
+@pytest.fixture
+def chromium() -> Iterator[Any]:
+    if not CHROMIUM.exists():
+        pytest.skip("Debian's chromium is not installed (make setup-dev installs it when run as root)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=str(CHROMIUM),
+            # as root (CI) Chromium needs --no-sandbox; the rest keeps it off this machine's closed network
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+            ],
+        )
+        try:
+            yield browser
+        finally:
+            browser.close()

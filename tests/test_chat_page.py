@@ -16,7 +16,6 @@ import pytest
 
 from tests.test_server_support import RunningServer, running_server, wait_for
 
-CHROMIUM = Path("/usr/bin/chromium")  # Debian's package, installed by `make setup-dev` as root
 KEY = "page key/1"
 
 
@@ -27,26 +26,8 @@ def server(tiny_model: Any) -> Iterator[RunningServer]:
 
 
 @pytest.fixture
-def browser() -> Iterator[Any]:
-    if not CHROMIUM.exists():
-        pytest.skip("Debian's chromium is not installed (make setup-dev installs it when run as root)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        launched = p.chromium.launch(
-            executable_path=str(CHROMIUM),
-            # as root (CI) Chromium needs --no-sandbox; the rest keeps it off this machine's closed network
-            args=[
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-background-networking",
-                "--disable-component-update",
-            ],
-        )
-        try:
-            yield launched
-        finally:
-            launched.close()
+def browser(chromium: Any) -> Any:
+    return chromium
 
 
 def send(page: Any, text: str) -> None:
@@ -175,7 +156,7 @@ def test_an_overlong_conversation_is_an_error_and_new_chat_recovers(
     error = page.text_content(".msg.error") or ""
     assert "maximum context length" in error
     assert page.evaluate("document.querySelectorAll('.msg.assistant').length") == 0  # not shown as a reply
-    assert page.evaluate("turns.length") == 0  # the refused question is not kept...
+    assert page.evaluate("turns.length") == 0  # the refused question leaves the conversation...
     assert page.input_value("#q").startswith("word word")  # ...but handed back to edit
     assert page.evaluate("document.querySelectorAll('.msg.user').length") == 0
     page.screenshot(path=str(tmp_path / "context-error.png"))

@@ -17,7 +17,6 @@ import functools
 import http.server
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -34,7 +33,6 @@ from tests.test_server_support import RunningServer, free_port, running_server
 REPO = Path(__file__).resolve().parents[1]
 INSTRUCTOR_PYTHON = REPO / ".venv" / "instructor" / "bin" / "python"
 JS = REPO / "tests" / "js"
-CHROMIUM = Path("/usr/bin/chromium")  # Debian's package, installed by `make setup-dev` as root
 ALIAS = "gpt-4o-mini"  # a name clients hard-code: served with --alias
 
 
@@ -225,33 +223,16 @@ def test_openai_npm_sdk_in_node(server: RunningServer) -> None:
     check_js_results(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def test_openai_npm_sdk_in_chromium(server: RunningServer, page_origin: str) -> None:
+def test_openai_npm_sdk_in_chromium(server: RunningServer, page_origin: str, chromium: Any) -> None:
     """A web app on another origin calls the server with the npm SDK: the CORS preflight must allow
     the SDK's X-Stainless-* headers, or every call fails."""
-    if not CHROMIUM.exists() or shutil.which("node") is None:
-        pytest.skip("Debian's chromium is not installed (make setup-dev installs it when run as root)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=str(CHROMIUM),
-            args=[
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-background-networking",
-                "--disable-component-update",
-            ],
-        )
-        try:
-            page = browser.new_page()
-            errors: list[str] = []
-            page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
-            page.goto(page_origin + "/browser.html")
-            page.wait_for_function("document.title === 'ready'", timeout=30_000)
-            options = {"baseURL": server.base_url + "/v1", "model": ALIAS, "apiKey": "unused"}
-            out = page.evaluate("(options) => window.runClients(options)", options)
-        finally:
-            browser.close()
+    page = chromium.new_page()
+    errors: list[str] = []
+    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+    page.goto(page_origin + "/browser.html")
+    page.wait_for_function("document.title === 'ready'", timeout=30_000)
+    options = {"baseURL": server.base_url + "/v1", "model": ALIAS, "apiKey": "unused"}
+    out = page.evaluate("(options) => window.runClients(options)", options)
     assert not errors, errors
     check_js_results(out)
 
