@@ -170,7 +170,8 @@ def timings_of(stats: GenerationStats, telemetry: StreamerTelemetry | None) -> d
 
 def token_timings(t: TokenTiming) -> dict[str, Any]:
     """The timings of one streamed token's decode step, in the shape of the final timings (no
-    prompt_ms: the prompt is the first token's step)."""
+    prompt_ms: the prompt is the first token's step), plus prefetch_hits: routed experts that a
+    read-ahead had brought in."""
     lookups = (t.hits or 0) + (t.misses or 0)
     return {
         "prompt_ms": None,
@@ -181,6 +182,7 @@ def token_timings(t: TokenTiming) -> dict[str, Any]:
         "cache_ms": t.cache_ns / 1e6 if t.cache_ns is not None else None,
         "hit_rate": (t.hits or 0) / lookups if lookups else None,
         "bytes_read": t.bytes_read,
+        "prefetch_hits": t.prefetch_hits,
     }
 
 

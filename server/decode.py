@@ -91,6 +91,7 @@ class TokenTiming:
     bytes_read: int | None = None
     hits: int | None = None  # None once routing is no longer watched (every expert resident)
     misses: int | None = None
+    prefetch_hits: int | None = None  # routed experts a prefetch had already read
 
 
 @dataclass(frozen=True)
@@ -258,6 +259,7 @@ def _step_timing(llama: Llama, wall_ns: int) -> TokenTiming:
         bytes_read=t.bytes_read,
         hits=t.hits if t.routed else None,
         misses=t.misses if t.routed else None,
+        prefetch_hits=t.prefetch_used if t.routed else None,
     )
 
 

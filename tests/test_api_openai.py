@@ -477,7 +477,13 @@ def test_serve_budget_words(tiny_model: Any, budget: str) -> None:
 def test_streamed_chunks_carry_their_tokens_timings(tiny_model: Any, endpoint: str) -> None:
     """With timings on, a streamed chunk carries the decode step of the token in it (the chat page
     draws its bars from these as the answer streams); a streamed model splits it."""
-    with running_server(tiny_model("tiny-qwen3moe"), ctx_size=512, mode="streaming") as server:
+    from tests.models import expert_layer_bytes
+
+    path = tiny_model("tiny-qwen3moe")
+    # a budget of one layer's experts: every token routes (with every expert cached, routing stops
+    # being watched and the hit and prefetch counts are None)
+    budget = str(expert_layer_bytes(path))
+    with running_server(path, ctx_size=512, mode="streaming", budget=budget) as server:
         with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as client:
             common: dict[str, Any] = {
                 "model": server.model_id,
@@ -497,5 +503,5 @@ def test_streamed_chunks_carry_their_tokens_timings(tiny_model: Any, endpoint: s
     for timing in per_token[:-1]:
         assert timing["prompt_ms"] is None and timing["decode_ms"] > 0
         assert timing["compute_ms"] is not None and timing["flash_wait_ms"] is not None
-        assert timing["bytes_read"] is not None
+        assert timing["bytes_read"] is not None and timing["prefetch_hits"] is not None
     assert per_token[-1]["prompt_ms"] is not None  # the final chunk's totals

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from tests.models import expert_layer_bytes
 from tests.test_server_support import RunningServer, running_server, wait_for
 
 KEY = "page key/1"
@@ -21,7 +22,10 @@ KEY = "page key/1"
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Any) -> Iterator[RunningServer]:
-    with running_server(tiny_model("tiny-qwen3moe"), ctx_size=1024, api_key=KEY, mode="streaming") as running:
+    path = tiny_model("tiny-qwen3moe")
+    # a budget of one layer's experts: the cache evicts, so every token routes, reads and prefetches
+    budget = str(expert_layer_bytes(path))
+    with running_server(path, ctx_size=1024, api_key=KEY, mode="streaming", budget=budget) as running:
         yield running
 
 
@@ -94,6 +98,7 @@ def test_the_bars_move_while_the_answer_streams(server: RunningServer, browser: 
     assert page.text_content("#v-compute").endswith(" ms")
     assert (page.text_content("#v-read") or "").endswith("iB")  # bytes read for the last token
     assert "budget" in (page.text_content("#mode") or "")  # streamed experts: the cache's budget
+    assert (page.text_content("#v-prefetch") or "").isdigit()  # routed experts read ahead, last token
 
 
 @pytest.fixture(scope="module")
