@@ -170,8 +170,8 @@ def timings_of(stats: GenerationStats, telemetry: StreamerTelemetry | None) -> d
 
 def token_timings(t: TokenTiming) -> dict[str, Any]:
     """The timings of one streamed token's decode step, in the shape of the final timings (no
-    prompt_ms: the prompt is the first token's step), plus prefetch_hits: routed experts that a
-    read-ahead had brought in."""
+    prompt_ms: the prompt is the first token's step), plus prefetch_hits (routed experts that a
+    read-ahead had brought in) and expert_memory_bytes (the expert cache's memory in use)."""
     lookups = (t.hits or 0) + (t.misses or 0)
     return {
         "prompt_ms": None,
@@ -183,6 +183,7 @@ def token_timings(t: TokenTiming) -> dict[str, Any]:
         "hit_rate": (t.hits or 0) / lookups if lookups else None,
         "bytes_read": t.bytes_read,
         "prefetch_hits": t.prefetch_hits,
+        "expert_memory_bytes": t.memory_bytes,
     }
 
 

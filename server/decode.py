@@ -92,6 +92,7 @@ class TokenTiming:
     hits: int | None = None  # None once routing is no longer watched (every expert resident)
     misses: int | None = None
     prefetch_hits: int | None = None  # routed experts a prefetch had already read
+    memory_bytes: int | None = None  # the expert cache's memory in use after the step
 
 
 @dataclass(frozen=True)
@@ -260,6 +261,7 @@ def _step_timing(llama: Llama, wall_ns: int) -> TokenTiming:
         hits=t.hits if t.routed else None,
         misses=t.misses if t.routed else None,
         prefetch_hits=t.prefetch_used if t.routed else None,
+        memory_bytes=t.memory_bytes,
     )
 
 

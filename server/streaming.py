@@ -85,6 +85,7 @@ class DecodeTelemetry:
     evictions: int
     prefetched: int  # experts read ahead for the next layer
     prefetch_used: int  # routed experts a prefetch had read
+    memory_bytes: int = 0  # expert memory with pages after the step (frames in use and kept warm)
     # False once every expert is resident under a budget holding them all: the streamer no longer
     # watches routing (nothing left to read), so hits and misses are not counted
     routed: bool = True
@@ -155,6 +156,7 @@ class StreamingLlama(llama_cpp.Llama):
                     evictions=d.evictions,
                     prefetched=d.prefetched,
                     prefetch_used=d.prefetch_used,
+                    memory_bytes=d.memory_bytes,
                     routed=d.routes > 0,
                 )
             )

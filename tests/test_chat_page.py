@@ -97,7 +97,7 @@ def test_the_bars_move_while_the_answer_streams(server: RunningServer, browser: 
     assert len(per_token) > 1 and min(per_token) < final, "the bars only changed once the answer was complete"
     assert page.text_content("#v-compute").endswith(" ms")
     assert (page.text_content("#v-read") or "").endswith("iB")  # bytes read for the last token
-    assert "budget" in (page.text_content("#mode") or "")  # streamed experts: the cache's budget
+    assert "in memory" in (page.text_content("#mode") or "")  # the expert cache's memory in use
     assert (page.text_content("#v-prefetch") or "").isdigit()  # routed experts read ahead, last token
 
 
@@ -274,3 +274,34 @@ def test_settings_and_conversations_are_kept_in_the_browser(
     assert again.input_value("#max") == "7"  # the settings are kept too
     again.screenshot(path=str(tmp_path / "conversations.png"))
     context.close()
+
+
+def test_tool_calls_are_shown(server: RunningServer, browser: Any, tmp_path: Path) -> None:
+    """A tool call streamed in pieces (name first, then its arguments) shows as a call."""
+    deltas: list[dict[str, Any]] = [
+        {"role": "assistant", "content": ""},
+        {
+            "tool_calls": [
+                {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather"}}
+            ]
+        },
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '"Rome"}'}}]},
+    ]
+    chunks = [{"choices": [{"index": 0, "delta": d}]} for d in deltas]
+    chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+    stream = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
+    page = browser.new_page()
+    page.route(
+        "**/v1/chat/completions",
+        lambda route: route.fulfill(status=200, headers={"content-type": "text/event-stream"}, body=stream),
+    )
+    page.goto(f"{server.base_url}/#key=page%20key%2F1")
+    page.wait_for_function(f"document.getElementById('model').textContent === {server.model_id!r}")
+    page.fill("#q", "weather?")
+    page.press("#q", "Enter")
+    page.wait_for_selector(".toolcall")
+    page.wait_for_function("!document.getElementById('send').disabled")
+    assert page.text_content(".toolcall .role") == "Tool call: get_weather"
+    assert page.text_content(".toolcall code") == '{"city": "Rome"}'
+    page.screenshot(path=str(tmp_path / "tool-call.png"))
