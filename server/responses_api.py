@@ -442,17 +442,14 @@ class _Builder:
         self.items.append(item)
         self.open = item
         added = item.to_json("in_progress")
-        if item.kind == "message":
-            added["content"] = []
-        elif item.kind == "reasoning":
-            added["content"] = []
+        if item.kind == "function_call":
+            yield "response.output_item.added", {"output_index": len(self.items) - 1, "item": added}
+            return
+        # a message or reasoning item opens empty, then gets its one text part
+        added["content"] = []
         yield "response.output_item.added", {"output_index": len(self.items) - 1, "item": added}
-        if item.kind == "message":
-            part = _text_part("")
-            yield "response.content_part.added", {**self._where(item), "content_index": 0, "part": part}
-        elif item.kind == "reasoning":
-            part = {"type": "reasoning_text", "text": ""}
-            yield "response.content_part.added", {**self._where(item), "content_index": 0, "part": part}
+        part = _text_part("") if item.kind == "message" else {"type": "reasoning_text", "text": ""}
+        yield "response.content_part.added", {**self._where(item), "content_index": 0, "part": part}
 
     def _close(self) -> Iterator[tuple[str, dict[str, Any]]]:
         item, self.open = self.open, None

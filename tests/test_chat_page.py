@@ -190,16 +190,11 @@ EVIL = (
 )
 
 
-def test_markdown_renders_and_model_output_never_runs_script(
-    server: RunningServer, browser: Any, tmp_path: Path
-) -> None:
-    """The answer is markdown: rendered, then sanitised. An answer carrying <script>, an onerror
-    handler and a javascript: link (served here in place of the model's, through the page's own
-    stream reader) shows as text and markup, and runs nothing."""
-    pieces = [EVIL[i : i + 7] for i in range(0, len(EVIL), 7)]
-    chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
-    chunks += [{"choices": [{"index": 0, "delta": {"content": piece}}]} for piece in pieces]
-    chunks += [{"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
+def page_fed(browser: Any, server: RunningServer, deltas: list[dict[str, Any]], finish: str) -> Any:
+    """A paired page whose chat requests get this stream of deltas (in place of the model's
+    answer, through the page's own stream reader)."""
+    chunks = [{"choices": [{"index": 0, "delta": d}]} for d in deltas]
+    chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
     stream = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
     page = browser.new_page()
     page.route(
@@ -208,6 +203,18 @@ def test_markdown_renders_and_model_output_never_runs_script(
     )
     page.goto(f"{server.base_url}/#key=page%20key%2F1")
     page.wait_for_function(f"document.getElementById('model').textContent === {server.model_id!r}")
+    return page
+
+
+def test_markdown_renders_and_model_output_never_runs_script(
+    server: RunningServer, browser: Any, tmp_path: Path
+) -> None:
+    """The answer is markdown: rendered, then sanitised. An answer carrying <script>, an onerror
+    handler and a javascript: link (served here in place of the model's, through the page's own
+    stream reader) shows as text and markup, and runs nothing."""
+    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+    deltas += [{"content": EVIL[i : i + 7]} for i in range(0, len(EVIL), 7)]
+    page = page_fed(browser, server, deltas, "stop")
     page.fill("#q", "hi")
     page.press("#q", "Enter")
     page.wait_for_function("turns.length === 2")
@@ -288,16 +295,7 @@ def test_tool_calls_are_shown(server: RunningServer, browser: Any, tmp_path: Pat
         {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
         {"tool_calls": [{"index": 0, "function": {"arguments": '"Rome"}'}}]},
     ]
-    chunks = [{"choices": [{"index": 0, "delta": d}]} for d in deltas]
-    chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
-    stream = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
-    page = browser.new_page()
-    page.route(
-        "**/v1/chat/completions",
-        lambda route: route.fulfill(status=200, headers={"content-type": "text/event-stream"}, body=stream),
-    )
-    page.goto(f"{server.base_url}/#key=page%20key%2F1")
-    page.wait_for_function(f"document.getElementById('model').textContent === {server.model_id!r}")
+    page = page_fed(browser, server, deltas, "tool_calls")
     page.fill("#q", "weather?")
     page.press("#q", "Enter")
     page.wait_for_selector(".toolcall")
