@@ -18,7 +18,7 @@ MoeflashError
       ├── QueueFull             the FIFO of waiting requests is full
       └── ServiceUnavailable    the model is loading or the server is shutting down
 
-Each is mapped once to a CLI exit status and, in the server (server/app.py,
+Each is mapped once to a CLI exit status and, in the server (server/http/app.py,
 `error_response`), to one HTTP status and an OpenAI-shaped error body.
 """
 

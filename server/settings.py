@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar, get_args, get_origin
-
 import tomllib
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, get_args, get_origin
+
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from server.errors import ConfigError
+
+if TYPE_CHECKING:
+    from streaming_ext import StreamerConfig
 
 ENV_PREFIX = "MOEFLASH_"
 
@@ -40,15 +43,20 @@ def parse_size(text: str | int) -> int:
     return int(size)
 
 
-def parse_budget(text: str) -> int | None:
-    """An expert budget: bytes (`6G`), BUDGET_ALL for `all`, None for `auto`."""
-    from server.budget import BUDGET_ALL
+# The expert cache's budget: bytes, "all" (every expert: nothing is ever evicted) or "auto" (the
+# memory limit minus everything else the process holds, server/loading/budget.py)
+Budget = int | Literal["auto", "all"]
 
+
+def parse_budget(text: str | int) -> Budget:
+    """A budget from `6G` / `512M` / a byte count, `all` or `auto`."""
+    if isinstance(text, int):
+        return parse_size(text)
     word = text.strip().lower()
     if word == "auto":
-        return None
+        return "auto"
     if word == "all":
-        return BUDGET_ALL
+        return "all"
     return parse_size(text)
 
 
@@ -142,15 +150,21 @@ class ModelSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
-    model: Path | None = Field(None, description="path of the GGUF model (first file of a split)")
+    model: Path | None = Field(
+        None, description="path of the GGUF model (first file of a split)", json_schema_extra={"short": "-m"}
+    )
     alias: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="a name clients may ask for the model by (repeatable; the first is its id in the API, "
         "default: the file stem)",
     )
-    ctx_size: int = Field(4096, ge=64, le=1 << 20, description="context window in tokens")
+    ctx_size: int = Field(
+        4096, ge=64, le=1 << 20, description="context window in tokens", json_schema_extra={"short": "-c"}
+    )
     n_batch: int = Field(512, ge=1, le=1 << 16, description="prompt tokens per decode call")
-    threads: int | None = Field(None, ge=1, le=1024, description="CPU threads (default: all)")
+    threads: int | None = Field(
+        None, ge=1, le=1024, description="CPU threads (default: all)", json_schema_extra={"short": "-t"}
+    )
     flash_attn: Literal["auto", "on", "off"] = Field(
         "auto",
         description="flash attention: on, off, or auto (on when the attention buffers of a full context "
@@ -161,10 +175,14 @@ class ModelSettings(BaseSettings):
         description="resident: weights mapped from the file; streaming: experts from flash into a "
         "bounded cache; auto: streaming when the file exceeds 0.6 x the memory this process may use",
     )
-    budget: str | None = Field(
-        None,
+    budget: Budget = Field(
+        "auto",
         description="RAM for streamed experts: a size (6G, 512M), all (every expert, read once) or auto "
         "(the memory limit minus everything else the process holds)",
+    )
+    preload: bool = Field(
+        False,
+        description="read every expert at load (needs --budget all): then it runs like a resident model",
     )
     # --- the expert streamer's options (streaming mode) ---------------------------------
     lanes: int = Field(4, ge=1, le=16, description="parallel read lanes of the expert streamer")
@@ -202,16 +220,23 @@ class ModelSettings(BaseSettings):
                 raise ValueError(f"an alias must be 1 to 256 characters, got {name!r}")
         return value
 
-    @field_validator("budget")
+    @field_validator("budget", mode="before")
     @classmethod
-    def _check_budget(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_budget(value)
-        return value
+    def _parse_budget(cls, value: Any) -> Any:
+        # flags, env vars and TOML give text ("6G", "all"); a byte count passes through
+        return parse_budget(value) if isinstance(value, str | int) and not isinstance(value, bool) else value
 
-    def budget_bytes(self) -> int | None:
-        """The expert budget in bytes, BUDGET_ALL for every expert, or None for automatic."""
-        return None if self.budget is None else parse_budget(self.budget)
+    def streamer_config(self) -> StreamerConfig:
+        """The expert streamer's levers, as the streamer takes them (built once, here)."""
+        from streaming_ext import Policy, Reader, StreamerConfig
+
+        return StreamerConfig(
+            lanes=self.lanes,
+            reader=Reader[self.reader.upper()],
+            overlap=self.overlap,
+            policy=Policy[self.cache_policy.upper()],
+            prefetch=self.prefetch,
+        )
 
 
 S = TypeVar("S", bound=BaseSettings)
@@ -251,38 +276,65 @@ def _with_toml(cls: type[S], table: dict[str, Any]) -> type[S]:
     return _FromToml
 
 
-def _flag(name: str, field: FieldInfo) -> str:
-    extra = field.json_schema_extra
-    if isinstance(extra, dict) and isinstance(extra.get("flag"), str):
-        return str(extra["flag"])
-    return "--" + name.replace("_", "-")
+def _flags(name: str, field: FieldInfo) -> list[str]:
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    flag = extra.get("flag")
+    short = extra.get("short")
+    long = flag if isinstance(flag, str) else "--" + name.replace("_", "-")
+    return [short, long] if isinstance(short, str) else [long]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per settings field; unset flags stay None so lower sources still apply."""
-    parser.add_argument("--config", type=Path, default=None, help="TOML file with [server] and [model]")
-    for cls in SETTINGS_CLASSES:
+def add_arguments(
+    parser: argparse.ArgumentParser, classes: tuple[type[BaseSettings], ...] = SETTINGS_CLASSES
+) -> None:
+    """Add one flag per field of `classes` (serve: both; generate and bench: the model's); unset
+    flags stay None so lower sources (env, TOML, defaults) still apply."""
+    tables = " and ".join(f"[{cls.__name__.removesuffix('Settings').lower()}]" for cls in classes)
+    parser.add_argument("--config", type=Path, default=None, help=f"TOML file with {tables}")
+    for cls in classes:
         group = parser.add_argument_group(cls.__name__.removesuffix("Settings").lower())
         for name, field in cls.model_fields.items():
             default = field.get_default(call_default_factory=True)
             shown = "unset" if default in (None, []) else default
             help_text = f"{field.description} (default: {shown}; env {ENV_PREFIX}{name.upper()})"
+            flags = _flags(name, field)
             if field.annotation == list[str]:
-                group.add_argument(_flag(name, field), dest=name, action="append", help=help_text)
+                group.add_argument(*flags, dest=name, action="append", help=help_text)
             elif field.annotation is bool:
                 group.add_argument(
-                    _flag(name, field),
-                    dest=name,
-                    action=argparse.BooleanOptionalAction,
-                    default=None,
-                    help=help_text,
+                    *flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
                 )
             else:
                 choices = get_args(field.annotation) if get_origin(field.annotation) is Literal else ()
                 metavar = "{" + ",".join(str(c) for c in choices) + "}" if choices else None
-                group.add_argument(
-                    _flag(name, field), dest=name, default=None, metavar=metavar, help=help_text
-                )
+                group.add_argument(*flags, dest=name, default=None, metavar=metavar, help=help_text)
+
+
+def given_flags(args: argparse.Namespace, cls: type[BaseSettings], skip: tuple[str, ...] = ()) -> list[str]:
+    """The flags of `cls` that a command line gave, as argv again (the bench passes them on to
+    every `generate` it runs); fields in `skip` left out."""
+    argv: list[str] = []
+    for name, field in cls.model_fields.items():
+        value = getattr(args, name, None)
+        if value is None or name in skip:
+            continue
+        flag = _flags(name, field)[-1]
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag.removeprefix("--"))
+        elif isinstance(value, list):
+            for item in value:
+                argv += [flag, str(item)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def settings_from_args(
+    args: argparse.Namespace, classes: tuple[type[BaseSettings], ...] = SETTINGS_CLASSES
+) -> tuple[ServerSettings, ModelSettings]:
+    """The settings a command line gave (flags over env over its --config TOML over defaults)."""
+    cli = {name: getattr(args, name, None) for cls in classes for name in cls.model_fields}
+    return load_settings(cli, getattr(args, "config", None))
 
 
 def _toml_tables(path: Path | None) -> dict[str, dict[str, Any]]:

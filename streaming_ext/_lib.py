@@ -19,51 +19,58 @@ class StreamLibError(RuntimeError):
 
 
 class MfConfig(ctypes.Structure):
-    """struct mf_config (moeflash_stream.h)."""
+    """struct mf_config (moeflash_stream.h), field for field; the budget is set apart."""
 
     _fields_ = [
         ("model_path", ctypes.c_char_p),
-        ("budget_bytes", ctypes.c_uint64),
         ("n_lanes", ctypes.c_int32),
         ("reader", ctypes.c_int32),
         ("overlap", ctypes.c_int32),
         ("policy", ctypes.c_int32),
+        ("prefetch", ctypes.c_int32),
         ("fault_errno", ctypes.c_int32),
         ("fault_after_bytes", ctypes.c_uint64),
         ("skip_expert", ctypes.c_int32),
-        ("no_prefetch", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
     ]
 
 
-STAT_FIELDS = (
-    "routes",
-    "hits",
-    "misses",
-    "evictions",
-    "bytes_read",
-    "reads",
-    "wait_ns",
-    "manage_ns",
-    "read_ns",
-    "dense_bytes",
-    "resident_bytes",
-    "violations",
-    "errors",
-    "direct_io",
-    "prefetched",
-    "prefetch_used",
-    "mapped_bytes",
-    "hold_all",
-    "routing_off",
-    "memory_bytes",
-    "frames_released",
-)
-
-
 class MfStats(ctypes.Structure):
-    """struct mf_stats (moeflash_stream.h): cumulative counters."""
+    """struct mf_stats (moeflash_stream.h): cumulative counters, under the C names."""
 
-    _fields_ = [(name, ctypes.c_uint64) for name in STAT_FIELDS]
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in (
+            "routes",
+            "hits",
+            "misses",
+            "evictions",
+            "bytes_read",
+            "reads",
+            "flash_wait_ns",
+            "cache_ns",
+            "read_ns",
+            "dense_bytes",
+            "resident_bytes",
+            "violations",
+            "errors",
+            "direct_io",
+            "prefetched",
+            "prefetch_hits",
+            "mapped_bytes",
+            "hold_all",
+            "routing_off",
+            "expert_memory_bytes",
+            "frames_released",
+        )
+    ]
+
+
+# the counters' names, in struct order (StreamerStats has the same fields)
+STAT_FIELDS: tuple[str, ...] = tuple(field[0] for field in MfStats._fields_)
+
+# the ctypes structs shared with C, by the name the library's layout functions use (mf_<name>_*)
+SHARED_STRUCTS: tuple[tuple[str, type[ctypes.Structure]], ...] = (("config", MfConfig), ("stats", MfStats))
 
 
 def library_path() -> Path:
@@ -139,16 +146,44 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "mf_cache_route": ([vp, i32, ctypes.POINTER(ctypes.c_uint8)], ctypes.c_int),
         "mf_cache_counts": ([vp, ctypes.POINTER(u64), ctypes.POINTER(u64), ctypes.POINTER(u64)], None),
     }
+    for struct, _ in SHARED_STRUCTS:
+        sigs[f"mf_{struct}_size"] = ([], ctypes.c_size_t)
+        sigs[f"mf_{struct}_n_fields"] = ([], i32)
+        sigs[f"mf_{struct}_offset"] = ([ctypes.c_char_p], ctypes.c_int64)
     for name, (argtypes, restype) in sigs.items():
         fn = getattr(cdll, name)
         fn.argtypes = argtypes
         fn.restype = restype
 
 
+def layout_mismatches(cdll: ctypes.CDLL, name: str, struct: type[ctypes.Structure]) -> list[str]:
+    """How the ctypes `struct` differs from the C struct mf_<name> as the library reports it.
+
+    An empty list means the same size, the same number of fields and every field at the same
+    offset (C's structs have no padding, so this also covers the field sizes).
+    """
+    problems: list[str] = []
+    c_size = int(getattr(cdll, f"mf_{name}_size")())
+    if ctypes.sizeof(struct) != c_size:
+        problems.append(f"mf_{name} is {c_size} bytes in C, {ctypes.sizeof(struct)} in ctypes")
+    fields = [field[0] for field in struct._fields_]
+    c_count = int(getattr(cdll, f"mf_{name}_n_fields")())
+    if len(fields) != c_count:
+        problems.append(f"mf_{name} has {c_count} fields in C, {len(fields)} in ctypes")
+    for field in fields:
+        c_offset = int(getattr(cdll, f"mf_{name}_offset")(field.encode()))
+        offset = int(getattr(struct, field).offset)
+        if c_offset != offset:
+            where = "missing in C" if c_offset < 0 else f"at offset {c_offset} in C"
+            problems.append(f"mf_{name}.{field} is {where}, at {offset} in ctypes")
+    return problems
+
+
 def load_library(path: Path | None = None) -> StreamLib:
     """Load the streamer library (after llama_cpp, whose libraries it links against).
 
-    Raises StreamLibError with the reason and the fix when it cannot be loaded.
+    Raises StreamLibError with the reason and the fix when it cannot be loaded, or when its
+    structs' layout differs from the ctypes declarations here (a stale build).
     """
     # llama_cpp must be imported first: it loads libllama/libggml, which this library links to
     import llama_cpp  # noqa: F401
@@ -164,5 +199,11 @@ def load_library(path: Path | None = None) -> StreamLib:
     lib = StreamLib(cdll=cdll, path=lib_path)
     if not lib.patched_build():
         raise StreamLibError(f"{lib_path} is linked against an unpatched llama.cpp; run `make setup`")
+    problems = [p for name, struct in SHARED_STRUCTS for p in layout_mismatches(cdll, name, struct)]
+    if problems:
+        detail = "; ".join(problems)
+        raise StreamLibError(
+            f"{lib_path} does not match streaming_ext/_lib.py ({detail}): rebuild it with `make ext`"
+        )
     logger.debug("loaded %s (version %s, ggml %s)", lib_path, lib.version(), lib.ggml_version())
     return lib

@@ -2,7 +2,7 @@
 
 A Streamer is created for one GGUF before the model loads; its two buffer types go into the
 model's tensor_buft_overrides and its C callback into the context's cb_eval (see
-server/streaming.py, which builds the llama_cpp.Llama). Nothing here runs per graph node:
+server/loading/streaming.py, which builds the llama_cpp.Llama). Nothing here runs per graph node:
 the per-node path is entirely in C.
 """
 
@@ -48,12 +48,16 @@ class StreamerError(Exception):
 
 @dataclass(frozen=True)
 class StreamerConfig:
-    """Options of the streamer (the levers its byte-identity gates cover)."""
+    """Options of the streamer (the levers its byte-identity gates cover).
 
-    budget_bytes: int = 0  # 0: set later with Streamer.set_budget
+    The expert budget is not one of them: set it with Streamer.set_budget before check_loaded.
+    """
+
     lanes: int = 4
     reader: Reader = Reader.DIRECT
-    overlap: bool = True
+    # the matmuls of experts already read run while the rest are read (off, as in the server: no
+    # faster on 2 cores, bench/reports/qwen30b-shape.md)
+    overlap: bool = False
     policy: Policy = Policy.LAYER
     # fault injection for tests: after this many expert bytes, reads fail with fault_errno
     fault_errno: int = 0
@@ -66,7 +70,10 @@ class StreamerConfig:
 
 @dataclass(frozen=True)
 class StreamerStats:
-    """Cumulative counters of a streamer (see struct mf_stats); subtract two for a delta."""
+    """Cumulative counters of a streamer: struct mf_stats, same names and order (STAT_FIELDS).
+
+    Subtract two for a delta.
+    """
 
     routes: int
     hits: int
@@ -74,8 +81,8 @@ class StreamerStats:
     evictions: int
     bytes_read: int
     reads: int
-    wait_ns: int
-    manage_ns: int
+    flash_wait_ns: int  # time the computation waited for expert reads
+    cache_ns: int  # time spent in cache bookkeeping on the decode path
     read_ns: int
     dense_bytes: int
     resident_bytes: int
@@ -83,11 +90,11 @@ class StreamerStats:
     errors: int
     direct_io: int
     prefetched: int
-    prefetch_used: int
+    prefetch_hits: int  # of the prefetched entries, those routed by the layer they were read for
     mapped_bytes: int
     hold_all: int  # 1: the budget holds every expert (in place, huge pages, no evictions)
     routing_off: int  # 1: all of them resident, routing is no longer observed (hits stop counting)
-    memory_bytes: int  # expert memory with pages now: frames in use and free ones kept warm
+    expert_memory_bytes: int  # expert memory with pages now: frames in use and free ones kept warm
     frames_released: int  # free frames whose pages went back to the kernel
 
     def __sub__(self, other: StreamerStats) -> StreamerStats:
@@ -97,7 +104,7 @@ class StreamerStats:
             "resident_bytes",
             "direct_io",
             "dense_bytes",
-            "memory_bytes",
+            "expert_memory_bytes",
             "mapped_bytes",
             "hold_all",
             "routing_off",
@@ -122,15 +129,14 @@ class Streamer:
         self.model_path = Path(model_path)
         c = MfConfig(
             model_path=os.fsencode(self.model_path),
-            budget_bytes=config.budget_bytes,
             n_lanes=config.lanes,
             reader=int(config.reader),
             overlap=int(config.overlap),
             policy=int(config.policy),
+            prefetch=int(config.prefetch),
             fault_errno=config.fault_errno,
             fault_after_bytes=config.fault_after_bytes,
             skip_expert=config.skip_expert,
-            no_prefetch=0 if config.prefetch else 1,
         )
         handle = ctypes.c_void_p()
         err = ctypes.create_string_buffer(_ERR_LEN)
@@ -172,7 +178,7 @@ class Streamer:
         return value
 
     def set_budget(self, budget_bytes: int) -> None:
-        """Set the expert budget before the model loads (at least `layer_bytes`)."""
+        """Set the expert budget (at least `layer_bytes`); required, before check_loaded."""
         rc = self.lib.cdll.mf_streamer_set_budget(self.handle, budget_bytes)
         if rc != 0:
             raise StreamerError(self.last_error() or os.strerror(-rc), -rc)

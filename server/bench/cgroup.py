@@ -20,7 +20,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from server.memcg import own_memory_cgroup
+from server.loading.memcg import own_memory_cgroup
 
 logger = logging.getLogger(__name__)
 

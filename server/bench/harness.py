@@ -19,39 +19,23 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from server import __version__
 from server.bench.cgroup import MemoryCgroup, drop_page_cache, probe
 from server.bench.disk import CeilingResult, random_reads, sequential_read
+from server.bench.ratios import compute_ratios
+from server.bench.results import BenchResult, Run
 from server.bench.systems import System, SystemSet
-from server.model_files import split_files
+from server.loading.model_files import split_files
 
 logger = logging.getLogger(__name__)
 
 PROMPT_20 = (
     "Write a short story about a lighthouse keeper who discovers that the fog carries messages from the sea."
 )
-
-
-@dataclass
-class Run:
-    """One system's measurement (figures from its `generate --json` report and its cgroup)."""
-
-    system: str
-    cap_bytes: int | None
-    ok: bool
-    error: str | None = None
-    wall_s: float = 0.0
-    report: dict[str, Any] = field(default_factory=dict)
-    cgroup_peak_bytes: int | None = None
-    cgroup_stat: dict[str, int] = field(default_factory=dict)
-    page_cache_dropped: bool = False
-    page_cache_warmed: bool = False  # the model file was read into the page cache before the run
-    repeat: int = 0  # which run of a system measured several times (System.repeats), from 0
-    note: str = ""
 
 
 @dataclass
@@ -65,6 +49,8 @@ class BenchConfig:
     ceiling_seconds: float = 8.0
     timeout_s: float = 1800.0
     expert_bytes_per_read: int = 0  # one expert slice; from the model when 0
+    # model-settings flags given to `moeflash bench`, passed to every system's `generate`
+    settings_flags: tuple[str, ...] = ()
 
 
 def _source_commit() -> str | None:
@@ -135,7 +121,7 @@ def run_system(
     system: System, cfg: BenchConfig, cap: int | None, progress: Callable[[str], None], repeat: int = 0
 ) -> Run:
     """One `moeflash generate --json` process, capped or not."""
-    argv = system.argv(str(cfg.model), PROMPT_20, cfg.decode_tokens, cfg.ctx_size)
+    argv = system.argv(str(cfg.model), PROMPT_20, cfg.decode_tokens, cfg.ctx_size, cfg.settings_flags)
     dropped = drop_page_cache() is None
     run = Run(system.name, cap, ok=False, page_cache_dropped=dropped, repeat=repeat)
     nth = f" (run {repeat + 1} of {system.repeats})" if system.repeats > 1 else ""
@@ -189,30 +175,6 @@ def measure_ceiling(
     drop_page_cache()
     out.append(sequential_read(cfg.model, cfg.ceiling_seconds, start=3 * quarter))
     return out
-
-
-@dataclass
-class BenchResult:
-    """Everything one `moeflash bench` run measured."""
-
-    model: dict[str, Any]
-    environment: dict[str, Any]
-    cgroup: str
-    page_cache: str
-    ceiling: list[dict[str, Any]]
-    runs: list[Run]
-    ratios: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "environment": self.environment,
-            "cgroup": self.cgroup,
-            "page_cache": self.page_cache,
-            "ceiling": self.ceiling,
-            "runs": [asdict(r) for r in self.runs],
-            "ratios": self.ratios,
-        }
 
 
 def _in_rounds(
@@ -275,7 +237,6 @@ def run_bench(
         ceiling=ceiling,
         runs=runs,
     )
-    from server.bench.ratios import compute_ratios
 
     result.ratios = compute_ratios(result)
     return result

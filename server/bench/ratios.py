@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 from server.bench.targets import check_targets
 
 if TYPE_CHECKING:
-    from server.bench.harness import BenchResult, Run
+    from server.bench.results import BenchResult, Run
 
 
-def _decode(run: Run) -> dict[str, float] | None:
+def decode_figures(run: Run) -> dict[str, float] | None:
     """Per-token means of a run's decode steps (seconds, bytes, hits).
 
     Hit rates are over the tokens whose routing was watched, and absent when none was (every
@@ -31,13 +31,14 @@ def _decode(run: Run) -> dict[str, float] | None:
     def mean(key: str) -> float:
         return sum(float(t.get(key) or 0) for t in toks) / n
 
+    # the report's records are in ns (streaming_ext's names); these figures in seconds
     out = {
-        "tok_s_median": 1.0 / statistics.median(float(t["seconds"]) for t in toks),
-        "tok_s_mean": n / sum(float(t["seconds"]) for t in toks),
-        "seconds": mean("seconds"),
-        "compute_s": mean("compute_s"),
-        "flash_wait_s": mean("flash_wait_s"),
-        "cache_s": mean("cache_s"),
+        "tok_s_median": 1e9 / statistics.median(float(t["wall_ns"]) for t in toks),
+        "tok_s_mean": n * 1e9 / sum(float(t["wall_ns"]) for t in toks),
+        "seconds": mean("wall_ns") / 1e9,
+        "compute_s": mean("compute_ns") / 1e9,
+        "flash_wait_s": mean("flash_wait_ns") / 1e9,
+        "cache_s": mean("cache_ns") / 1e9,
         "bytes_read": mean("bytes_read"),
     }
     watched = [t for t in toks if t.get("hits") is not None]
@@ -45,7 +46,7 @@ def _decode(run: Run) -> dict[str, float] | None:
         return out
     hits = sum(float(t.get("hits") or 0) for t in watched)
     misses = sum(float(t.get("misses") or 0) for t in watched)
-    used = sum(float(t.get("prefetch_used") or 0) for t in watched)
+    used = sum(float(t.get("prefetch_hits") or 0) for t in watched)
     routed = hits + misses
     return out | {
         "miss_rate": misses / routed if routed else 0.0,
@@ -56,7 +57,7 @@ def _decode(run: Run) -> dict[str, float] | None:
 
 
 def _median_tok_s(run: Run) -> float | None:
-    d = _decode(run)
+    d = decode_figures(run)
     return d["tok_s_median"] if d else None
 
 
@@ -124,7 +125,7 @@ def _cap_ceiling(ceiling: list[dict[str, Any]], cap: int) -> float | None:
 
 def _memory_discipline(run: Run | None) -> float | None:
     """Peak memory of a capped run (RSS + page cache charged) / what the loader accounted for:
-    the budget and the terms it measured beside it (server/budget.py), its margin left out."""
+    the budget and the terms it measured beside it (server/loading/budget.py), its margin left out."""
     if run is None or not run.ok or not run.cgroup_peak_bytes:
         return None
     rep = run.report
@@ -143,8 +144,8 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
     routed = float(result.model["routed_bytes_per_token"])
     resident = _by_name(result, "resident", None)
     cached = _by_name(result, "streaming-all-cached", None)
-    res_d = _decode(resident) if resident else None
-    cached_d = _decode(cached) if cached else None
+    res_d = decode_figures(resident) if resident else None
+    cached_d = decode_figures(cached) if cached else None
     compute_bound = cached_d["tok_s_median"] if cached_d else None
     prefill_compute = _prompt_tok_s(_by_name(result, "streaming-all-cached-prefill-512", None))
     prefill_resident = _prompt_tok_s(_by_name(result, "resident-prefill-512", None))
@@ -178,9 +179,9 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
         stream, mmap = _median_run(stream_runs), _median_run(mmap_runs)
         speedups = _round_ratios(stream_runs, mmap_runs)
         overlapped = _by_name(result, "lever-overlap", cap)
-        sd = _decode(stream) if stream else None
-        md = _decode(mmap) if mmap else None
-        over_d = _decode(overlapped) if overlapped else None
+        sd = decode_figures(stream) if stream else None
+        md = decode_figures(mmap) if mmap else None
+        over_d = decode_figures(overlapped) if overlapped else None
         # BENCH.md: ceiling / (routed bytes x measured miss rate). A prefetched expert was still
         # read from flash (and so was a wrong guess), so the measured share of routed bytes that
         # came from flash is bytes read / routed bytes: I/O-bound = ceiling / bytes read per token

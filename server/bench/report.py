@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from server.bench.harness import BenchResult, Run
-from server.bench.ratios import _decode
+from server.bench.ratios import decode_figures
+from server.bench.results import BenchResult, Run
 
 _MIB = 2**20
 
@@ -79,7 +79,7 @@ def markdown(result: BenchResult, command: str) -> str:
             )
             continue
         r = run.report
-        d = _decode(run)
+        d = decode_figures(run)
         n_dec = max(1, r.get("decode_tokens", 1))
         # per decoded token; a report from before resident runs recorded their reads per token
         # spreads the whole run's (load and prompt too) over every token
@@ -237,9 +237,9 @@ def chart(result: BenchResult, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in result.runs if r.ok and _decode(r)]
+    runs = [r for r in result.runs if r.ok and decode_figures(r)]
     labels = [f"{_name(r, result)}\n{_cap(r)}" for r in runs]
-    decoded = [_decode(r) for r in runs]
+    decoded = [decode_figures(r) for r in runs]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8, len(runs) * 0.9), 9))
     ax1.bar(range(len(runs)), [d["tok_s_median"] if d else 0 for d in decoded], color="#3b7dd8")
     ax1.set_ylabel("decode tok/s (median)")

@@ -44,8 +44,10 @@ class System:
     fill_context: bool = False
 
     def argv(
-        self, model: str, prompt: str, n_predict: int, ctx_size: int, extra: tuple[str, ...] = ()
+        self, model: str, prompt: str, n_predict: int, ctx_size: int, settings_flags: tuple[str, ...] = ()
     ) -> list[str]:
+        """The `moeflash generate` command line of this system; `settings_flags` (model settings given
+        to the bench) come before the system's own options, which win."""
         n = self.decode_tokens or n_predict
         filled = ("--prompt-tokens", str(ctx_size - n)) if self.fill_context else ()
         return [
@@ -65,13 +67,16 @@ class System:
             "--ctx-size",
             str(ctx_size),
             "--json",
+            # every system streams unless it says --mode resident (a later flag wins)
+            "--mode",
+            "streaming",
             # BENCH.md's short prompt is 20 tokens (the text alone tokenizes to more); a system's
             # own --prompt-tokens comes later and wins
             "--prompt-tokens",
             str(SHORT_PROMPT_TOKENS),
+            *settings_flags,
             *self.args,
             *filled,
-            *extra,
         ]
 
 
@@ -89,7 +94,7 @@ def default_systems(mmap_tokens: int, levers: bool = True) -> SystemSet:
         System(
             "resident",
             False,
-            ("--resident",),
+            ("--mode", "resident"),
             description="stock llama.cpp, model fully in RAM (page cache warmed first)",
             warm_page_cache=True,
             repeats=3,
@@ -105,7 +110,7 @@ def default_systems(mmap_tokens: int, levers: bool = True) -> SystemSet:
         System(
             "resident-prefill-512",
             False,
-            ("--resident", "--prompt-tokens", str(LONG_PROMPT_TOKENS)),
+            ("--mode", "resident", "--prompt-tokens", str(LONG_PROMPT_TOKENS)),
             decode_tokens=2,
             description="stock llama.cpp fully in RAM, a 512-token prompt (the prefill reference)",
             warm_page_cache=True,
@@ -122,7 +127,7 @@ def default_systems(mmap_tokens: int, levers: bool = True) -> SystemSet:
         System(
             "mmap-capped",
             True,
-            ("--resident",),
+            ("--mode", "resident"),
             decode_tokens=mmap_tokens,
             description="stock llama.cpp load_mode MMAP (use_extra_bufts off) under the cap",
             repeats=CAPPED_ROUNDS,
@@ -130,7 +135,7 @@ def default_systems(mmap_tokens: int, levers: bool = True) -> SystemSet:
         System(
             "mmap-capped-prefill-512",
             True,
-            ("--resident", "--prompt-tokens", str(LONG_PROMPT_TOKENS)),
+            ("--mode", "resident", "--prompt-tokens", str(LONG_PROMPT_TOKENS)),
             decode_tokens=2,
             description="stock llama.cpp mmap under the cap, a 512-token prompt (prefill speedup)",
         ),
@@ -159,11 +164,11 @@ def default_systems(mmap_tokens: int, levers: bool = True) -> SystemSet:
     ]
     if levers:
         capped += [
-            System("lever-no-cache", True, ("--policy", "none"), lever="cache off"),
-            System("lever-lru", True, ("--policy", "lru"), lever="LRU policy"),
+            System("lever-no-cache", True, ("--cache-policy", "none"), lever="cache off"),
+            System("lever-lru", True, ("--cache-policy", "lru"), lever="LRU policy"),
             System("lever-lanes-1", True, ("--lanes", "1"), lever="1 lane"),
             System("lever-lanes-2", True, ("--lanes", "2"), lever="2 lanes"),
-            System("lever-buffered", True, ("--no-direct-io",), lever="O_DIRECT off"),
+            System("lever-buffered", True, ("--reader", "buffered"), lever="O_DIRECT off"),
             System("lever-overlap", True, ("--overlap",), lever="overlap on"),
             System("lever-no-prefetch", True, ("--no-prefetch",), lever="prefetch off"),
         ]

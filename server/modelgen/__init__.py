@@ -7,7 +7,7 @@
 Modules: spec (ModelSpec, QType, validation), presets, archs (tensors and hparams per
 architecture), tokenizer and templates (vocabulary, chat templates), quant (random block
 data), gguf_format (header bytes), layout (files, splits, offsets), writer (streaming to disk),
-command (the `moeflash make-model` CLI).
+the `moeflash make-model` command line is server/cli/make_model.py.
 """
 
 from server.errors import ModelGenError

@@ -352,8 +352,3 @@ class TensorSpec:
     @property
     def nbytes(self) -> int:
         return self.n_elements // self.qtype.block_size * self.qtype.type_size
-
-    @property
-    def is_expert(self) -> bool:
-        """A routed-expert weight (the tensors a streamer pages in per expert slice)."""
-        return self.name.endswith("_exps.weight")

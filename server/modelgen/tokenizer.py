@@ -306,9 +306,6 @@ class Vocab:
     eot_id: int
     pad_id: int
 
-    def id_of(self, text: str) -> int:
-        return self.tokens.index(text)
-
 
 def build_vocab(arch: str, n_vocab: int) -> Vocab:
     """The vocabulary of `n_vocab` tokens for `arch` (n_vocab >= base_vocab_size(arch))."""

@@ -56,23 +56,25 @@ enum mf_reader {
     MF_READER_BUFFERED = 1,  // plain pread through the page cache
 };
 
+// The streamer's options. Every field is read; the expert budget is not one of them: it is set
+// with mf_streamer_set_budget once its floor (mf_streamer_layer_bytes) and the memory the model
+// and its context take are known.
 typedef struct mf_config {
-    const char * model_path;    // the GGUF, or the first file of a split set (-00001-of-0000N.gguf)
-    uint64_t     budget_bytes;  // expert cache budget, at least one layer's experts; 0: set it later
-    int32_t      n_lanes;       // reader threads, 1..MF_MAX_LANES
-    int32_t      reader;        // enum mf_reader
-    int32_t      overlap;       // non-zero: reads overlap compute through the mul_mat_id ready hook
-    int32_t      policy;        // enum mf_policy
-    // fault injection for tests: after this many expert bytes have been read, reads fail with
-    // fault_errno (0 = off)
+    const char * model_path;         // the GGUF, or the first file of a split set (-00001-of-0000N.gguf)
+    int32_t      n_lanes;            // reader threads, 1..MF_MAX_LANES
+    int32_t      reader;             // enum mf_reader
+    int32_t      overlap;            // non-zero: reads overlap compute through the mul_mat_id ready hook
+    int32_t      policy;             // enum mf_policy
+    int32_t      prefetch;           // non-zero: read the next layer's predicted experts ahead of its routing
+    // fault injection for tests: after fault_after_bytes expert bytes have been read, reads fail
+    // with fault_errno (0 = off)
     int32_t      fault_errno;
     uint64_t     fault_after_bytes;
     // negative control for tests: when > 0, expert (skip_expert - 1) is never read but still
     // marked ready, leaving its slices with whatever their memory held; a byte-identity gate must
     // then fail
     int32_t      skip_expert;
-    // non-zero: never read the next layer's predicted experts ahead of its routing
-    int32_t      no_prefetch;
+    int32_t      reserved;           // 0; fills the struct's last 4 bytes, so that it has no padding
 } mf_config;
 
 #define MF_MAX_LANES 16
@@ -85,16 +87,16 @@ typedef struct mf_stats {
     uint64_t evictions;      // entries evicted
     uint64_t bytes_read;     // expert bytes read from storage (payload, not alignment padding)
     uint64_t reads;          // slice reads issued
-    uint64_t wait_ns;        // time the computation waited for expert reads
-    uint64_t manage_ns;      // time spent in cache bookkeeping on the decode path
+    uint64_t flash_wait_ns;  // time the computation waited for expert reads
+    uint64_t cache_ns;       // time spent in cache bookkeeping on the decode path
     uint64_t read_ns;        // time lanes spent inside read calls (summed over lanes)
     uint64_t dense_bytes;    // non-expert bytes read at load into anonymous memory
     uint64_t resident_bytes; // expert bytes resident now
     uint64_t violations;     // expert matmuls that found a routed slice absent (must stay 0)
-    uint64_t errors;         // failed reads
+    uint64_t errors;         // failures recorded: failed reads, refused uses, calls that failed
     uint64_t direct_io;      // 1 when O_DIRECT is in use, 0 when reads are buffered
     uint64_t prefetched;     // entries read ahead of their layer's routing (predicted)
-    uint64_t prefetch_used;  // of them, routed by the layer they were read for
+    uint64_t prefetch_hits;  // of them, routed by the layer they were read for
     uint64_t mapped_bytes;   // bytes of tensors mapped from the file (row buffer type), not read
     // 1 when the budget holds every expert (fixed at mf_streamer_check_loaded): nothing is ever
     // evicted, so slices are read into the tensors' own memory, plain read-write anonymous memory
@@ -106,19 +108,22 @@ typedef struct mf_stats {
     uint64_t routing_off;
     // bytes of expert memory with pages: frames of resident entries and free frames kept for the
     // next loads (0 under hold_all)
-    uint64_t memory_bytes;
-    // free frames whose pages were given back to the kernel: for frames of another size, past the
-    // memory limit, or by mf_streamer_drop_cache
+    uint64_t expert_memory_bytes;
+    // free frames whose pages were given back to the kernel (by mf_streamer_drop_cache)
     uint64_t frames_released;
 } mf_stats;
 
+// Thread contract of the calls below: one thread at a time per streamer (the thread that loads
+// the model, then the one that decodes), except where a call says otherwise.
+
 // Creates a streamer for cfg->model_path: indexes the GGUF (all splits), checks sizes and
 // offsets, and starts the reader lanes. Returns 0, or -errno with *out == NULL and a message in
-// last_error (which may be NULL). Thread contract: call before loading the model.
+// last_error (which may be NULL). Call before loading the model.
 MF_API int mf_streamer_new(const mf_config * cfg, mf_streamer ** out, char * last_error, size_t last_error_size);
 
-// Sets the expert budget (bytes, at least mf_streamer_layer_bytes) before the model loads.
-// Returns 0, -EINVAL below the floor, -EBUSY once the cache exists.
+// Sets the expert budget (bytes, at least mf_streamer_layer_bytes). Required, before
+// mf_streamer_check_loaded (before or after the model loads). Returns 0, -EINVAL below the floor,
+// -EBUSY once the cache exists.
 MF_API int mf_streamer_set_budget(mf_streamer * s, uint64_t budget_bytes);
 
 // Stops the lanes and frees the streamer. NULL is a no-op. Call after the llama model (whose
@@ -132,8 +137,9 @@ MF_API ggml_backend_buffer_type_t mf_streamer_expert_buft(mf_streamer * s);
 MF_API ggml_backend_buffer_type_t mf_streamer_rows_buft(mf_streamer * s);
 MF_API ggml_backend_buffer_type_t mf_streamer_dense_buft(mf_streamer * s);
 
-// After the model has loaded: 0 when every expert tensor of the file is in the expert buffer
-// type and every other tensor was read, else -errno with a message.
+// After the model has loaded: checks that every expert tensor of the file is in the expert buffer
+// type, then builds the layers, the expert memory and the cache for the budget set. Returns 0,
+// else -errno with a message (-EINVAL when no budget was set).
 MF_API int mf_streamer_check_loaded(mf_streamer * s);
 
 // The ggml_backend_sched_eval_callback to install as cb_eval, with the streamer as user data.
@@ -155,10 +161,11 @@ MF_API const char * mf_streamer_last_error(const mf_streamer * s);
 // then runs like a resident one. Returns 0 or -errno (message in last_error). Decode thread only.
 MF_API int mf_streamer_preload(mf_streamer * s);
 
-// Evicts every unpinned expert entry (tests and benchmarks: a cold cache). Decode thread only.
+// Evicts every expert entry and gives the free frames' pages back (tests and benchmarks: a cold
+// cache). Decode thread only.
 MF_API void mf_streamer_drop_cache(mf_streamer * s);
 
-// Bytes of one layer's experts (all of them) and of the largest layer; the budget floor.
+// Bytes of the largest layer's experts (all of them): the budget floor.
 MF_API uint64_t mf_streamer_layer_bytes(const mf_streamer * s);
 // Bytes of all expert tensors, and number of MoE layers / experts per layer.
 MF_API uint64_t mf_streamer_expert_bytes(const mf_streamer * s);
@@ -166,12 +173,26 @@ MF_API int32_t  mf_streamer_n_moe_layers(const mf_streamer * s);
 MF_API int32_t  mf_streamer_n_expert(const mf_streamer * s);
 // Bytes of the named tensor in the file, 0 when the file has no such tensor.
 MF_API uint64_t mf_streamer_tensor_bytes(const mf_streamer * s, const char * name);
-// Where resident experts live: frames (how many sizes, the memory limit), or the tensors
-// themselves when the budget holds every expert. Valid once the model has loaded.
+// Where resident experts live: frames (how many, their size, the memory they may take), or the
+// tensors themselves when the budget holds every expert. Valid once the model has loaded.
 MF_API const char * mf_streamer_memory_note(const mf_streamer * s);
 
 // ---------------------------------------------------------------------------------------------
-// The cache policy on its own, for trace replay (the same code the streamer runs).
+// Layout of the structs shared with Python (mf_config, mf_stats), checked by streaming_ext/_lib.py
+// when it loads the library. Neither struct has padding: every byte belongs to a listed field.
+// Thread-safe; constant answers.
+
+MF_API size_t  mf_config_size(void);
+MF_API size_t  mf_stats_size(void);
+// Number of fields, and the byte offset of the named one (-1 when the struct has no such field).
+MF_API int32_t mf_config_n_fields(void);
+MF_API int32_t mf_stats_n_fields(void);
+MF_API int64_t mf_config_offset(const char * field);
+MF_API int64_t mf_stats_offset(const char * field);
+
+// ---------------------------------------------------------------------------------------------
+// The cache policy on its own, for trace replay (the same code the streamer runs). A cache is
+// used by one thread at a time.
 
 typedef struct mf_cache mf_cache;
 

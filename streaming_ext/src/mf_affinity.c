@@ -1,38 +1,22 @@
-// Routing affinity between consecutive visits of a layer, for the LAYER cache policy (mf_cache.c).
+// Routing affinity between visits of a layer, for the LAYER cache policy (mf_cache.c).
 //
-// Which experts a layer routes to at its next visit (the next token) depends on which ones it
-// routed to at this visit beyond "the same expert again": a router's choices move between
-// related experts. For each layer this learns, online, how often expert f was routed at the
-// visit right after a visit that routed expert e, and turns the layer's last routed set into a
-// lift per expert: P(f at the next visit | last set) / P(f at a visit), the first factor the mean
-// of P(f | e) over the set's experts (each estimate drawn towards the marginal when it rests on
-// few visits). The cache policy does not use the lift directly: it learns how often each lift
-// class (a power of two) is actually followed by a route, next to the entry's age and frequency,
-// so a lift that predicts nothing on some model simply makes its classes' hazards equal.
-// The classes are coarse (one per power of four): classes per power of two or of sqrt(2) measured
-// the same at 2000 MiB (within 0.1 point) but, with more and sparser cells, fell 1 to 4 hits
-// (0.02 points) below LRU at 8000 MiB on the Gemma trace, where LRU is 0.2 points from optimal.
-//
-// Why not the affinity between layers within a token: it predicts the running token's later
-// routes well, but replaying the traces with the actual routing of the rest of the running token
-// given to the policy (an offline oracle replay on 2026-11-29; the scripts were not kept) raised
-// the decode hit rate by 0.1 points, while the actual routing of the next token raised it by 2.4
-// to 3.8 points: what is still to come in the running token rarely decides an eviction (entries
-// a few layers ahead are worth keeping anyway), the next token's routing does.
-//
-// The window lift: the same kind of affinity for the visits 2 to MF_WIN_H after a visit (routes
-// of f in that window after visits routing e), applied to the layer's recent sets rather than
-// the last one (each visit back weighing half as much: a context, where the router has been
-// lately). It lifts the entry's recent routing rate, which the cache policy uses beyond the next
-// visit: the reuses a few tokens ahead are most of what the policy still misses against Belady.
-// Used as a factor (no classes): through learned correction classes it came out near 1, the
-// pooled correction being dominated by entries no cache holds (see mf_cache.c). Its noise is
-// taken out per layer by empirical Bayes (window_route), so on routing without such structure it
-// is about 1.
+// A router's choices move between related experts from one token to the next. For each layer
+// this learns, online, two affinities and turns them into lifts (how much likelier than usual an
+// expert is routed, given what the layer routed lately):
+// - next visit: how often expert f is routed at the visit right after one that routed e. The
+//   layer's last routed set gives each expert a lift P(f | last set) / P(f), the first factor the
+//   mean of P(f | e) over the set's experts (each estimate drawn towards the marginal when it
+//   rests on few visits). The cache uses it as a class (one per power of four) of its reuse
+//   model, next to age and frequency, so a lift that predicts nothing on some model simply
+//   makes its classes' hazards equal.
+// - window: the same for visits 2 to MF_WIN_H after a visit, applied to the layer's recent sets
+//   (each visit back weighing half as much), as a factor on the entry's recent routing rate: the
+//   reuses a few tokens ahead are most of what the policy still misses against Belady. Its noise
+//   is taken out per layer by empirical Bayes (window_route), so on routing without such
+//   structure it is about 1.
 // Memory: 4 * n_layer * n_expert^2 bytes (3 MiB at 48 x 128) plus 18 + MF_WIN_H bytes per
-// (layer, expert); cost per route: a few times n_expert times the routed-set size (the window
-// lift added about 2 us per route on the Qwen trace, 48 x 128, k = 6: see mf_cache.c). The
-// counts are updated through the list of routed experts, not every expert.
+// (layer, expert). Counts are updated through the list of routed experts, not every expert.
+// One thread at a time (the cache's). See docs/streamer.md, "Affinity".
 #include "mf_internal.h"
 
 #include <errno.h>
@@ -190,8 +174,8 @@ static void window_route(mf_affinity * a, int32_t layer, const uint8_t * want, i
     //   (wpair[e][f] / n + w * r(f)) / (wsrc[e] + w),
     // without it: r(f) = (wmarg[f] / n + w * k / E) / (wseen + w); n = MF_WIN_H - 1 visits per window.
     // The sums decay by half per visit, so an older set's terms keep the counts of their time:
-    // one set's work per route instead of one per lag (with the last 2, 4 or 8 sets recomputed
-    // at every visit: within 0.03 points at 2000 and 4000 MiB).
+    // one set's work per route instead of one per lag (recomputing the last few sets at every
+    // visit measured the same: docs/streamer.md).
     const float w    = MF_PRIOR_WEIGHT;
     const float n    = (float) (MF_WIN_H - 1);
     float *     acc  = a->ctx + row;
@@ -233,9 +217,8 @@ static void window_route(mf_affinity * a, int32_t layer, const uint8_t * want, i
     // noise = sum over the context of weight^2 * wsrc[e] / (wsrc[e] + w)^2. The lifts' spread
     // over the experts less that noise is the true spread V; each lift is drawn towards 1 by
     // V / (V + its noise). On routing without structure (every expert alike) V is about 0 and the
-    // lifts about 1: ranking on their noise lost 0.2 to 0.5 points on synthetic uniform routing.
-    // (With the marginal r(f) in place of re(f) the noise of experts a layer never routes, whose
-    // lifts are exact, swamped the spread and the lift did nothing on the traces either.)
+    // lifts about 1 (ranking on their noise costs hits). re(f), not the marginal r(f): with r(f)
+    // the noise of experts a layer never routes, whose lifts are exact, swamps the spread.
     // (the divisions hoisted: this loop runs per route)
     const float inv_seen = 1.0f / (seen + w);
     const float inv_wsum = 1.0f / wsum;

@@ -1,27 +1,22 @@
-// The streamer's three ggml buffer types.
+// The streamer's three ggml buffer types, all host buffers of the CPU device.
 //
-// DESIGN
-// MF_EXPERTS holds the expert tensors (blk.N.ffn_*_exps.weight). Its max buffer size is 1 byte, so
-// ggml gives every expert tensor a buffer of its own, and each buffer is a MAP_NORESERVE
-// reservation that stays PROT_NONE: resident slices live in frames (mf_frames.c) that the ready
-// hook points the matmuls at, so a touch of the tensor's own memory faults. Under a budget that
-// holds every expert the reservation is the slices' home instead: plain read-write memory asking
-// for huge pages (mf_buft_hold_all; see "Holding every expert" in mf_streamer.c). init_tensor moves the data
-// pointer inside its reservation so that it is congruent to the tensor's file offset modulo the
-// page size: then a page-aligned O_DIRECT read of a slice lands straight in place (the edge bytes
-// it also brings belong to the neighbouring slices and are their correct bytes: weights are
-// immutable). set_tensor ignores the loader's pointer into its (unread) file mapping.
-// MF_DENSE holds everything else in anonymous memory (asking for huge pages: all of it is used by
-// every token), read once from the file in set_tensor (O_DIRECT through a bounce buffer when
-// possible) so it never depends on the page cache.
-// MF_ROWS holds a tensor that a token only reads one row of (the token embeddings of a model
-// whose output matrix is its own tensor): like an expert tensor it gets a reservation of its own,
-// and init_tensor maps the file read-only over it, MADV_RANDOM, so a token costs one page read and
-// the rest of the matrix (315 MiB on qwen30b-shape, 4% of an 8 GiB phone's memory) is left to the
-// expert cache instead. The page cache keeps the rows in use and the kernel drops them under
-// pressure like any clean file page. Like any mapping of the file (llama.cpp's own mmap mode),
-// it assumes the file is not rewritten in place while the model is loaded.
-// All are host buffers of the CPU device, so the CPU backend computes on them directly.
+// MF_EXPERTS holds the expert tensors (blk.N.ffn_*_exps.weight), one buffer per tensor (max size
+// 1 byte), each a MAP_NORESERVE reservation that stays PROT_NONE: resident slices live in frames
+// (mf_frames.c) the ready hook points the matmuls at, so a touch of the tensor's own memory
+// faults. Under a budget that holds every expert the reservation is the slices' home instead
+// (mf_buft_hold_all). init_tensor registers the tensor and places its data pointer congruent to
+// its file offset modulo the page, so a page-aligned O_DIRECT read lands in place (the edge bytes
+// it also brings are the neighbouring slices' own, correct bytes: weights are immutable);
+// set_tensor ignores the loader's pointer into its (unread) file mapping.
+// MF_DENSE holds everything else in anonymous memory asking for huge pages, read once in
+// set_tensor (O_DIRECT through a bounce buffer when possible), so it never depends on the page
+// cache.
+// MF_ROWS holds a tensor a token reads one row of (the token embeddings of a model whose output
+// matrix is its own tensor): init_tensor maps the file read-only over its reservation,
+// MADV_RANDOM, so a token costs one page read and the rest is left to the expert cache. Like any
+// mapping of the file, it assumes the file is not rewritten in place while the model is loaded.
+// Callbacks run on the thread that loads the model (get_tensor: any thread between decodes).
+// See docs/streamer.md, "Buffer types".
 #include "mf_internal.h"
 
 #include <errno.h>
@@ -30,6 +25,8 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
+
+#include "gguf.h"
 
 typedef struct mf_buf {
     mf_streamer * s;
@@ -75,6 +72,34 @@ mf_xtensor * mf_buffer_xtensor(ggml_backend_buffer_t buffer) {
     return ((mf_buf *) buffer->context)->xt;
 }
 
+// adds xt to the streamer's expert tensors (mf_streamer_check_loaded sorts them into layers)
+static int register_xtensor(mf_streamer * s, mf_xtensor * xt) {
+    if (s->n_xt == s->cap_xt) {
+        const int32_t cap = s->cap_xt ? 2 * s->cap_xt : 64;
+        mf_xtensor ** a   = realloc(s->xts, (size_t) cap * sizeof *a);
+        if (!a) {
+            mf_streamer_fail(s, -ENOMEM, "out of memory registering %s", xt->loc->name);
+            return -ENOMEM;
+        }
+        s->xts    = a;
+        s->cap_xt = cap;
+    }
+    s->xts[s->n_xt++] = xt;
+    return 0;
+}
+
+void mf_buft_free_xtensors(mf_streamer * s) {
+    for (int32_t i = 0; i < s->n_xt; i++) {
+        free(s->xts[i]->state);
+        free(s->xts[i]->slot);
+        free(s->xts[i]);
+    }
+    free(s->xts);
+    s->xts    = NULL;
+    s->n_xt   = 0;
+    s->cap_xt = 0;
+}
+
 static enum ggml_status xbuf_init_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * t) {
     mf_buf *      b = buffer->context;
     mf_streamer * s = b->s;
@@ -89,9 +114,9 @@ static enum ggml_status xbuf_init_tensor(ggml_backend_buffer_t buffer, struct gg
                          t->name, s->model_path);
         return GGML_STATUS_FAILED;
     }
-    // place the tensor so that data = file offset (mod page): see DESIGN above
+    // place the tensor so that data = file offset (mod page): see the top of this file
     const uintptr_t base  = (uintptr_t) b->base;
-    const uintptr_t shift = (uintptr_t) (loc->offset - base) & (MF_PAGE - 1);
+    const uintptr_t shift = (uintptr_t) (loc->offset - base) & (s->page_size - 1);
     t->data               = (void *) (base + shift);
 
     mf_xtensor * xt = calloc(1, sizeof *xt);
@@ -115,7 +140,7 @@ static enum ggml_status xbuf_init_tensor(ggml_backend_buffer_t buffer, struct gg
     xt->data         = t->data;
     xt->state        = st;
     xt->slot         = sl;
-    if (mf_streamer_register_xt(s, xt) != 0) {
+    if (register_xtensor(s, xt) != 0) {
         free(st);
         free(sl);
         free(xt);
@@ -180,10 +205,11 @@ static const struct ggml_backend_buffer_i xbuf_iface = {
 };
 
 static ggml_backend_buffer_t xbuft_alloc(ggml_backend_buffer_type_t buft, size_t size) {
-    mf_streamer * s = buft_streamer(buft);
+    mf_streamer * s    = buft_streamer(buft);
+    const size_t  page = s->page_size;
     // one page in front and the alloc-size padding behind keep page-aligned reads inside
-    const size_t  reserve_size = ((size + MF_PAGE - 1) & ~(size_t) (MF_PAGE - 1)) + 2 * MF_PAGE;
-    // PROT_NONE: slices live in frames (see DESIGN above); mf_buft_hold_all opens it up
+    const size_t  reserve_size = (size_t) mf_align_up(size, page) + 2 * page;
+    // PROT_NONE: slices live in frames (see the top of this file); mf_buft_hold_all opens it up
     void *        p = mmap(NULL, reserve_size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     mf_buf *      b = calloc(1, sizeof *b);
     int           rc = p == MAP_FAILED || !b ? -ENOMEM : 0;
@@ -198,23 +224,23 @@ static ggml_backend_buffer_t xbuft_alloc(ggml_backend_buffer_type_t buft, size_t
     b->s            = s;
     b->reserve      = p;
     b->reserve_size = reserve_size;
-    b->base         = (char *) p + MF_PAGE;
+    b->base         = (char *) p + page;
     return ggml_backend_buffer_init(buft, xbuf_iface, b, size);
 }
 
 static size_t xbuft_alignment(ggml_backend_buffer_type_t buft) {
     (void) buft;
-    return 32;  // GGUF's default alignment; the real placement is chosen in init_tensor
+    return GGUF_DEFAULT_ALIGNMENT;  // the real placement is chosen in init_tensor
 }
 
 static size_t xbuft_max_size(ggml_backend_buffer_type_t buft) {
     (void) buft;
-    return 1;  // one buffer per tensor (see DESIGN)
+    return 1;  // one buffer per tensor
 }
 
 static size_t xbuft_alloc_size(ggml_backend_buffer_type_t buft, const struct ggml_tensor * t) {
-    (void) buft;
-    return ggml_nbytes(t) + 2 * MF_PAGE;  // room to shift the data pointer and read whole pages
+    // room to shift the data pointer and read whole pages
+    return ggml_nbytes(t) + 2 * buft_streamer(buft)->page_size;
 }
 
 int mf_buft_hold_all(mf_streamer * s) {
@@ -248,12 +274,12 @@ static void dbuf_set_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * t
         return;
     }
     if (loc->dense_data) {
-        // a second tensor of the same file bytes: gemma4 creates its tied output matrix before the
-        // token embeddings, so llama.cpp's check for an existing copy misses it and allocates two
-        // (748 MiB each on gemma4-26b-shape). Both are read-only weights: this one uses the first
-        // copy, and its own pages, never touched, cost nothing (no huge pages filled in for them)
-        const uintptr_t lo = ((uintptr_t) t->data + MF_PAGE - 1) & ~(uintptr_t) (MF_PAGE - 1);
-        const uintptr_t hi = ((uintptr_t) t->data + size) & ~(uintptr_t) (MF_PAGE - 1);
+        // a second tensor of the same file bytes (gemma4's tied output matrix, which llama.cpp
+        // allocates apart from the token embeddings): both are read-only weights, so this one uses
+        // the first copy, and its own pages, never touched, cost nothing (no huge pages for them)
+        const size_t    page = b->s->page_size;
+        const uintptr_t lo   = (uintptr_t) mf_align_up((uintptr_t) t->data, page);
+        const uintptr_t hi   = (uintptr_t) mf_align_down((uintptr_t) t->data + size, page);
         if (hi > lo) {
             (void) madvise((void *) lo, hi - lo, MADV_NOHUGEPAGE);
         }
@@ -261,13 +287,15 @@ static void dbuf_set_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * t
         return;
     }
     // read it ourselves rather than from the loader's mapping: no page cache left behind
-    const int rc = mf_read_dense(b->s, loc, t->data);
+    const int rc = mf_read_whole(&b->s->ix.files[loc->file], b->s->bounce, b->s->bounce_size, b->s->page_size,
+                                 loc->offset, loc->size, t->data);
     if (rc != 0) {
         mf_streamer_fail(b->s, rc, "reading %s from %s failed: %s", t->name, b->s->ix.files[loc->file].path,
                          strerror(-rc));
         memset(t->data, 0, size);
         return;
     }
+    ADD(b->s->st.dense_bytes, loc->size);
     loc->dense_data = t->data;
     // routers and norms, for predicting the next layer's experts (an optimisation: without
     // memory for the note, that layer is simply not predicted)
@@ -327,7 +355,8 @@ static ggml_backend_buffer_t anon_buffer(ggml_backend_buffer_type_t buft, const 
 }
 
 static ggml_backend_buffer_t dbuft_alloc(ggml_backend_buffer_type_t buft, size_t size) {
-    const size_t          reserve_size = size ? (size + MF_PAGE - 1) & ~(size_t) (MF_PAGE - 1) : MF_PAGE;
+    const size_t          page         = buft_streamer(buft)->page_size;
+    const size_t          reserve_size = size ? (size_t) mf_align_up(size, page) : page;
     ggml_backend_buffer_t buffer =
         anon_buffer(buft, &dbuf_iface, size, reserve_size, PROT_READ | PROT_WRITE, 0, "dense weights");
     if (buffer) {
@@ -339,8 +368,7 @@ static ggml_backend_buffer_t dbuft_alloc(ggml_backend_buffer_type_t buft, size_t
 }
 
 static size_t dbuft_alignment(ggml_backend_buffer_type_t buft) {
-    (void) buft;
-    return 64;
+    return buft_streamer(buft)->dense_alignment;
 }
 
 // ---------------------------------------------------------------- rows
@@ -362,9 +390,9 @@ static enum ggml_status rbuf_init_tensor(ggml_backend_buffer_t buffer, struct gg
         return GGML_STATUS_FAILED;
     }
     // data congruent to the file offset modulo the page size, so that the file maps in place at base
-    const uint64_t in_page = loc->offset & (MF_PAGE - 1);
+    const uint64_t in_page = loc->offset & (s->page_size - 1);
     t->data                = b->base + in_page;
-    const size_t len       = (size_t) ((in_page + loc->size + MF_PAGE - 1) & ~(uint64_t) (MF_PAGE - 1));
+    const size_t len       = (size_t) mf_align_up(in_page + loc->size, s->page_size);
     void * p = mmap(b->base, len, PROT_READ, MAP_PRIVATE | MAP_FIXED, s->ix.files[loc->file].fd,
                     (off_t) (loc->offset - in_page));
     if (p == MAP_FAILED) {
@@ -375,7 +403,7 @@ static enum ggml_status rbuf_init_tensor(ggml_backend_buffer_t buffer, struct gg
     // one row per token: readahead around a fault (8 MiB on some disks) would read rows nobody asked for
     (void) madvise(p, len, MADV_RANDOM);
     b->mapped = true;
-    ADD(s->st_mapped_bytes, loc->size);
+    ADD(s->st.mapped_bytes, loc->size);
     return GGML_STATUS_SUCCESS;
 }
 
@@ -405,17 +433,31 @@ static const struct ggml_backend_buffer_i rbuf_iface = {
 
 static ggml_backend_buffer_t rbuft_alloc(ggml_backend_buffer_type_t buft, size_t size) {
     // address space only: init_tensor maps the file over it
-    const size_t reserve_size = ((size + MF_PAGE - 1) & ~(size_t) (MF_PAGE - 1)) + MF_PAGE;
+    const size_t page         = buft_streamer(buft)->page_size;
+    const size_t reserve_size = (size_t) mf_align_up(size, page) + page;
     return anon_buffer(buft, &rbuf_iface, size, reserve_size, PROT_NONE, MAP_NORESERVE, "a file-mapped tensor");
 }
 
 static size_t rbuft_alloc_size(ggml_backend_buffer_type_t buft, const struct ggml_tensor * t) {
-    (void) buft;
-    return ggml_nbytes(t) + MF_PAGE;  // room for the shift to the file offset's place in its page
+    // room for the shift to the file offset's place in its page
+    return ggml_nbytes(t) + buft_streamer(buft)->page_size;
+}
+
+// the alignment of dense tensors: the cache line (a run-time fact; the build's where the system
+// does not say), and never less than the CPU backend asks for
+static size_t dense_alignment(ggml_backend_dev_t cpu) {
+    const long line  = sysconf(_SC_LEVEL1_DCACHE_LINESIZE);
+    size_t     align = line > 0 ? (size_t) line : 0;
+#ifdef __GCC_DESTRUCTIVE_SIZE
+    align = align ? align : (size_t) __GCC_DESTRUCTIVE_SIZE;
+#endif
+    const size_t backend = cpu ? ggml_backend_buft_get_alignment(ggml_backend_dev_buffer_type(cpu)) : 0;
+    return align > backend ? align : backend;
 }
 
 void mf_buft_init(mf_streamer * s) {
     ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    s->dense_alignment     = dense_alignment(cpu);
     s->expert_buft         = (struct ggml_backend_buffer_type){
                 .iface   = {
                     .get_name       = xbuft_name,

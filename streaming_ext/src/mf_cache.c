@@ -1,164 +1,22 @@
 // The expert cache policy: which (layer, expert) entries stay resident under a byte budget.
 //
-// DESIGN
-// Pure bookkeeping, no I/O: mf_cache_route() takes one layer's routed set, counts hits, admits
-// the misses and picks victims; the streamer then performs the reads and page releases the
-// lists describe. The same code answers the trace replay (mf_cache_* API), so a policy measured
-// on real routing traces is the policy that runs.
-//
-// Policies
-// - LRU: evict the least recently routed entry. Routing walks the layers in a cycle, so under a
-//   budget smaller than one token's working set LRU always evicts the entry needed next (0% hits).
-// - LAYER (default): evict the entry that buys the fewest expected hits per byte and per unit of
-//   time it occupies, with the chance of reuse learned online from the routing seen so far.
-//   * Time is counted in layer steps. Routing cycles through the layers, so an entry of layer l
-//     seen from the running layer is next looked at after d = (l - cur) mod n_layer steps (a full
-//     cycle for the running layer), then every n_layer steps: one "visit" per token.
-//   * Reuse model: an entry's state is its age (visits of its layer since the router last picked
-//     it; "never" apart), a frequency class (log2 of 1 + its use count) and a lift class: how much
-//     likelier than usual the layer's last routed set makes the expert at the layer's next visit
-//     (mf_affinity.c learns, per layer, which experts follow which from one visit to the next).
-//     Whenever a layer is routed, every expert of that layer is one observation of "state ->
-//     routed or not", for resident and absent entries alike, so the hazard h(age, class, lift) =
-//     P(routed at this visit | state) is estimated from n_expert observations per route (a sparse
-//     cell leans on its (age, class) over all lift classes, that on its age bucket over all
-//     classes, that on k / n_expert).
-//     Real routers reuse an expert much more at age 1 than later, frequent experts more than rare
-//     ones, and move between related experts from token to token; the table measures how much on
-//     the running model instead of assuming it, and on routing without such structure it flattens
-//     out, leaving the distance d to decide.
-//   * Beyond the next visit: the entry's own recent routing rate p (routes per visit of its layer,
-//     a count decayed with a half-life of MF_RECENT_HALF_LIFE visits, drawn towards the layer's
-//     mean rate as far as the spread of the layer's rates is noise: empirical Bayes, see
-//     rates_prior), the same at every later visit. Not the pooled hazard of its
-//     (age, class) cell growing older: that one falls with age mostly because the cell mixes
-//     entries of different rates (the rarely routed ones are the ones that get old), while one
-//     entry's own chance falls much less; a frequently routed expert that missed a few tokens
-//     was ranked like a rare one. Measured at 2000 MiB (decode hits, Qwen / Gemma): 64.4 -> 64.9
-//     / 67.8 -> 68.5; half-lives of 8 / 32 / 64 visits: 64.8 / 64.7 / 64.3 and 68.0 / 68.5 / 68.5
-//     (with a fixed prior of MF_PRIOR_WEIGHT visits at k / n_expert); the mean of two half-lives
-//     (4 and 64, 8 and 64, 8 and 32, 16 and 128 visits): within 0.2 points; the entry's
-//     whole-history rate (no decay) gave nothing in an offline model (62.7 vs 62.7 without the
-//     lift), the trace's future rate (an oracle) 65.1: a short memory tracks what an expert does
-//     now. The fixed prior of 2 visits cost up to 4 points on synthetic uniform routing (every
-//     expert alike: the rates' spread is all noise, and ranking on it beat ranking on distance);
-//     the empirical-Bayes prior is back at the earlier policy's hit rates there (within 0.9
-//     points either way, 200 tokens, 3 shapes, 3 seeds) and above them on drifting Zipf routing.
-//   * The context of that rate: p is multiplied by the entry's window lift (mf_affinity.c): how
-//     much likelier than usual the layer's recent routed sets (each visit back weighing half as
-//     much) make the expert's routes at visits 2 to MF_WIN_H after the layer's last one, an
-//     affinity learned online like the next-visit lift, its noise taken out by empirical Bayes as
-//     for p. Why: the misses left against Belady are mostly reuses 2 to 8 tokens ahead (see
-//     "What is left"), and the near-term rate is what decides them: in an offline replica of
-//     this policy (Python, not kept; 64.9% on Qwen at 2000 MiB as the C code) the actual routes
-//     of the visits 2..4 ahead given as p (an oracle) reached 69.3% (2..8: 69.9%, 2..32: 68.4%),
-//     the actual next visit given as h 67.6%, both 76.9% (0.97 of Belady: the keep value is not
-//     what limits the policy, its predictions are). Within a cell of (p, age) the window lift
-//     still ranks the entries' reuse 2 to 8 visits ahead (AUC 0.63 to 0.65, Qwen and Gemma),
-//     the routed-set-to-next-visit lift less (0.58). Measured (decode hits, old -> new, the C
-//     library replayed on the traces): Qwen 64.94 -> 65.47 at 2000 MiB, 46.6 -> 46.8 at 1000,
-//     83.2 -> 83.8 at 4000; Gemma 68.53 -> 68.67; never below the old policy at 250 MiB to
-//     8 GiB (bench/reports/trace-replay.md).
-//     Synthetic uniform and drifting Zipf routing (48 x 128, k = 8, 300 tokens, seeds 1 to 3,
-//     250 MiB to 12 GiB): within 0.13 points of the old policy on uniform routing, up to +0.6
-//     on Zipf at 250 to 2000 MiB, at most 0.07 below it at 8 and 12 GiB. Without the
-//     empirical-Bayes shrinkage the lift's noise cost 0.2 to 0.5 points on uniform routing at 4
-//     to 12 GiB. The window (with the last 4 sets recomputed at each visit): visits 2..3 / 2..4
-//     / 2..6 / 2..8 after: 65.46 / 65.48 / 65.29 / 65.27 on Qwen at 2000 MiB (68.73 / 68.72 /
-//     68.65 / 68.54 on Gemma); short because the cache, at the budgets where the policy
-//     matters, holds two to three tokens' working sets. The context: the last 2, 4 or 8 sets
-//     recomputed at each visit instead of the decayed sum: within 0.03. Cost: about 2 us more
-//     per route (a C microbenchmark, not kept, replaying the Qwen trace ten times through
-//     mf_cache_route, best of 5 runs on 2 shared cores, niced: 10.2 -> 12.2 us per route at
-//     2000 MiB, 9.8 -> 11.4 at 8000; medians 12.6 -> 15.5 and 11.8 -> 12.0).
-//   * Keep value: with S_1 = 1 - h the chance the entry is unused at its next visit and
-//     S_j = S_1 (1 - p)^(j-1) after j visits, holding it until the J-th visit yields (1 - S_J)
-//     expected hits for d + n_layer * (S_1 + ... + S_{J-1}) layer steps of occupancy; the value is
-//     the best such rate over J (a Gittins-style index: an entry close to its use with a modest
-//     chance can be worth more than a likely one a whole cycle away), divided by the entry's
-//     bytes. With the chance flat after the first visit the rate is a linear-fractional function
-//     of (1 - p)^(J-1), so the best J is the first visit or none (p: the context-lifted rate):
-//     the value is the larger of h / d and 1 / (d + n_layer * S_1 / p), one over the expected
-//     steps to the next use. Two ratios per entry, no table. (Capping J at 4 to 512 visits
-//     measured the same within 0.15 points.) This is Belady's rule made stochastic: far, unlikely
-//     entries go first. It keeps hitting below one token's working set, where LRU evicts exactly
-//     what comes next. Equal values (same state, distance and size) fall back to LRU order.
-//   * Adaptivity: use counts and affinity counts are halved every MF_WINDOW visits of their layer
-//     and the hazard observations once they exceed MF_WINDOW visits of every layer, so the model
-//     follows drifting routing. The hazards are recomputed once per cycle (n_layer routes); a
-//     victim search scores the resident entries once per route (a resident list, not every entry).
-//   * Memory: 37 bytes per (layer, expert) entry here (the recent rate is 4 of them) plus the
-//     affinity model's 4 * n_expert + 22 (next-visit and window affinity), 24 bytes per layer for
-//     the rate prior, and three MF_CELLS float tables (12 KiB): 3.4 MiB at 48 layers x 128
-//     experts, 3.1 MiB of it affinity (the window affinity 1.6 MiB).
-//   * Measured (bench/reports/trace-replay.md): decode hit rate 65.5% (Qwen) / 68.7% (Gemma) at
-//     2000 MiB, 0.82 / 0.85 of Belady's 79.4% / 80.7% under the same byte budget (without the
-//     window lift: 64.9% / 68.5%; with the (age, class) hazard aged along the horizon instead of
-//     the recent rate as well: 64.4% / 67.8%; that and no lift: 0.80 / 0.85 of the count-based
-//     Belady described next; frequency only: 0.76 / 0.82 of it), not below LRU at 250 MiB to
-//     8 GiB (by 0.4 / 0.1 points at least, both at 8 GiB). Before commit e0d8a6b the replay's
-//     Belady counted every expert at the largest layer's size (78.1% / 78.9%), and this comment
-//     quoted 0.84 / 0.87 of that.
-//   * Tried and left out (2000 MiB, Qwen / Gemma decode hits, recent rate in place): the recent
-//     rate's class (per power of two of p / (k / n_expert)) in place of the use-count class in
-//     the hazard cell: 64.8 / 68.1; scaling a layer's next-visit hazards so they sum to k (the
-//     router picks exactly k): 65.0 / 68.4; counting every hit within the horizon instead of the
-//     first (occupancy for the whole horizon): 64.9 / 68.4. In an offline model without the lift:
-//     a per-entry correction of the pooled hazard (observed / predicted routes): +0.2 to +0.4;
-//     a decayed-count class as a further cell dimension: +0.6 / -0.1.
-//     With the window lift in place (offline replica unless said): the lift through learned
-//     correction classes (observed / expected routes in the window per class of the lift, one
-//     class per power of two or per quarter power; in C and offline): 64.9 to 65.3 / 68.4 to
-//     68.6, the corrections came out near 1 (a pooled calibration is dominated by entries no
-//     cache holds); a Poisson regression of the window's routes on log p, log lift, a shorter-
-//     memory rate (half-life 4), the age and the next-visit lift, fitted on the trace itself (an
-//     in-sample upper bound of any such combination): 65.1 to 65.5, no better than the product;
-//     a logistic regression of the next visit's route on the cell's features plus the continuous
-//     next-visit lift, p and the window lift, also fitted in-sample, in place of h: 65.5; the
-//     window lift as a class of the next-visit hazard cell: 65.0 / 68.5 alone, 65.4 / 68.8 with
-//     the product; the two-phase value (the lifted rate within the window, p after it; the best
-//     J is then the first visit, the window's end or none): 65.3 / 68.7; the adjacent layer's
-//     (l - 1) sets of the same tokens added to the context: +0.06 / -0.04; a "topic" lift from
-//     co-occurrence within one visit's set (how often f is routed together with the context's
-//     experts, itself left out) in place of the window lift: -0.6 / -0.6, times it: -0.9 / -0.8
-//     (experts routed together do not announce each other's later routes); the router's rank of
-//     each routed expert (slot 0 = most probable) as a further hazard dimension: 64.9 / 68.5 (it
-//     predicts the next visit's reuse, but the cells already do); the router's weight of each
-//     routed expert in its recent rate (a route counting k x weight, mixed half and half with 1
-//     or alone, capped at 1 or not; the traces carry the weights, session 7's replay, not kept):
-//     65.28 to 65.46 / 68.22 to 68.59, never above the plain count; hazard tables per layer (drawn
-//     towards the pooled one with 2 to 50 observations): -0.5 to 0.0; half-lives of p of 8 / 32
-//     visits with the lift: 65.1 / 65.5 and 68.2 / 68.9.
-//   * What is left: the features above (own rates, age, frequency, next-visit and window
-//     affinity of the layer's recent sets), however combined, stop at about 65.5% on Qwen at
-//     2000 MiB (0.82 of Belady); the oracles say the rest is in the next two to four tokens'
-//     routing, which these signals predict weakly (the fitted Poisson regression's deviance is
-//     3% below that of p alone). Given the next token's actual routing (an oracle), the earlier
-//     index reached 0.84 of Belady on Qwen (66.5% at 2000 MiB), so even a perfect next-token
-//     predictor leaves most of the gap, which is about reuse two and more tokens ahead. Where
-//     the misses are (an offline model without the lift, Qwen, 2000 MiB): none for entries
-//     reused by the next token, as for Belady; 12% to 67% of the reuses 2 to 8 tokens later,
-//     which Belady nearly all hits (4000 of the 5800 misses more than Belady's); the rest at 9
-//     or more tokens. The affinity between layers within a token was measured and left out: it
-//     is strong (it ranks the running token's later routes well) but even the exact rest of the
-//     running token adds 0.1 points, as those entries a few layers ahead are kept anyway.
-//     A whole-token match was measured and left out too (session 11, /tmp/exp/auc.py, not kept):
-//     the past tokens whose routing over all layers overlaps the running token's most (the best
-//     one shares a median 61% / 58% of its routed entries on Qwen / Gemma) vote for the
-//     routes their own successors took 2 to 4 tokens later. Within cells of (p, age) that vote
-//     ranks the entries' reuse 2 to 4 tokens ahead with an AUC of 0.62 to 0.64 (Qwen), as the
-//     window lift already does: the same context, seen through the whole token instead of one
-//     layer's recent sets.
-//     By quarters of the decode (32 tokens each; session 12, /tmp/exp/warm.py, not kept: the C
-//     policy and the replay's Belady at 2000 MiB): Qwen 0.76 / 0.86 / 0.84 / 0.83 of Belady,
-//     Gemma 0.84 / 0.85 / 0.86 / 0.86, LRU on Qwen 0.69 / 0.73 / 0.69 / 0.74. The first
-//     quarter, when the policy has seen the prompt's routing and little of the decode's, costs
-//     Qwen most of its gap to 0.85.
-// - NONE: keep only the running layer's experts.
-// The running layer's routed entries are pinned until the next call.
-// Prefetch (mf_cache_prefetch): the streamer may admit the next layer's predicted experts before
-// that layer routes. Such admissions evict like a route does, but never a pinned entry, and they
-// teach the reuse model nothing: only real routing is evidence.
+// Pure bookkeeping, no I/O: mf_cache_route takes one layer's routed set, counts hits, admits the
+// misses and picks victims; the streamer then carries out the loads and evictions the lists
+// describe. The trace replay calls the same code (mf_cache_* API), so a policy measured on real
+// routing traces is the policy that runs.
+// - LRU: the least recently routed entry goes first. Routing cycles through the layers, so under
+//   a budget smaller than one token's working set LRU always evicts the entry needed next.
+// - LAYER (default): the entry that buys the fewest expected hits per byte and per layer step it
+//   occupies goes first (keep_value). Its chances come from a reuse model learned online: the
+//   hazard h(age, frequency class, lift class) of a route at its layer's next visit, estimated
+//   from every expert of every route, and beyond that the entry's own recent routing rate, drawn
+//   towards its layer's mean by empirical Bayes and lifted by the layer's recent routing
+//   (mf_affinity.c). Evidence is halved every MF_WINDOW visits, so the model follows drift.
+// - NONE: only the running layer's experts are kept.
+// The running layer's routed entries are pinned until the next route. mf_cache_prefetch admits
+// predicted entries of the next layer: it evicts like a route, but never a pinned entry, and it
+// teaches the model nothing (only real routing is evidence). One thread at a time.
+// The model, its derivation and what was measured: docs/streamer.md, "Cache policy".
 #include "mf_internal.h"
 
 #include <errno.h>
@@ -178,7 +36,7 @@
 #define MF_CLASSES 8
 // half-life, in visits of the entry's layer, of the recent routing rate used beyond the next
 // visit: long enough to average a few reuses of a frequent expert, short enough to follow what
-// it does now (8 to 32 measured within 0.3 points, see DESIGN)
+// it does now (docs/streamer.md)
 #define MF_RECENT_HALF_LIFE 16.0f
 // the heaviest prior on the recent rates, in visits: a layer whose experts look alike gets this
 // (far more than the n_eff of 23 visits a half-life of 16 gives: the mean then decides)
@@ -326,7 +184,7 @@ static float prior_rate(const mf_cache * c) {
 // spread V; a Beta prior with that mean m and variance V weighs m(1 - m) / V - 1 visits. A
 // skewed layer gets a light prior (its experts' rates say much), a layer routing uniformly a
 // prior so heavy that every expert gets the mean: there, ranking on noise would lose to ranking
-// on distance (synthetic uniform routing: up to 4 points below, see DESIGN).
+// on distance.
 static void rates_prior(mf_cache * c, int32_t layer) {
     mf_rates *     rt  = &c->rates[layer];
     const float *  r   = c->recent + (size_t) layer * (size_t) c->n_expert;
@@ -444,7 +302,7 @@ static float recent_rate(const mf_cache * c, size_t i, int32_t l, float prior) {
 }
 
 // expected hits per layer step of holding an entry whose layer comes next in d steps, with chance
-// h of a route at that visit and p at every later one (see DESIGN): the better of holding it
+// h of a route at that visit and p at every later one (docs/streamer.md): the better of holding it
 // for the next visit, h / d, and until its next use, 1 / (d + L * (1 - h) / p)
 static float keep_value(float h, float p, int32_t d, int32_t L) {
     const float next = h / (float) d;

@@ -1,37 +1,15 @@
-// Expert memory: frames of a fixed arena that loads read into and evictions hand back.
+// Expert memory: frames of one arena that loads read into and evictions hand back.
 //
-// DESIGN
-// The mul_mat_id ready hook (patch 0002) returns where an expert's slice is, so a slice need not
-// sit at its tensor's own address: every resident (layer, expert) entry gets a frame, one
-// page-aligned range holding each of its tensors' slices in whole pages (as an O_DIRECT read
-// brings them), in an arena mapped once. An eviction puts the frame back on a free list and a load
-// reads into a free frame. No page table changes on the way, so no TLB shootdown.
-// Why (session 11): the page pool this replaces (userfaultfd UFFDIO_MOVE of an evicted slice's
-// pages to a loaded one, mf_pages.c until then) had to clear the page-table entries it moved, and
-// every clear interrupts the other core (an IPI, which costs a virtual machine an exit: 20-30 us
-// per 216-page move with the other core busy, /tmp/exp/mv.c, not kept, against 6-8 us idle).
-// qwen30b-shape under a 25% budget moved 172 thousand pages per token; perf showed 14% of all
-// samples sending those IPIs (native_write_msr, smp_call_function_many_cond), and the matmuls ran
-// at 0.6 of their all-cached speed next to the reads. With the pages left in place (a test build
-// that never released them, tokens 100 to 160 of one run, once every expert had pages), the same
-// reads decoded 2.33 tok/s against 1.87.
-// One size. Every frame has the bytes of the largest layer's entry in whole pages, so any free
-// frame serves any entry, and the cache counts every entry at the largest entry's bytes (see
-// setup_frames in mf_streamer.c). Why (session 12): frames of one size per entry size (Q4_K_M's
-// experts come in two: Q6_K ffn_down on half the layers) kept memory exact, but a load of one
-// size that found no free frame of its size made the other size give a frame's pages back
-// (madvise, a TLB shootdown) and faulted fresh ones in: on about one load in two, as the sizes'
-// live shares wander. Alternated A/B, 20-token prompt and 48 tokens (/tmp/exp/dec.sh, not kept),
-// one size against the per-size frames with 64 of the budget's frames kept free (be21c58):
-// gemma4-26b-shape under its 25% cap's budget 1.59-1.60 against 0.94-1.09 tok/s (6239 releases),
-// qwen30b-q4km-shape 1.92-2.02 against 1.45-1.67 (524), both at 50% 2.00-2.38 against 1.77-1.93
-// and 2.16-2.25 against 2.15-2.26 tok/s. The smaller entries' frames waste their tail (gemma4's
-// Q5_0-down layers 17%), which the cache pays in entries it holds; the shootdowns cost more.
-// Memory. A frame's pages are faulted in by its first read and kept while it is free ("warm": the
-// next load needs no fresh zeroed pages). There are as many frames as the budget holds entries
-// (plus two), so the memory held stays within the budget's entries in frames.
-// Threads. Frames are taken and given back on the decode thread only (routing, prefetch, failure
-// reaping, drop_cache), never while a read into them is in flight; lanes only read into them.
+// The ready hook returns where an expert's slice is, so a slice need not sit at its tensor's own
+// address: every resident (layer, expert) entry gets a frame, one page-aligned range holding each
+// of its tensors' slices in whole pages (as an O_DIRECT read brings them), in an arena mapped once.
+// An eviction puts the frame on a free list and a load reads into a free frame: no page table
+// changes on the way, so no TLB shootdown (the cost that made a page-moving design slow).
+// All frames have one size (the streamer's: its largest entry's), so any free frame serves any entry.
+// A frame's pages are faulted in by its first read and kept while it is free ("warm": the next
+// load needs no fresh zeroed pages) until mf_frames_trim gives them back.
+// Threads: frames are taken and given back on the decode thread only, never while a read into
+// them is in flight; lanes only read into them. See docs/streamer.md, "Expert memory".
 #include "mf_internal.h"
 
 #include <errno.h>
@@ -41,7 +19,7 @@
 
 int mf_frames_init(mf_frames * fr, size_t frame_bytes, int32_t cap) {
     memset(fr, 0, sizeof *fr);
-    if (cap <= 0 || frame_bytes == 0 || frame_bytes % MF_PAGE != 0) {
+    if (cap <= 0 || frame_bytes == 0 || frame_bytes % mf_page_size() != 0) {
         return -EINVAL;
     }
     fr->frame_bytes = frame_bytes;

@@ -1,10 +1,12 @@
 // The GGUF index: tensor name -> (file, absolute offset, size), over every file of a split set.
 // Every tensor's extent is checked against its file's size before use, so a truncated or foreign
-// file is a clear error at load, never a fault later.
+// file is a clear error at load, never a fault later. Built by mf_streamer_new; afterwards only a
+// tensor's dense_data changes (while the model loads).
 #include "mf_internal.h"
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -171,14 +173,14 @@ int mf_index_open(mf_index * ix, const char * path, bool direct, char * err, siz
         }
         return rc;
     }
-    char prefix[4096];
+    char prefix[PATH_MAX];
     if (llama_split_prefix(prefix, sizeof prefix, path, 0, n_split) <= 0) {
         snprintf(err, err_size, "%s belongs to a set of %d splits but is not its first file (-00001-of-%05d.gguf)",
                  path, (int) n_split, (int) n_split);
         return -EINVAL;
     }
     for (int32_t i = 0; i < n_split; i++) {
-        char split_path[4096];
+        char split_path[PATH_MAX];
         llama_split_path(split_path, sizeof split_path, prefix, i, n_split);
         const int rc = add_file(ix, split_path, direct, i, n_split, &cap, err, err_size);
         if (rc != 0) {

@@ -1,4 +1,16 @@
 // Internal structures of libmoeflash_stream, shared by its source files.
+//
+// Units, each calling only the ones listed after it (no circles):
+//   mf_streamer.c  the API: life cycle, routing callback, ready hook, counters
+//   mf_buft.c      the three buffer types; registers expert tensors while the model loads
+//   mf_lanes.c     reader lanes and the memory of slices: carries out a route's loads and evictions
+//   mf_predict.c   the next layer's experts, from its router
+//   mf_cache.c     the cache policy (mf_affinity.c: its routing affinity model)
+//   mf_frames.c    the arena of frames that resident entries live in
+//   mf_error.c     the streamer's error record
+//   mf_index.c     the GGUF index
+//   mf_io.c        the read loops and the clock
+//   mf_layout.c    the layout of the structs shared with Python; mf_version.c: build facts
 #pragma once
 
 #include <pthread.h>
@@ -6,28 +18,116 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <unistd.h>
 
 #include "ggml-backend-impl.h"
 #include "ggml.h"
 #include "moeflash_stream.h"
 
-#define MF_PAGE          4096u  // O_DIRECT alignment and page granularity of expert memory
-#define MF_MAX_SPLITS    256
-#define MF_MAX_XT        4      // expert tensors per layer (gate, up, down; or gate_up, down)
-#define MF_ERR_LEN       512
+#define MF_MAX_SPLITS 256
+#define MF_MAX_XT     4    // expert tensors per layer (gate, up, down; or gate_up, down)
+#define MF_ERR_LEN    512
+
+// The page size, a run-time fact: the alignment of O_DIRECT reads and the granularity of expert
+// memory. The streamer reads it once (mf_streamer.page_size); code without a streamer at hand
+// (the frames, tests/c/test_frames.c) asks here.
+static inline size_t mf_page_size(void) {
+    return (size_t) sysconf(_SC_PAGESIZE);
+}
+
+// x rounded down / up to a multiple of a (a power of two)
+static inline uint64_t mf_align_down(uint64_t x, uint64_t a) {
+    return x & ~(a - 1);
+}
+static inline uint64_t mf_align_up(uint64_t x, uint64_t a) {
+    return (x + a - 1) & ~(a - 1);
+}
+
+// ---------------------------------------------------------------- GGUF index (mf_index.c)
+typedef struct mf_file {
+    char *   path;
+    int      fd;         // buffered reads
+    int      fd_direct;  // O_DIRECT, or -1 when the file system refuses it
+    uint64_t size;       // at open; a read past it means the file changed
+} mf_file;
+
+typedef struct mf_loc {
+    char *   name;
+    int32_t  file;
+    uint64_t offset;      // absolute offset of the tensor's data in its file
+    uint64_t size;        // bytes
+    void *   dense_data;  // where MF_DENSE read it, once it has (a second tensor of it shares that)
+} mf_loc;
+
+typedef struct mf_index {
+    mf_file  files[MF_MAX_SPLITS];
+    int32_t  n_files;
+    mf_loc * locs;  // sorted by name
+    int64_t  n_locs;
+} mf_index;
+
+int            mf_index_open(mf_index * ix, const char * path, bool direct, char * err, size_t err_size);
+void           mf_index_close(mf_index * ix);
+mf_loc *       mf_index_find(const mf_index * ix, const char * name);
+bool           mf_is_expert_name(const char * name, int32_t * layer);
+
+// ---------------------------------------------------------------- reads and time (mf_io.c)
+uint64_t mf_now_ns(void);  // CLOCK_MONOTONIC, nanoseconds
+
+// Reads exactly len bytes at off (retrying EINTR, continuing short reads). need <= len: reaching
+// end of file after `need` bytes is fine (aligned reads may run past the last tensor).
+// Returns 0, -errno on a read error, or -ENODATA when the file ended early (it changed size).
+int mf_pread_full(int fd, void * buf, size_t len, uint64_t off, size_t need);
+
+// Reads [off, off + len) of f into dst, which must be congruent to off modulo page and have room
+// for the whole pages around the range: with direct (and f's O_DIRECT descriptor), those pages
+// are read with O_DIRECT straight into place (buffered if refused at read time); without, the
+// range is read buffered and its page-cache copy dropped. Returns as mf_pread_full.
+int mf_read_in_place(const mf_file * f, bool direct, size_t page, char * dst, uint64_t off, size_t len);
+
+// Reads [off, off + size) of f into dst (any alignment). With a bounce buffer (page-aligned,
+// bounce_size a multiple of page) and an O_DIRECT descriptor: through the bounce buffer, chunk by
+// chunk, so nothing enters the page cache; else (or when O_DIRECT is refused at read time)
+// buffered, dropping the page-cache copy after. Returns as mf_pread_full.
+int mf_read_whole(const mf_file * f, void * bounce, size_t bounce_size, size_t page, uint64_t off, uint64_t size,
+                  void * dst);
+
+// ---------------------------------------------------------------- expert memory (mf_frames.c)
+// frames of one size, for the entries of every layer
+typedef struct mf_frames {
+    size_t               frame_bytes;  // a multiple of the page size
+    char *               base;         // cap frames, read-write, MAP_NORESERVE
+    size_t               size;
+    int32_t              cap;
+    int32_t *            warm;         // free frames whose pages are present (a stack)
+    int32_t              n_warm;
+    int32_t *            cold;         // free frames without pages (a stack: the lowest address on top at first)
+    int32_t              n_cold;
+    atomic_size_t        populated;    // bytes of frames with pages now (mf_stats.expert_memory_bytes)
+    atomic_uint_fast64_t released;     // warm frames whose pages were given back (mf_stats.frames_released)
+} mf_frames;
+
+// maps cap frames of frame_bytes; 0 or -errno (nothing left mapped)
+int     mf_frames_init(mf_frames * fr, size_t frame_bytes, int32_t cap);
+void    mf_frames_free(mf_frames * fr);  // also after a failed init, or on a zeroed struct
+// a free frame (warm first, else cold), -1 when none is left. Decode thread.
+int32_t mf_frames_take(mf_frames * fr);
+void    mf_frames_give(mf_frames * fr, int32_t id);  // decode thread, no read in flight
+char *  mf_frames_addr(const mf_frames * fr, int32_t id);
+void    mf_frames_trim(mf_frames * fr);  // gives every warm frame's pages back (a cold cache)
 
 // ---------------------------------------------------------------- routing affinity (mf_affinity.c)
 // weight, in observations, of the prior behind each estimate of the LAYER policy's models
 #define MF_PRIOR_WEIGHT 2.0f
 // lift classes, one per power of four: < 1/4, [1/4, 1), [1, 4), >= 4. Coarse on purpose: each
 // class splits every (age, class) cell of the reuse model, whose observations are few early on
-// (classes per power of two or of sqrt(2) measured the same at 2000 MiB, see mf_affinity.c)
+// (docs/streamer.md, "Affinity")
 #define MF_LIFTS        4
 #define MF_LIFT_NEUTRAL 2  // the class of lift 1 (no evidence either way)
 // the window of the context lift: visits 2 to MF_WIN_H after a layer's visit (the next one is
 // the lift's). Short: at the budgets where the policy matters the cache holds two to three
-// tokens' working sets, so the reuses that decide evictions are a few tokens ahead (2..3 and 2..4
-// measured within 0.05 points, 2..8 0.2 below; see the DESIGN comment of mf_cache.c)
+// tokens' working sets, so the reuses that decide evictions are a few tokens ahead
+// (docs/streamer.md, "The window lift")
 #define MF_WIN_H 4
 
 // per layer: how the experts of one visit predict those of the next (see mf_affinity.c)
@@ -86,7 +186,7 @@ struct mf_cache {
     uint64_t   clock;
     int32_t    pinned_layer;  // the running layer; its routed entries cannot be evicted
     uint8_t *  pinned;        // [n_expert]
-    // LAYER policy: a reuse model learned online (see the DESIGN comment of mf_cache.c)
+    // LAYER policy: a reuse model learned online (see mf_cache.c)
     uint32_t * visits;        // [n_layer] routes of the layer so far
     uint32_t * last_visit;    // [n_layer * n_expert] the layer's visit that last routed it, 0: never
     uint32_t * uses;          // [n_layer * n_expert] routes that picked it (halved every window)
@@ -125,40 +225,6 @@ void mf_cache_forget(mf_cache * c, int32_t layer, int32_t expert);
 // evicts every entry (the list is left in c->evict); returns how many
 int32_t mf_cache_evict_all(mf_cache * c);
 
-// ---------------------------------------------------------------- GGUF index (mf_index.c)
-typedef struct mf_file {
-    char *   path;
-    int      fd;         // buffered reads
-    int      fd_direct;  // O_DIRECT, or -1 when the file system refuses it
-    uint64_t size;       // at open; a read past it means the file changed
-} mf_file;
-
-typedef struct mf_loc {
-    char *   name;
-    int32_t  file;
-    uint64_t offset;      // absolute offset of the tensor's data in its file
-    uint64_t size;        // bytes
-    void *   dense_data;  // where MF_DENSE read it, once it has (a second tensor of it shares that)
-} mf_loc;
-
-typedef struct mf_index {
-    mf_file  files[MF_MAX_SPLITS];
-    int32_t  n_files;
-    mf_loc * locs;  // sorted by name
-    int64_t  n_locs;
-} mf_index;
-
-int            mf_index_open(mf_index * ix, const char * path, bool direct, char * err, size_t err_size);
-void           mf_index_close(mf_index * ix);
-mf_loc *       mf_index_find(const mf_index * ix, const char * name);
-bool           mf_is_expert_name(const char * name, int32_t * layer);
-
-// ---------------------------------------------------------------- reads (mf_io.c)
-// Reads exactly len bytes at off (retrying EINTR, continuing short reads). need <= len: reaching
-// end of file after `need` bytes is fine (aligned reads may run past the last tensor).
-// Returns 0, -errno on a read error, or -ENODATA when the file ended early (it changed size).
-int mf_pread_full(int fd, void * buf, size_t len, uint64_t off, size_t need);
-
 // ---------------------------------------------------------------- expert tensors (mf_buft.c)
 enum mf_slice_state { MF_SLICE_ABSENT = 0, MF_SLICE_LOADING = 1, MF_SLICE_READY = 2, MF_SLICE_FAILED = 3 };
 
@@ -171,7 +237,7 @@ typedef struct mf_xtensor {
     uint64_t             nb2;      // bytes of one expert's slice
     char *               reserve;  // the whole reservation: PROT_NONE unless the budget holds every expert
     size_t               reserve_size;
-    char *               data;     // t->data: congruent to loc->offset modulo MF_PAGE
+    char *               data;     // t->data: congruent to loc->offset modulo the page size
     atomic_int *         state;    // [n_expert] enum mf_slice_state
     // [n_expert] where each resident slice's bytes are (in its entry's frame; under hold_all at
     // data + e * nb2): what the ready hook hands the matmul. Set before the slice turns LOADING.
@@ -181,10 +247,10 @@ typedef struct mf_xtensor {
 
 // the page-aligned file range [*a0, *a1) an O_DIRECT read of slice e brings (its bytes and the
 // neighbours' that share its first and last pages)
-static inline void mf_slice_pages(const mf_xtensor * xt, int32_t e, uint64_t * a0, uint64_t * a1) {
+static inline void mf_slice_pages(const mf_xtensor * xt, int32_t e, size_t page, uint64_t * a0, uint64_t * a1) {
     const uint64_t f0 = xt->loc->offset + (uint64_t) e * xt->nb2;
-    *a0               = f0 & ~(uint64_t) (MF_PAGE - 1);
-    *a1               = (f0 + xt->nb2 + MF_PAGE - 1) & ~(uint64_t) (MF_PAGE - 1);
+    *a0               = mf_align_down(f0, page);
+    *a1               = mf_align_up(f0 + xt->nb2, page);
 }
 
 // a layer's norm-like vectors kept for the router's input: gemma4 has ten per layer (q/k norms,
@@ -210,52 +276,39 @@ typedef struct mf_layer {
     mf_router    router;
 } mf_layer;
 
-// ---------------------------------------------------------------- expert memory (mf_frames.c)
-// frames of one size, for the entries of every layer
-typedef struct mf_frames {
-    size_t               frame_bytes;  // a multiple of MF_PAGE
-    char *               base;         // cap frames, read-write, MAP_NORESERVE
-    size_t               size;
-    int32_t              cap;
-    int32_t *            warm;         // free frames whose pages are present (a stack)
-    int32_t              n_warm;
-    int32_t *            cold;         // free frames without pages (a stack: the lowest address on top at first)
-    int32_t              n_cold;
-    atomic_size_t        populated;    // bytes of frames with pages now
-    atomic_uint_fast64_t released;     // warm frames whose pages were given back to the kernel
-} mf_frames;
-
-// maps cap frames of frame_bytes; 0 or -errno (nothing left mapped)
-int     mf_frames_init(mf_frames * fr, size_t frame_bytes, int32_t cap);
-void    mf_frames_free(mf_frames * fr);  // also after a failed init, or on a zeroed struct
-// a free frame (warm first, else cold), -1 when none is left. Decode thread.
-int32_t mf_frames_take(mf_frames * fr);
-void    mf_frames_give(mf_frames * fr, int32_t id);  // decode thread, no read in flight
-char *  mf_frames_addr(const mf_frames * fr, int32_t id);
-void    mf_frames_trim(mf_frames * fr);  // gives every warm frame's pages back (a cold cache)
-
-// ---------------------------------------------------------------- the streamer (mf_streamer.c)
+// ---------------------------------------------------------------- the streamer
 typedef struct mf_job {
     mf_xtensor * xt;
     int32_t      expert;
     bool         demand;  // a read the running layer waits for (not a prefetch)
 } mf_job;
 
+// the counters of mf_stats that are counted (relaxed atomics: read without locks), same names
+typedef struct mf_counters {
+    atomic_uint_fast64_t routes, hits, misses, evictions, bytes_read, reads, flash_wait_ns, cache_ns, read_ns,
+        dense_bytes, resident_bytes, violations, errors, prefetched, prefetch_hits, mapped_bytes;
+} mf_counters;
+
+#define ADD(counter, v) atomic_fetch_add_explicit(&(counter), (uint64_t) (v), memory_order_relaxed)
+
 struct mf_streamer {
     mf_config  cfg;
     char *     model_path;
+    uint64_t   budget_bytes;  // expert budget (mf_streamer_set_budget); 0 until it is set
+    size_t     page_size;     // sysconf(_SC_PAGESIZE)
     mf_index   ix;
     bool       direct;  // O_DIRECT reads in use
 
     struct ggml_backend_buffer_type expert_buft;
     struct ggml_backend_buffer_type dense_buft;
     struct ggml_backend_buffer_type rows_buft;
+    size_t                          dense_alignment;  // the cache line, at least the CPU backend's alignment
 
-    // expert tensors, registered while the model loads
+    // expert tensors, registered while the model loads (mf_buft.c)
     mf_xtensor ** xts;
     int32_t       n_xt;
     int32_t       cap_xt;
-    mf_layer *    layers;    // [n_layer_max]
+    mf_layer *    layers;    // [n_layers]
     int32_t       n_layers;  // layers slots (max layer index + 1 of expert tensors in the file)
     int32_t       n_expert;
     uint64_t      layer_bytes_max;
@@ -285,7 +338,7 @@ struct mf_streamer {
     void *        bounce;
     size_t        bounce_size;
 
-    // reader lanes: one queue (FIFO), one completion condition
+    // reader lanes (mf_lanes.c): one queue (FIFO), one completion condition
     pthread_t       lanes[MF_MAX_LANES];
     int32_t         n_lanes_started;
     pthread_mutex_t mu;
@@ -299,57 +352,51 @@ struct mf_streamer {
     size_t          demand_left;  // demand reads queued + in flight (prefetches not counted)
     bool            stop;
     int32_t         n_waiting;    // compute threads blocked in the ready hook
-    uint64_t        n_failed;     // slices marked FAILED since the last reap_failures
+    uint64_t        n_failed;     // slices marked FAILED since the last mf_lanes_reap_failures
     uint64_t        wait_start_ns;
 
-    // first error since the last mf_streamer_take_error (under mu)
+    // first error since the last mf_streamer_take_error (under mu; mf_error.c)
     int  err_code;
     char err_msg[MF_ERR_LEN];
     char last_error[MF_ERR_LEN];  // of the last failed API call
 
-    // counters (relaxed atomics: read without locks)
-    atomic_uint_fast64_t st_routes, st_hits, st_misses, st_evictions, st_bytes_read, st_reads, st_wait_ns,
-        st_manage_ns, st_read_ns, st_dense_bytes, st_resident_bytes, st_violations, st_errors, st_prefetched,
-        st_prefetch_used, st_mapped_bytes;
+    mf_counters          st;
     atomic_uint_fast64_t expert_bytes_read_total;  // for fault injection
 };
 
-// buffer types (mf_buft.c)
-void mf_buft_init(mf_streamer * s);
-bool mf_buft_is_expert(ggml_backend_buffer_type_t buft);
+// ---------------------------------------------------------------- the error record (mf_error.c)
+// records the first error since the last mf_error_take (call with s->mu held)
+void mf_error_record_locked(mf_streamer * s, int code, const char * msg);
+// records an error (the first one is kept for mf_streamer_take_error), makes it the last_error
+// and counts it. Any thread.
+void mf_streamer_fail(mf_streamer * s, int code, const char * fmt, ...) __attribute__((format(printf, 3, 4)));
+bool mf_error_pending(mf_streamer * s);  // an error is recorded and not yet taken
+// takes the recorded error: returns its code (0: none) and copies its message into msg
+int  mf_error_take(mf_streamer * s, char * msg, size_t msg_size);
+
+// ---------------------------------------------------------------- buffer types (mf_buft.c)
+void         mf_buft_init(mf_streamer * s);
+bool         mf_buft_is_expert(ggml_backend_buffer_type_t buft);
 mf_xtensor * mf_buffer_xtensor(ggml_backend_buffer_t buffer);  // the tensor of an expert buffer
 // expert reservations as plain read-write memory asking for huge pages (hold_all); 0 or -errno
 int          mf_buft_hold_all(mf_streamer * s);
+void         mf_buft_free_xtensors(mf_streamer * s);  // the registered expert tensors' records
 
-// streamer helpers used by mf_buft.c
-int      mf_streamer_register_xt(mf_streamer * s, mf_xtensor * xt);
-void     mf_streamer_fail(mf_streamer * s, int code, const char * fmt, ...) __attribute__((format(printf, 3, 4)));
-int      mf_read_dense(mf_streamer * s, const mf_loc * loc, void * dst);
-
-#define ADD(counter, v) atomic_fetch_add_explicit(&(counter), (uint64_t) (v), memory_order_relaxed)
-
-// errors (mf_streamer.c): records the first one (call with s->mu held)
-void mf_record_error_locked(mf_streamer * s, int code, const char * msg);
-
-// lanes and slice memory (mf_lanes.c)
-void *   mf_lane_main(void * arg);                 // a reader lane's thread
-bool     mf_slice_live(const mf_xtensor * xt, int64_t e);  // LOADING or READY
-uint64_t mf_wait_all(mf_streamer * s);             // every queued job done; returns ns waited
-uint64_t mf_wait_demand(mf_streamer * s);          // the running layer's reads done; ns waited
-void     mf_reap_failures(mf_streamer * s);        // forget entries whose reads failed (no job in flight)
-void     mf_evict_listed_now(mf_streamer * s);     // the cache's last evictions, on this thread
-// the cache's last lists of layer il: evictions done here, loads given frames and queued to the
-// lanes. On failure (-ENOMEM: no queue; -ENOSPC: no frame) the loads that were not queued are
-// forgotten by the cache, so nothing looks resident that is not
-int      mf_queue_route(mf_streamer * s, int32_t il, bool demand);
-
-// next-layer expert prediction (mf_predict.c)
+// ---------------------------------------------------------------- next-layer prediction (mf_predict.c)
 int     mf_predict_note(mf_streamer * s, const struct ggml_tensor * t);  // while loading: 0 or -ENOMEM
 void    mf_predict_resolve(mf_streamer * s);                             // once layers exist
 // marks in want[] the experts layer il + 1 is predicted to route; returns how many (0: no guess)
 int32_t mf_predict_next(mf_streamer * s, int32_t il, const struct ggml_tensor * topk, uint8_t * want);
-uint64_t mf_now_ns(void);
 
-// the mul_mat_id ready hook (mf_streamer.c); dispatches on the tensor's buffer type and returns
-// where the expert's slice is (NULL: skip it, the computation has failed)
-const void * mf_ready_hook(const struct ggml_tensor * src0, int64_t expert, void * user_data);
+// ---------------------------------------------------------------- lanes and slice memory (mf_lanes.c)
+int      mf_lanes_start(mf_streamer * s, int32_t n);  // 0 or -errno (the lanes started stay counted)
+void     mf_lanes_stop(mf_streamer * s);              // stop flag + broadcast + join
+bool     mf_slice_live(const mf_xtensor * xt, int64_t e);  // LOADING or READY
+uint64_t mf_lanes_wait_all(mf_streamer * s);          // every queued job done; returns ns waited
+uint64_t mf_lanes_wait_demand(mf_streamer * s);       // the running layer's reads done; ns waited
+void     mf_lanes_reap_failures(mf_streamer * s);     // forget entries whose reads failed (no job in flight)
+void     mf_lanes_apply_evictions(mf_streamer * s);   // the cache's last evictions, on this thread
+// the cache's last lists of layer il: evictions done here, loads given frames and queued to the
+// lanes. On failure (-ENOMEM: no queue; -ENOSPC: no frame) the loads that were not queued are
+// forgotten by the cache, so nothing looks resident that is not
+int      mf_lanes_queue_route(mf_streamer * s, int32_t il, bool demand);

@@ -1,24 +1,22 @@
 // Reader lanes and the memory of expert slices: how a route's loads and evictions are carried out.
 //
-// DESIGN
-// mf_queue_route turns the cache's decision (mf_cache.c) into memory and jobs on the decode thread:
-// evicted entries turn ABSENT and give their frames back (mf_frames.c: bookkeeping, no system
-// call), then each load takes a frame, its slices' addresses in it are noted (xt->slot, what the
-// ready hook hands the matmul) and they turn LOADING, and the reads are queued. N lanes pop jobs
-// from one FIFO (one mutex, work_cv), read unlocked, and mark each slice READY or FAILED under the
-// mutex, broadcasting done_cv. No frame changes hands while a read into it is in flight: a route
-// first waits for every job of the one before. Demand reads (the running layer's) are counted apart
-// from prefetches so a layer waits only for its own. Lanes block all signals (the host process
-// handles them) and stop by flag + broadcast + join.
+// mf_lanes_queue_route turns the cache's decision (mf_cache.c) into memory and jobs on the decode
+// thread: evicted entries turn ABSENT and give their frames back (mf_frames.c: bookkeeping, no
+// system call), then each load takes a frame, its slices' addresses in it are noted (xt->slot,
+// what the ready hook hands the matmul) and they turn LOADING, and the reads are queued. N lanes
+// pop jobs from one FIFO (one mutex, work_cv), read unlocked, and mark each slice READY or FAILED
+// under the mutex, broadcasting done_cv. No frame changes hands while a read into it is in flight:
+// a route first waits for every job of the one before. Demand reads (the running layer's) are
+// counted apart from prefetches so a layer waits only for its own. Lanes block all signals (the
+// host process handles them) and stop by flag + broadcast + join. Everything but the lanes
+// themselves runs on the decode thread.
 #include "mf_internal.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 bool mf_slice_live(const mf_xtensor * xt, int64_t e) {
     const int st = atomic_load_explicit(&xt->state[e], memory_order_acquire);
@@ -26,7 +24,7 @@ bool mf_slice_live(const mf_xtensor * xt, int64_t e) {
 }
 
 // the entry (layer L, expert e) is no longer resident: its slices turn ABSENT and its frame is free
-static void entry_drop(mf_streamer * s, mf_layer * L, int32_t e) {
+static void drop_entry(mf_streamer * s, mf_layer * L, int32_t e) {
     for (int32_t j = 0; j < L->n_xt; j++) {
         atomic_store_explicit(&L->xt[j]->state[e], MF_SLICE_ABSENT, memory_order_release);
         if (!s->hold_all) {
@@ -40,9 +38,9 @@ static void entry_drop(mf_streamer * s, mf_layer * L, int32_t e) {
 }
 
 // gives entry (L, e) a frame and notes where its slices lie in it; false when no frame is left
-static bool entry_place(mf_streamer * s, mf_layer * L, int32_t e) {
+static bool place_entry(mf_streamer * s, mf_layer * L, int32_t e) {
     if (s->hold_all) {
-        return true;  // slots are the tensors' own addresses (mf_buft_hold_all)
+        return true;  // slots are the tensors' own addresses (set at mf_streamer_check_loaded)
     }
     const int32_t id = mf_frames_take(&s->frames);
     if (id < 0) {
@@ -55,18 +53,15 @@ static bool entry_place(mf_streamer * s, mf_layer * L, int32_t e) {
         // the slice's first byte sits at its file offset's place within a page, as in the tensor
         // itself: a page-aligned O_DIRECT read brings it in place
         const uint64_t f0 = xt->loc->offset + (uint64_t) e * xt->nb2;
-        xt->slot[e]       = frm + xt->frame_off + (size_t) (f0 & (MF_PAGE - 1));
+        xt->slot[e]       = frm + xt->frame_off + (size_t) (f0 & (s->page_size - 1));
     }
     return true;
 }
 
 // ---------------------------------------------------------------- reader lanes
+// one job: slice e of xt, into its slot
 static int read_slice(mf_streamer * s, mf_xtensor * xt, int32_t e) {
-    const mf_file * f   = &s->ix.files[xt->loc->file];
-    const uint64_t  f0  = xt->loc->offset + (uint64_t) e * xt->nb2;
-    const size_t    len = (size_t) xt->nb2;
-    char *          m0  = xt->slot[e];
-
+    const size_t len = (size_t) xt->nb2;
     if (s->cfg.skip_expert > 0 && e == s->cfg.skip_expert - 1) {
         return 0;  // negative control: the slice keeps whatever its frame held (see mf_config.skip_expert)
     }
@@ -76,25 +71,13 @@ static int read_slice(mf_streamer * s, mf_xtensor * xt, int32_t e) {
             return -s->cfg.fault_errno;
         }
     }
-    if (s->direct && f->fd_direct >= 0) {
-        // whole pages, straight into place: the slot is congruent to the file offset (entry_place)
-        uint64_t a0, a1;
-        mf_slice_pages(xt, e, &a0, &a1);
-        const int rc = mf_pread_full(f->fd_direct, m0 - (f0 - a0), (size_t) (a1 - a0), a0, (size_t) (f0 + len - a0));
-        if (rc != -EINVAL) {
-            return rc;
-        }
-        // O_DIRECT refused at read time: buffered for this slice
-    }
-    const int rc = mf_pread_full(f->fd, m0, len, f0, len);
-    if (rc == 0 && !s->direct) {
-        // buffered mode: the slice now lives in the cache's memory; drop the page-cache copy
-        posix_fadvise(f->fd, (off_t) f0, (off_t) len, POSIX_FADV_DONTNEED);
-    }
-    return rc;
+    // the slot is congruent to the file offset modulo the page (place_entry, xbuf_init_tensor)
+    return mf_read_in_place(&s->ix.files[xt->loc->file], s->direct, s->page_size, xt->slot[e],
+                            xt->loc->offset + (uint64_t) e * xt->nb2, len);
 }
 
-void * mf_lane_main(void * arg) {
+// a reader lane: pops jobs, reads unlocked, marks the slices READY or FAILED under the mutex
+static void * lane_main(void * arg) {
     mf_streamer * s = arg;
     sigset_t      all;
     sigfillset(&all);
@@ -115,20 +98,20 @@ void * mf_lane_main(void * arg) {
 
         const uint64_t t0 = mf_now_ns();
         const int      rc = read_slice(s, job.xt, job.expert);
-        ADD(s->st_read_ns, mf_now_ns() - t0);
-        ADD(s->st_reads, 1);
+        ADD(s->st.read_ns, mf_now_ns() - t0);
+        ADD(s->st.reads, 1);
 
         pthread_mutex_lock(&s->mu);
         if (rc == 0) {
-            ADD(s->st_bytes_read, job.xt->nb2);
+            ADD(s->st.bytes_read, job.xt->nb2);
             atomic_store_explicit(&job.xt->state[job.expert], MF_SLICE_READY, memory_order_release);
         } else {
             char msg[MF_ERR_LEN];
             snprintf(msg, sizeof msg, "reading expert %d of %s from %s failed: %s", (int) job.expert,
                      job.xt->loc->name, s->ix.files[job.xt->loc->file].path,
                      rc == -ENODATA ? "the file ended early (it changed size while open)" : strerror(-rc));
-            mf_record_error_locked(s, rc, msg);
-            ADD(s->st_errors, 1);
+            mf_error_record_locked(s, rc, msg);
+            ADD(s->st.errors, 1);
             atomic_store_explicit(&job.xt->state[job.expert], MF_SLICE_FAILED, memory_order_release);
             s->n_failed++;
         }
@@ -138,6 +121,28 @@ void * mf_lane_main(void * arg) {
     }
     pthread_mutex_unlock(&s->mu);
     return NULL;
+}
+
+int mf_lanes_start(mf_streamer * s, int32_t n) {
+    for (int32_t i = 0; i < n; i++) {
+        const int rc = pthread_create(&s->lanes[i], NULL, lane_main, s);
+        if (rc != 0) {
+            return -rc;
+        }
+        s->n_lanes_started++;
+    }
+    return 0;
+}
+
+void mf_lanes_stop(mf_streamer * s) {
+    pthread_mutex_lock(&s->mu);
+    s->stop = true;
+    pthread_cond_broadcast(&s->work_cv);
+    pthread_mutex_unlock(&s->mu);
+    for (int32_t i = 0; i < s->n_lanes_started; i++) {
+        pthread_join(s->lanes[i], NULL);
+    }
+    s->n_lanes_started = 0;
 }
 
 // waits until *count (a job counter under s->mu) drops to zero; returns the nanoseconds waited
@@ -155,19 +160,17 @@ static uint64_t wait_zero(mf_streamer * s, const size_t * count) {
     return waited;
 }
 
-// every queued job (reads, prefetches and releases) has finished
-uint64_t mf_wait_all(mf_streamer * s) {
+uint64_t mf_lanes_wait_all(mf_streamer * s) {
     return wait_zero(s, &s->outstanding);
 }
 
-// the running layer's own reads have finished (prefetches may still be in flight)
-uint64_t mf_wait_demand(mf_streamer * s) {
+uint64_t mf_lanes_wait_demand(mf_streamer * s) {
     return wait_zero(s, &s->demand_left);
 }
 
 // forgets entries whose reads failed so that their next use reads them again (decode thread,
 // no read in flight); the scan runs only when a lane has marked a slice FAILED since the last one
-void mf_reap_failures(mf_streamer * s) {
+void mf_lanes_reap_failures(mf_streamer * s) {
     pthread_mutex_lock(&s->mu);
     const bool any = s->n_failed != 0;
     s->n_failed    = 0;
@@ -185,9 +188,9 @@ void mf_reap_failures(mf_streamer * s) {
             if (!failed) {
                 continue;
             }
-            entry_drop(s, L, e);
+            drop_entry(s, L, e);
             if (s->cache->resident[(size_t) l * (size_t) s->n_expert + (size_t) e]) {
-                atomic_fetch_sub(&s->st_resident_bytes, L->entry_bytes);
+                atomic_fetch_sub(&s->st.resident_bytes, L->entry_bytes);
             }
             mf_cache_forget(s->cache, l, e);
         }
@@ -196,13 +199,13 @@ void mf_reap_failures(mf_streamer * s) {
 
 // ---------------------------------------------------------------- queueing a route
 // the cache's last evictions: bookkeeping only (no read is in flight, the computation is paused)
-void mf_evict_listed_now(mf_streamer * s) {
+void mf_lanes_apply_evictions(mf_streamer * s) {
     for (int32_t i = 0; i < s->cache->n_evict; i++) {
         mf_layer * L = &s->layers[s->cache->evict[i] / s->n_expert];
-        entry_drop(s, L, s->cache->evict[i] % s->n_expert);
-        atomic_fetch_sub(&s->st_resident_bytes, L->entry_bytes);
+        drop_entry(s, L, s->cache->evict[i] % s->n_expert);
+        atomic_fetch_sub(&s->st.resident_bytes, L->entry_bytes);
     }
-    ADD(s->st_evictions, s->cache->n_evict);
+    ADD(s->st.evictions, s->cache->n_evict);
 }
 
 static void push_job_locked(mf_streamer * s, mf_xtensor * xt, int32_t e, bool demand) {
@@ -235,7 +238,7 @@ static int reserve_jobs_locked(mf_streamer * s, size_t need) {
 // Hands the cache's last evictions and loads (of layer il) to memory and the lanes: evictions free
 // their frames first, so the loads can take them. `demand`: the running layer's reads (waited
 // for), else a prefetch. The decode thread itself makes no system call here.
-int mf_queue_route(mf_streamer * s, int32_t il, bool demand) {
+int mf_lanes_queue_route(mf_streamer * s, int32_t il, bool demand) {
     mf_cache * c = s->cache;
     if (c->n_evict == 0 && c->n_load == 0) {
         // all hits: waking the lanes for nothing costs two context switches per lane and layer,
@@ -246,9 +249,9 @@ int mf_queue_route(mf_streamer * s, int32_t il, bool demand) {
     pthread_mutex_lock(&s->mu);
     int rc = reserve_jobs_locked(s, (size_t) c->n_load * MF_MAX_XT);
     pthread_mutex_unlock(&s->mu);
-    mf_evict_listed_now(s);
+    mf_lanes_apply_evictions(s);
     int32_t placed = 0;
-    while (rc == 0 && placed < c->n_load && entry_place(s, L, c->load[placed])) {
+    while (rc == 0 && placed < c->n_load && place_entry(s, L, c->load[placed])) {
         placed++;
     }
     if (placed < c->n_load) {
@@ -270,6 +273,6 @@ int mf_queue_route(mf_streamer * s, int32_t il, bool demand) {
     }
     pthread_cond_broadcast(&s->work_cv);
     pthread_mutex_unlock(&s->mu);
-    ADD(s->st_resident_bytes, (uint64_t) placed * L->entry_bytes);
+    ADD(s->st.resident_bytes, (uint64_t) placed * L->entry_bytes);
     return rc;
 }

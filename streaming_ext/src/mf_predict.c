@@ -1,27 +1,19 @@
 // Predicting the next layer's experts, to read them while this layer computes.
 //
-// DESIGN
-// The router of layer l+1 reads the residual stream after layer l's attention and experts; that
-// stream changes little from one layer to the next (each layer adds a small update to it), so
-// applying layer l+1's router to layer l's MoE input already picks most of l+1's experts
-// (measured on qwen30b-8l-shape with random weights: 0.90 of them; published work on real MoE
-// models finds similar cross-layer agreement). When layer l routes, its MoE input is still alive
-// in the graph, so the streamer can score layer l+1's experts right away and queue their reads
-// behind layer l's: the disk stays busy through layer l's matmuls and layer l+1's attention,
-// which otherwise run with nothing to read. A wrong guess costs one read and some cache space,
-// never a wrong result (a prefetch is just an early load, and the routing that follows decides).
-//
+// The router of layer l+1 reads the residual stream after layer l, which each layer changes only
+// by a small update, so applying layer l+1's router to layer l's MoE input already picks most of
+// l+1's experts. When layer l routes, its MoE input is still alive in the graph: the streamer
+// scores layer l+1's experts right away and queues their reads behind layer l's, so the disk
+// stays busy through layer l's matmuls and layer l+1's attention. A wrong guess costs a read and
+// some cache space, never a wrong result: the routing that follows decides.
 // How: from the ffn_moe_topk-<l> node, a short walk over its sources finds the router matmul
-// (src0 = blk.l.ffn_gate_inp.weight), its input x (the normed MoE input) and, where the graph is
-// the usual mul(rms_norm(ffn_inp), norm weight), the raw residual ffn_inp. Layer l+1's scores
-// are W(l+1) . (rms_norm(ffn_inp) * norm weight of l+1, same tensor name) + router bias, with
-// the selection bias added after a sigmoid where the model has one (exp_probs_b); without the
-// usual pattern, x itself stands in. gemma4 feeds its router mul(scale(rms_norm(attn_out)),
-// ffn_gate_inp.scale): the scale node is applied as it is, and the per-channel weight is layer
-// l+1's. (gemma4-26b-shape cut to 6 layers and an 8k vocabulary, `moeflash generate --budget
-// 700M -n 40`: with layer l's x standing in, 409 of 704 read-ahead experts were used and the
-// run read 4344 MB; with l+1's weight, 458 of 588 and 3695 MB.) Weights must be F32 (routers
-// are, in GGUFs) and resident (dense). Anything unexpected: no prediction for that layer.
+// (src0 = blk.l.ffn_gate_inp.weight) and its input x. Where x is the usual
+// mul(rms_norm(ffn_inp), norm weight), layer l+1's scores use the raw residual ffn_inp normed with
+// layer l+1's weight of the same name; gemma4's scale(rms_norm(attn_out)) node is applied as it
+// is. Then the router bias, and the selection bias after a sigmoid where the model has one
+// (exp_probs_b). Without the usual pattern, x itself stands in. Weights must be F32 and dense;
+// anything unexpected means no prediction for that layer. Decode thread only (mf_predict_note:
+// the loading thread). See docs/streamer.md, "Prefetch".
 #include "mf_internal.h"
 
 #include <errno.h>
@@ -103,9 +95,12 @@ void mf_predict_resolve(mf_streamer * s) {
     }
 }
 
+// nodes visited looking for the router matmul: it is a few sources above the topk node
+#define MF_ROUTER_WALK 64
+
 // the router matmul of layer `il` among the sources of its topk node (breadth-first, bounded)
 static const struct ggml_tensor * find_router_mm(const struct ggml_tensor * topk, const struct ggml_tensor * gate) {
-    const struct ggml_tensor * seen[64];
+    const struct ggml_tensor * seen[MF_ROUTER_WALK];
     int32_t                    head = 0, n = 0;
     seen[n++]                       = topk;
     while (head < n) {
@@ -135,10 +130,8 @@ static const struct ggml_tensor * norm_like(const mf_router * r, const char * su
 // The dot product is the whole cost of a prediction (n_expert x n_embd per scored token). Four
 // vector accumulators of eight floats (GCC/Clang vector types: SSE or NEON pairs, or one AVX
 // register): the compiler may not reorder one float sum, and one accumulator would wait on each
-// add's latency; four keep the multipliers busy. On x86-64 a copy for AVX2 is picked at load
-// time where the CPU has it (the build's baseline is SSE2). A 512-token prompt of
-// qwen30b-q4km-shape (moeflash generate, budget 2719 MiB, two runs each): cache management
-// 0.76-0.80 s with one 8-float accumulator, 0.45-0.50 s with these
+// add's latency; four keep the multipliers busy. The SIMD level is a run-time choice: on x86-64
+// a copy for AVX2 is picked at load time where the CPU has it (the build's baseline is SSE2).
 typedef float mf_v8 __attribute__((vector_size(32)));
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -218,12 +211,8 @@ int32_t mf_predict_next(mf_streamer * s, int32_t il, const struct ggml_tensor * 
     memset(want, 0, (size_t) s->n_expert);
     // every token of the batch is scored, prompts included: a prompt's reads are the biggest to
     // hide, and scoring costs n_expert x n_embd per token, under 1% of the layer's own expert
-    // matmuls (k x 3 x n_embd x n_ff_exp); a 512-token batch on qwen30b-shape spent ~15 ms per
-    // layer on it before dot() had four accumulators, and reads 1.4x fewer bytes than a sampled
-    // guess widened to cover the batch.
-    // Scoring stops once every expert is wanted: the rest of the batch cannot add one. With few
-    // experts that comes early (Mixtral's 8, k = 2: a few tokens); qwen30b-q4km-shape's 512-token
-    // prompt predicts about 119 of 128 per layer, so there it scores every token
+    // matmuls (k x 3 x n_embd x n_ff_exp). Scoring stops once every expert is wanted: the rest of
+    // the batch cannot add one (with few experts that comes after a few tokens)
     int32_t n = 0;
     for (int64_t j = 0; j < x->ne[1] && n < s->n_expert; j++) {
         if (raw) {

@@ -1,143 +1,42 @@
-// The expert streamer: routing callback, prefetch, ready hook, life cycle and counters.
+// The expert streamer: life cycle, the routing callback, prefetch, the ready hook, counters.
 //
-// DESIGN
-// Threads. The decode thread (the one calling llama_decode) runs mf_streamer_eval_cb: on each
+// The decode thread (the one calling llama_decode) runs mf_streamer_eval_cb: on each
 // ffn_moe_topk-<il> node it reads the routed ids, asks the cache (mf_cache.c) what to load and
-// evict and hands that to the reader lanes (mf_lanes.c), which release and read slices. It then
-// predicts layer il + 1's experts (mf_predict.c) and queues their reads behind layer il's, so
-// the disk keeps reading while layer il computes. Without overlap the decode thread waits for
-// layer il's own reads before returning; with overlap it returns at once and the compute threads
-// wait per slice in the mul_mat_id ready hook (mf_ready_hook), so the matmuls of ready experts
-// run while the rest are still being read. Jobs are queued in the order the graph consumes them
-// (gate or gate_up, then up, then down; experts ascending). A route first waits for every job
-// of the previous one, so no read is in flight while it changes the cache.
-// Memory. A resident entry's slices live in a frame of its own (mf_frames.c), and the ready hook,
-// installed always, tells each expert matmul where: the tensors' own reservations stay PROT_NONE,
-// so a computation that reads a slice other than through the hook faults (SIGSEGV), and the hook
-// refuses a slice nobody loaded.
-// Holding every expert (a budget >= all of them, hold_all): nothing is ever evicted, so there is
-// nothing to recycle and no frame needed. The reservations become plain read-write memory
-// asking for transparent huge pages (mf_buft_hold_all), slices are read into place, and once
-// every expert is resident the callback stops asking for the routing nodes: each asked node cuts
-// the graph in two, 48 graph computes per token instead of one on qwen30b-shape. That is what
-// made a model held whole slower than stock llama.cpp's resident run, whose page cache is mapped
-// in 2 MiB pages after a cold read (17.5 GB FilePmdMapped), while ours sat in 4 KiB ones: the
-// matmuls took 13-40% more CPU time per token in a noisy spell, the splits about 3%. Measured
-// (qwen30b-shape, every expert preloaded against the resident run, alternated, 48 tokens each):
-// 0.87 / 0.99 / 1.10 / 0.92 of the resident run before, 0.98 / 1.00 / 0.97 / 0.96 after (17.2
-// GB AnonHugePages). Without the PROT_NONE guard a slice nobody loaded reads as zeros, so the
-// checks before each expert matmul (check_mmid, the routes' waits) keep a computation off it
-// until routing stops, and routing only stops when every slice is READY.
-// Errors. Nothing here aborts. A failed read marks its slice FAILED, records the first error, and
-// makes the next callback return false (which stops the graph); mf_streamer_take_error hands the
-// error to Python, which fails that request. Failed entries are forgotten by the cache and
-// retried on their next use.
+// evict, and hands that to the reader lanes (mf_lanes.c). It then predicts layer il + 1's experts
+// (mf_predict.c) and queues their reads behind layer il's, so the disk keeps reading while layer
+// il computes. Without overlap the decode thread waits for layer il's own reads before returning;
+// with overlap it returns at once and the compute threads wait per slice in the ready hook, so the
+// matmuls of ready experts run while the rest are read. A route first waits for every job of the
+// previous one, so no read is in flight while the cache changes.
+// The ready hook, installed always, tells each expert matmul where a slice is (its frame): the
+// tensors' own reservations stay PROT_NONE, so a read other than through the hook faults, and the
+// hook refuses a slice nobody loaded. When the budget holds every expert (hold_all), slices are
+// read into the tensors themselves, and once all are READY the callback stops asking for the
+// routing nodes (each asked node splits the graph in two).
+// Nothing here aborts: a failure is recorded (mf_error.c), the next callback returns false, which
+// stops the graph, and mf_streamer_take_error hands the error to Python. Failed entries are
+// forgotten by the cache and read again on their next use. See docs/streamer.md.
 #include "mf_internal.h"
 
 #include <errno.h>
-#include <fcntl.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-#include <unistd.h>
 
 #include "ggml-cpu.h"
 
-#define MF_BOUNCE_SIZE (8u << 20)
-
-uint64_t mf_now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t) ts.tv_sec * 1000000000u + (uint64_t) ts.tv_nsec;
-}
+#define MF_BOUNCE_SIZE (8u << 20)  // the O_DIRECT chunk of dense reads at load (a multiple of any page size)
 
 // ---------------------------------------------------------------- errors
-void mf_record_error_locked(mf_streamer * s, int code, const char * msg) {
-    if (s->err_code == 0) {
-        s->err_code = code ? code : -EIO;
-        snprintf(s->err_msg, sizeof s->err_msg, "%s", msg);
-    }
-}
-
-void mf_streamer_fail(mf_streamer * s, int code, const char * fmt, ...) {
-    char    msg[MF_ERR_LEN];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    pthread_mutex_lock(&s->mu);
-    mf_record_error_locked(s, code, msg);
-    snprintf(s->last_error, sizeof s->last_error, "%s", msg);
-    pthread_mutex_unlock(&s->mu);
-    ADD(s->st_errors, 1);
-}
-
-static bool has_error(mf_streamer * s) {
-    pthread_mutex_lock(&s->mu);
-    const bool e = s->err_code != 0;
-    pthread_mutex_unlock(&s->mu);
-    return e;
-}
-
 int mf_streamer_take_error(mf_streamer * s, char * msg, size_t msg_size) {
     // a graph stopped by an error leaves prefetches in flight: their outcome belongs to this
     // request, not to the next one
-    mf_wait_all(s);
-    pthread_mutex_lock(&s->mu);
-    const int code = s->err_code;
-    if (msg && msg_size) {
-        snprintf(msg, msg_size, "%s", code ? s->err_msg : "");
-    }
-    s->err_code  = 0;
-    s->err_msg[0] = '\0';
-    pthread_mutex_unlock(&s->mu);
-    return code;
+    mf_lanes_wait_all(s);
+    return mf_error_take(s, msg, msg_size);
 }
 
 const char * mf_streamer_last_error(const mf_streamer * s) {
     return s->last_error;
-}
-
-// ---------------------------------------------------------------- dense reads (at load)
-int mf_read_dense(mf_streamer * s, const mf_loc * loc, void * dst) {
-    const mf_file * f = &s->ix.files[loc->file];
-    int             rc;
-    if (s->direct && f->fd_direct >= 0 && s->bounce) {
-        // O_DIRECT through the bounce buffer, chunk by chunk: nothing enters the page cache
-        uint64_t done = 0;
-        rc            = 0;
-        while (done < loc->size && rc == 0) {
-            const uint64_t off   = loc->offset + done;
-            const uint64_t a0    = off & ~(uint64_t) (MF_PAGE - 1);
-            const uint64_t want  = loc->size - done;
-            uint64_t       chunk = MF_BOUNCE_SIZE - (off - a0);
-            if (chunk > want) {
-                chunk = want;
-            }
-            const uint64_t a1 = (off + chunk + MF_PAGE - 1) & ~(uint64_t) (MF_PAGE - 1);
-            rc                = mf_pread_full(f->fd_direct, s->bounce, (size_t) (a1 - a0), a0, (size_t) (off + chunk - a0));
-            if (rc == 0) {
-                memcpy((char *) dst + done, (char *) s->bounce + (off - a0), (size_t) chunk);
-                done += chunk;
-            }
-        }
-        if (rc != -EINVAL) {
-            if (rc == 0) {
-                ADD(s->st_dense_bytes, loc->size);
-            }
-            return rc;
-        }
-        // O_DIRECT refused at read time: fall through to buffered reads
-    }
-    rc = mf_pread_full(f->fd, dst, (size_t) loc->size, loc->offset, (size_t) loc->size);
-    if (rc == 0) {
-        ADD(s->st_dense_bytes, loc->size);
-        // the bytes now live in anonymous memory; do not keep a second copy in the page cache
-        posix_fadvise(f->fd, (off_t) loc->offset, (off_t) loc->size, POSIX_FADV_DONTNEED);
-    }
-    return rc;
 }
 
 // ---------------------------------------------------------------- routing
@@ -155,24 +54,24 @@ static void prefetch_next(mf_streamer * s, int32_t il, const struct ggml_tensor 
     if (s->cache->n_load == 0 && s->cache->n_evict == 0) {
         return;
     }
-    // a prefetch that cannot be queued is not an error: mf_queue_route forgot what it did not queue
-    (void) mf_queue_route(s, il + 1, false);
+    // a prefetch that cannot be queued is not an error: the lanes forgot what they did not queue
+    (void) mf_lanes_queue_route(s, il + 1, false);
     memset(s->pf_mark, 0, (size_t) s->n_expert);
     for (int32_t i = 0; i < s->cache->n_load; i++) {
         s->pf_mark[s->cache->load[i]] = 1;
     }
     s->pf_layer = il + 1;
-    ADD(s->st_prefetched, s->cache->n_load);
+    ADD(s->st.prefetched, s->cache->n_load);
 }
 
 // hold_all: once every expert is READY, routing has nothing left to decide (no read, no eviction)
 static void stop_routing_if_all_resident(mf_streamer * s) {
     if (!s->hold_all || atomic_load_explicit(&s->routing_off, memory_order_relaxed) ||
-        atomic_load_explicit(&s->st_resident_bytes, memory_order_relaxed) < s->expert_bytes) {
+        atomic_load_explicit(&s->st.resident_bytes, memory_order_relaxed) < s->expert_bytes) {
         return;
     }
-    mf_wait_all(s);
-    mf_reap_failures(s);
+    mf_lanes_wait_all(s);
+    mf_lanes_reap_failures(s);
     for (int32_t j = 0; j < s->n_xt; j++) {
         for (int32_t e = 0; e < s->xts[j]->n_expert; e++) {
             if (atomic_load_explicit(&s->xts[j]->state[e], memory_order_acquire) != MF_SLICE_READY) {
@@ -183,8 +82,11 @@ static void stop_routing_if_all_resident(mf_streamer * s) {
     atomic_store_explicit(&s->routing_off, true, memory_order_relaxed);
 }
 
-static bool route(mf_streamer * s, int32_t il, const struct ggml_tensor * ids) {
-    if (has_error(s)) {
+// one ffn_moe_topk-<il> node: makes the routed experts of layer il resident (queued), prefetches
+// layer il + 1's predicted ones and, without overlap, waits for layer il's reads. Returns false to
+// stop the graph (an error is recorded)
+static bool route_layer(mf_streamer * s, int32_t il, const struct ggml_tensor * ids) {
+    if (mf_error_pending(s)) {
         return false;  // stop the graph: the request fails with the recorded error
     }
     if (il < 0 || il >= s->n_layers || s->layers[il].n_xt == 0) {
@@ -195,8 +97,8 @@ static bool route(mf_streamer * s, int32_t il, const struct ggml_tensor * ids) {
         return false;
     }
     const uint64_t t0     = mf_now_ns();
-    uint64_t       waited = mf_wait_all(s);  // the previous layer's reads (normally long done)
-    mf_reap_failures(s);
+    uint64_t       waited = mf_lanes_wait_all(s);  // the previous layer's reads (normally long done)
+    mf_lanes_reap_failures(s);
     stop_routing_if_all_resident(s);  // from the next node on; this route still counts its hits
 
     memset(s->want, 0, (size_t) s->n_expert);
@@ -214,40 +116,40 @@ static bool route(mf_streamer * s, int32_t il, const struct ggml_tensor * ids) {
     const int rc = mf_cache_route(s->cache, il, s->want);
     if (rc < 0) {
         mf_streamer_fail(s, rc, "layer %d: the routed experts do not fit the budget of %llu bytes", (int) il,
-                         (unsigned long long) s->cfg.budget_bytes);
+                         (unsigned long long) s->budget_bytes);
         return false;
     }
-    const int qrc = mf_queue_route(s, il, true);
+    const int qrc = mf_lanes_queue_route(s, il, true);
     if (qrc != 0) {
         mf_streamer_fail(s, qrc, "cannot queue the reads of layer %d: %s", (int) il, strerror(-qrc));
         return false;
     }
-    int32_t k = 0, used = 0;
+    int32_t k = 0, prefetch_hits = 0;
     for (int32_t e = 0; e < s->n_expert; e++) {
         k += s->want[e];
-        used += s->pf_layer == il && s->want[e] && s->pf_mark[e];
+        prefetch_hits += s->pf_layer == il && s->want[e] && s->pf_mark[e];
     }
     s->pf_layer = -1;
-    ADD(s->st_routes, 1);
-    ADD(s->st_hits, k - s->cache->n_load);
-    ADD(s->st_misses, s->cache->n_load);
-    ADD(s->st_prefetch_used, used);
-    if (!s->cfg.no_prefetch) {
+    ADD(s->st.routes, 1);
+    ADD(s->st.hits, k - s->cache->n_load);
+    ADD(s->st.misses, s->cache->n_load);
+    ADD(s->st.prefetch_hits, prefetch_hits);
+    if (s->cfg.prefetch) {
         prefetch_next(s, il, ids);
     }
 
     const uint64_t t1 = mf_now_ns();
-    ADD(s->st_manage_ns, t1 - t0 - (waited > t1 - t0 ? t1 - t0 : waited));
+    ADD(s->st.cache_ns, t1 - t0 - (waited > t1 - t0 ? t1 - t0 : waited));
     if (!s->cfg.overlap) {
-        ADD(s->st_wait_ns, waited + mf_wait_demand(s));
-        return !has_error(s);
+        ADD(s->st.flash_wait_ns, waited + mf_lanes_wait_demand(s));
+        return !mf_error_pending(s);
     }
-    ADD(s->st_wait_ns, waited);
+    ADD(s->st.flash_wait_ns, waited);
     return true;
 }
 
 // ask-phase check of an expert matmul: every routed slice must be live (never computes on a hole)
-static void check_mmid(mf_streamer * s, const struct ggml_tensor * node) {
+static void check_expert_matmul(mf_streamer * s, const struct ggml_tensor * node) {
     const struct ggml_tensor * w   = node->src[0];
     const struct ggml_tensor * ids = node->src[2];
     if (!w || !ids || !w->buffer || w->buffer->buft != &s->expert_buft) {
@@ -261,7 +163,7 @@ static void check_mmid(mf_streamer * s, const struct ggml_tensor * node) {
         for (int64_t i0 = 0; i0 < ids->ne[0]; i0++) {
             const int32_t e = *(const int32_t *) ((const char *) ids->data + i1 * ids->nb[1] + i0 * ids->nb[0]);
             if (e >= 0 && e < xt->n_expert && !mf_slice_live(xt, e)) {
-                ADD(s->st_violations, 1);
+                ADD(s->st.violations, 1);
                 mf_streamer_fail(s, -EFAULT, "expert %d of %s is used but was never loaded", (int) e, w->name);
             }
         }
@@ -275,7 +177,7 @@ bool mf_streamer_eval_cb(struct ggml_tensor * t, bool ask, void * user_data) {
     }
     if (ask) {
         if (t->op == GGML_OP_MUL_MAT_ID) {
-            check_mmid(s, t);
+            check_expert_matmul(s, t);
             return false;
         }
         return strncmp(t->name, "ffn_moe_topk-", 13) == 0;
@@ -283,14 +185,15 @@ bool mf_streamer_eval_cb(struct ggml_tensor * t, bool ask, void * user_data) {
     if (strncmp(t->name, "ffn_moe_topk-", 13) != 0) {
         return true;
     }
-    return route(s, (int32_t) strtol(t->name + 13, NULL, 10), t);
+    return route_layer(s, (int32_t) strtol(t->name + 13, NULL, 10), t);
 }
 
 // ---------------------------------------------------------------- the ready hook
 // Where slice `expert` of src0 is, once it is READY: called by every compute thread before each
 // expert matmul reads a slice. Without overlap the route has waited for the layer's reads, so the
-// fast path answers; with overlap the thread waits here while the rest are read.
-const void * mf_ready_hook(const struct ggml_tensor * src0, int64_t expert, void * user_data) {
+// fast path answers; with overlap the thread waits here while the rest are read. NULL: skip the
+// slice (nobody loaded it, or its read failed: the computation has failed and says so)
+static const void * ready_hook(const struct ggml_tensor * src0, int64_t expert, void * user_data) {
     (void) user_data;  // stateless dispatch: the tensor's buffer says which streamer owns it
     const char * const          natural = (const char *) src0->data + expert * (int64_t) src0->nb[2];
     const ggml_backend_buffer_t buffer  = src0->buffer;
@@ -307,7 +210,7 @@ const void * mf_ready_hook(const struct ggml_tensor * src0, int64_t expert, void
     }
     mf_streamer * s = xt->s;
     if (st == MF_SLICE_ABSENT) {
-        ADD(s->st_violations, 1);
+        ADD(s->st.violations, 1);
         mf_streamer_fail(s, -EFAULT, "expert %d of %s is used but was never loaded", (int) expert, xt->loc->name);
         return NULL;  // skip it: never compute on a slice nobody loaded
     }
@@ -320,28 +223,13 @@ const void * mf_ready_hook(const struct ggml_tensor * src0, int64_t expert, void
         pthread_cond_wait(&s->done_cv, &s->mu);
     }
     if (--s->n_waiting == 0) {
-        ADD(s->st_wait_ns, mf_now_ns() - s->wait_start_ns);
+        ADD(s->st.flash_wait_ns, mf_now_ns() - s->wait_start_ns);
     }
     pthread_mutex_unlock(&s->mu);
     return st == MF_SLICE_READY ? xt->slot[expert] : NULL;
 }
 
-// ---------------------------------------------------------------- registration while loading
-int mf_streamer_register_xt(mf_streamer * s, mf_xtensor * xt) {
-    if (s->n_xt == s->cap_xt) {
-        const int32_t cap = s->cap_xt ? 2 * s->cap_xt : 64;
-        mf_xtensor ** a   = realloc(s->xts, (size_t) cap * sizeof *a);
-        if (!a) {
-            mf_streamer_fail(s, -ENOMEM, "out of memory registering %s", xt->loc->name);
-            return -ENOMEM;
-        }
-        s->xts    = a;
-        s->cap_xt = cap;
-    }
-    s->xts[s->n_xt++] = xt;
-    return 0;
-}
-
+// ---------------------------------------------------------------- after the model has loaded
 static void free_layers(mf_streamer * s) {
     for (int32_t l = 0; s->layers && l < s->n_layers; l++) {
         free(s->layers[l].frame);
@@ -364,58 +252,14 @@ static int kind_rank(const char * name) {
     return 3;
 }
 
-// Frames for the entries (see mf_frames.c): each of a layer's tensors gets the most pages any of
-// its slices spans, at its own offset in the frame, and every frame has the largest layer's span.
-// The cache counts every entry at the largest entry's bytes (mf_streamer_check_loaded), so it
-// holds at most budget / entry_bytes_max entries: that many frames, plus two.
-static int setup_frames(mf_streamer * s) {
-    size_t  frame = 0;
-    int32_t total = 0;  // entries of the layers with experts
-    for (int32_t l = 0; l < s->n_layers; l++) {
-        mf_layer * L = &s->layers[l];
-        if (L->n_xt == 0) {
-            continue;
-        }
-        size_t off = 0;
-        for (int32_t j = 0; j < L->n_xt; j++) {
-            size_t span = 0;  // the most pages any of its slices spans when read whole
-            for (int32_t e = 0; e < L->xt[j]->n_expert; e++) {
-                uint64_t a0, a1;
-                mf_slice_pages(L->xt[j], e, &a0, &a1);
-                span = a1 - a0 > span ? (size_t) (a1 - a0) : span;
-            }
-            L->xt[j]->frame_off = off;
-            off += span;
-        }
-        frame = off > frame ? off : frame;
-        total += s->n_expert;
-        L->frame = malloc((size_t) s->n_expert * sizeof *L->frame);
-        if (!L->frame) {
-            return -ENOMEM;
-        }
-        for (int32_t e = 0; e < s->n_expert; e++) {
-            L->frame[e] = -1;
-        }
-    }
-    const uint64_t fill = s->cfg.budget_bytes / s->entry_bytes_max + 2;
-    const int32_t  cap  = fill < (uint64_t) total ? (int32_t) fill : total;
-    const int      rc   = mf_frames_init(&s->frames, frame, cap);
-    snprintf(s->memory_note, sizeof s->memory_note,
-             "experts in %d frames of %zu bytes (the largest entry, %llu bytes, in whole pages): at most %zu MiB",
-             (int) cap, frame, (unsigned long long) s->entry_bytes_max, ((size_t) cap * frame) >> 20);
-    return rc;
-}
-
-int mf_streamer_check_loaded(mf_streamer * s) {
-    if (s->cfg.budget_bytes == 0) {
-        snprintf(s->last_error, sizeof s->last_error, "no expert budget set (mf_streamer_set_budget)");
-        return -EINVAL;
-    }
-    int32_t n_layers = 0;
+// every expert tensor of the file was registered by the expert buffer type; *n_layers: the layer
+// slots they need (max layer index + 1). 0, or -EINVAL with last_error
+static int check_experts_streamed(mf_streamer * s, int32_t * n_layers) {
+    *n_layers = 0;
     for (int64_t i = 0; i < s->ix.n_locs; i++) {
         int32_t l = -1;
         if (mf_is_expert_name(s->ix.locs[i].name, &l)) {
-            n_layers = l + 1 > n_layers ? l + 1 : n_layers;
+            *n_layers     = l + 1 > *n_layers ? l + 1 : *n_layers;
             bool streamed = false;
             for (int32_t j = 0; j < s->n_xt && !streamed; j++) {
                 streamed = s->xts[j]->loc == &s->ix.locs[i];
@@ -428,6 +272,13 @@ int mf_streamer_check_loaded(mf_streamer * s) {
             }
         }
     }
+    return 0;
+}
+
+// sorts the registered expert tensors into n_layers layers, in consumption order, and sets
+// n_expert, the entries' bytes and the largest entry's. 0, -ENOMEM, or -EINVAL with last_error
+// for a layout the streamer does not handle
+static int build_layers(mf_streamer * s, int32_t n_layers) {
     free_layers(s);
     s->layers   = calloc((size_t) n_layers, sizeof *s->layers);
     s->n_layers = n_layers;
@@ -452,57 +303,114 @@ int mf_streamer_check_loaded(mf_streamer * s) {
         L->xt[pos] = xt;
         L->entry_bytes += xt->nb2;
     }
-    uint64_t * entry_bytes = calloc((size_t) n_layers, sizeof *entry_bytes);
-    if (!entry_bytes) {
-        return -ENOMEM;
-    }
     s->entry_bytes_max = 0;
     for (int32_t l = 0; l < n_layers; l++) {
-        entry_bytes[l]     = s->layers[l].entry_bytes;
-        s->entry_bytes_max = entry_bytes[l] > s->entry_bytes_max ? entry_bytes[l] : s->entry_bytes_max;
+        const uint64_t bytes = s->layers[l].entry_bytes;
+        s->entry_bytes_max   = bytes > s->entry_bytes_max ? bytes : s->entry_bytes_max;
     }
-    // see "Holding every expert" above; decided before any expert is read
-    s->hold_all = s->cfg.budget_bytes >= s->expert_bytes;
-    if (s->hold_all) {
-        const int hrc = mf_buft_hold_all(s);
-        if (hrc != 0) {
-            snprintf(s->last_error, sizeof s->last_error, "cannot make expert memory read-write: %s", strerror(-hrc));
-            free(entry_bytes);
-            return hrc;
+    return 0;
+}
+
+// Frames for the entries (see mf_frames.c): each of a layer's tensors gets the most pages any of
+// its slices spans, at its own offset in the frame, and every frame has the largest layer's span.
+// The cache counts every entry at the largest entry's bytes (build_expert_memory), so it holds at
+// most budget / entry_bytes_max entries: that many frames, plus two.
+static int build_frames(mf_streamer * s) {
+    size_t  frame = 0;
+    int32_t total = 0;  // entries of the layers with experts
+    for (int32_t l = 0; l < s->n_layers; l++) {
+        mf_layer * L = &s->layers[l];
+        if (L->n_xt == 0) {
+            continue;
         }
-        for (int32_t j = 0; j < s->n_xt; j++) {
-            for (int32_t e = 0; e < s->xts[j]->n_expert; e++) {
-                s->xts[j]->slot[e] = s->xts[j]->data + (size_t) e * s->xts[j]->nb2;
+        size_t off = 0;
+        for (int32_t j = 0; j < L->n_xt; j++) {
+            size_t span = 0;  // the most pages any of its slices spans when read whole
+            for (int32_t e = 0; e < L->xt[j]->n_expert; e++) {
+                uint64_t a0, a1;
+                mf_slice_pages(L->xt[j], e, s->page_size, &a0, &a1);
+                span = a1 - a0 > span ? (size_t) (a1 - a0) : span;
             }
+            L->xt[j]->frame_off = off;
+            off += span;
         }
-        snprintf(s->memory_note, sizeof s->memory_note,
-                 "the budget holds every expert: slices read into place (huge pages where the kernel has them)");
-    } else {
-        mf_frames_free(&s->frames);  // (a zeroed struct the first time)
-        const int frc = setup_frames(s);
-        if (frc != 0) {
-            snprintf(s->last_error, sizeof s->last_error, "cannot map the experts' frames: %s", strerror(-frc));
-            free(entry_bytes);
-            return frc;
+        frame = off > frame ? off : frame;
+        total += s->n_expert;
+        L->frame = malloc((size_t) s->n_expert * sizeof *L->frame);
+        if (!L->frame) {
+            return -ENOMEM;
         }
-        // every entry takes a frame of the largest entry's size: the cache counts it so
-        for (int32_t l = 0; l < n_layers; l++) {
-            entry_bytes[l] = entry_bytes[l] ? s->entry_bytes_max : 0;
+        for (int32_t e = 0; e < s->n_expert; e++) {
+            L->frame[e] = -1;
         }
     }
-    mf_cache_free(s->cache);
-    s->cache = NULL;
-    int rc   = mf_cache_new(n_layers, s->n_expert, entry_bytes, s->cfg.budget_bytes, s->cfg.policy, &s->cache);
-    free(entry_bytes);
+    const uint64_t fill = s->budget_bytes / s->entry_bytes_max + 2;
+    const int32_t  cap  = fill < (uint64_t) total ? (int32_t) fill : total;
+    const int      rc   = mf_frames_init(&s->frames, frame, cap);
+    snprintf(s->memory_note, sizeof s->memory_note,
+             "experts in %d frames of %zu bytes (the largest entry, %llu bytes, in whole pages): at most %zu MiB",
+             (int) cap, frame, (unsigned long long) s->entry_bytes_max, ((size_t) cap * frame) >> 20);
+    return rc;
+}
+
+// hold_all: the tensors' reservations become the slices' home (read-write, huge pages asked for),
+// and each slice's slot is its own address. 0, or -errno with last_error
+static int place_experts_in_tensors(mf_streamer * s) {
+    const int rc = mf_buft_hold_all(s);
     if (rc != 0) {
-        snprintf(s->last_error, sizeof s->last_error, "cannot create the expert cache: %s", strerror(-rc));
+        snprintf(s->last_error, sizeof s->last_error, "cannot make expert memory read-write: %s", strerror(-rc));
         return rc;
     }
-    free(s->want);
-    s->want = calloc((size_t) s->n_expert, 1);
+    for (int32_t j = 0; j < s->n_xt; j++) {
+        for (int32_t e = 0; e < s->xts[j]->n_expert; e++) {
+            s->xts[j]->slot[e] = s->xts[j]->data + (size_t) e * s->xts[j]->nb2;
+        }
+    }
+    snprintf(s->memory_note, sizeof s->memory_note,
+             "the budget holds every expert: slices read into place (huge pages where the kernel has them)");
+    return 0;
+}
+
+// Decides where resident experts live, before any expert is read: in the tensors themselves when
+// the budget holds every expert (hold_all, nothing is ever evicted), else in frames. Fills
+// entry_bytes[l], what the cache counts for an entry of layer l. 0, or -errno with last_error
+static int build_expert_memory(mf_streamer * s, uint64_t * entry_bytes) {
+    s->hold_all = s->budget_bytes >= s->expert_bytes;
+    if (s->hold_all) {
+        for (int32_t l = 0; l < s->n_layers; l++) {
+            entry_bytes[l] = s->layers[l].entry_bytes;
+        }
+        return place_experts_in_tensors(s);
+    }
+    mf_frames_free(&s->frames);  // (a zeroed struct the first time)
+    const int rc = build_frames(s);
+    if (rc != 0) {
+        snprintf(s->last_error, sizeof s->last_error, "cannot map the experts' frames: %s", strerror(-rc));
+        return rc;
+    }
+    // every entry takes a frame of the largest entry's size: the cache counts it so
+    for (int32_t l = 0; l < s->n_layers; l++) {
+        entry_bytes[l] = s->layers[l].entry_bytes ? s->entry_bytes_max : 0;
+    }
+    return 0;
+}
+
+// the cache under the budget; 0, or -errno with last_error
+static int build_cache(mf_streamer * s, const uint64_t * entry_bytes) {
+    mf_cache_free(s->cache);
+    s->cache     = NULL;
+    const int rc = mf_cache_new(s->n_layers, s->n_expert, entry_bytes, s->budget_bytes, s->cfg.policy, &s->cache);
+    if (rc != 0) {
+        snprintf(s->last_error, sizeof s->last_error, "cannot create the expert cache: %s", strerror(-rc));
+    }
+    return rc;
+}
+
+// the routers of the layers (mf_predict.c) and the prediction's scratch; 0 or -ENOMEM
+static int build_prediction(mf_streamer * s) {
     mf_predict_resolve(s);
     int64_t n_embd = 1;
-    for (int32_t l = 0; l < n_layers; l++) {
+    for (int32_t l = 0; l < s->n_layers; l++) {
         const struct ggml_tensor * g = s->layers[l].router.gate;
         n_embd                       = g && g->ne[0] > n_embd ? g->ne[0] : n_embd;
     }
@@ -515,19 +423,51 @@ int mf_streamer_check_loaded(mf_streamer * s) {
     s->want_next   = calloc((size_t) s->n_expert, 1);
     s->pf_mark     = calloc((size_t) s->n_expert, 1);
     s->pf_layer    = -1;
-    if (!s->pred_v || !s->pred_scores || !s->want_next || !s->pf_mark) {
-        return -ENOMEM;
-    }
-    // the largest route: every expert of a layer, all its tensors
+    return s->pred_v && s->pred_scores && s->want_next && s->pf_mark ? 0 : -ENOMEM;
+}
+
+// a route's scratch and the lanes' queue, sized for the largest route (every expert of a layer,
+// all its tensors) twice over; 0 or -ENOMEM
+static int build_route_buffers(mf_streamer * s) {
+    free(s->want);
+    s->want = calloc((size_t) s->n_expert, 1);
     free(s->queue);
     s->queue_cap = (size_t) s->n_expert * MF_MAX_XT * 2;
     s->queue     = calloc(s->queue_cap, sizeof *s->queue);
     s->q_head    = 0;
     s->q_len     = 0;
-    if (!s->want || !s->queue) {
+    return s->want && s->queue ? 0 : -ENOMEM;
+}
+
+int mf_streamer_check_loaded(mf_streamer * s) {
+    if (s->budget_bytes == 0) {
+        snprintf(s->last_error, sizeof s->last_error, "no expert budget set (mf_streamer_set_budget)");
+        return -EINVAL;
+    }
+    int32_t n_layers = 0;
+    int     rc       = check_experts_streamed(s, &n_layers);
+    if (rc == 0) {
+        rc = build_layers(s, n_layers);
+    }
+    if (rc != 0) {
+        return rc;
+    }
+    uint64_t * entry_bytes = calloc((size_t) n_layers, sizeof *entry_bytes);
+    if (!entry_bytes) {
         return -ENOMEM;
     }
-    return 0;
+    rc = build_expert_memory(s, entry_bytes);
+    if (rc == 0) {
+        rc = build_cache(s, entry_bytes);
+    }
+    free(entry_bytes);
+    if (rc == 0) {
+        rc = build_prediction(s);
+    }
+    if (rc == 0) {
+        rc = build_route_buffers(s);
+    }
+    return rc;
 }
 
 // ---------------------------------------------------------------- life cycle
@@ -539,6 +479,34 @@ static int fail_new(mf_streamer * s, int rc, char * last_error, size_t last_erro
     return rc;
 }
 
+// sums the bytes of the file's expert tensors, in all and per layer: the largest layer's is the
+// budget floor (a micro-batch may route to every expert of a layer). 0 or -ENOMEM
+static int measure_experts(mf_streamer * s) {
+    int32_t n_layers = 0;
+    for (int64_t i = 0; i < s->ix.n_locs; i++) {
+        int32_t l = -1;
+        if (mf_is_expert_name(s->ix.locs[i].name, &l)) {
+            n_layers = l + 1 > n_layers ? l + 1 : n_layers;
+        }
+    }
+    uint64_t * per_layer = calloc((size_t) n_layers + 1, sizeof *per_layer);
+    if (!per_layer) {
+        return -ENOMEM;
+    }
+    for (int64_t i = 0; i < s->ix.n_locs; i++) {
+        int32_t l = -1;
+        if (mf_is_expert_name(s->ix.locs[i].name, &l)) {
+            per_layer[l] += s->ix.locs[i].size;
+            s->expert_bytes += s->ix.locs[i].size;
+        }
+    }
+    for (int32_t l = 0; l < n_layers; l++) {
+        s->layer_bytes_max = per_layer[l] > s->layer_bytes_max ? per_layer[l] : s->layer_bytes_max;
+    }
+    free(per_layer);
+    return 0;
+}
+
 int mf_streamer_new(const mf_config * cfg, mf_streamer ** out, char * last_error, size_t last_error_size) {
     *out            = NULL;
     mf_streamer * s = calloc(1, sizeof *s);
@@ -548,7 +516,8 @@ int mf_streamer_new(const mf_config * cfg, mf_streamer ** out, char * last_error
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->work_cv, NULL);
     pthread_cond_init(&s->done_cv, NULL);
-    s->cfg = *cfg;
+    s->cfg       = *cfg;
+    s->page_size = mf_page_size();
     if (!cfg->model_path || cfg->n_lanes < 1 || cfg->n_lanes > MF_MAX_LANES || cfg->reader < MF_READER_DIRECT ||
         cfg->reader > MF_READER_BUFFERED || cfg->policy < MF_POLICY_LRU || cfg->policy > MF_POLICY_NONE ||
         cfg->fault_errno < 0) {
@@ -556,7 +525,11 @@ int mf_streamer_new(const mf_config * cfg, mf_streamer ** out, char * last_error
                  "invalid streamer configuration (lanes 1..%d, reader, policy, model path)", MF_MAX_LANES);
         return fail_new(s, -EINVAL, last_error, last_error_size);
     }
-    s->model_path   = strdup(cfg->model_path);
+    if (s->page_size == 0 || (s->page_size & (s->page_size - 1)) != 0 || MF_BOUNCE_SIZE % s->page_size != 0) {
+        snprintf(s->last_error, sizeof s->last_error, "unsupported page size %zu", s->page_size);
+        return fail_new(s, -EINVAL, last_error, last_error_size);
+    }
+    s->model_path     = strdup(cfg->model_path);
     s->cfg.model_path = s->model_path;
     if (!s->model_path) {
         return fail_new(s, -ENOMEM, last_error, last_error_size);
@@ -565,49 +538,33 @@ int mf_streamer_new(const mf_config * cfg, mf_streamer ** out, char * last_error
     if (rc != 0) {
         return fail_new(s, rc, last_error, last_error_size);
     }
-    // the budget floor: one layer's experts, all of them (a micro-batch may route to every one)
-    uint64_t * per_layer = calloc(4096, sizeof *per_layer);
-    if (!per_layer) {
-        return fail_new(s, -ENOMEM, last_error, last_error_size);
+    if ((rc = measure_experts(s)) != 0) {
+        return fail_new(s, rc, last_error, last_error_size);
     }
-    for (int64_t i = 0; i < s->ix.n_locs; i++) {
-        int32_t l = -1;
-        if (mf_is_expert_name(s->ix.locs[i].name, &l) && l < 4096) {
-            per_layer[l] += s->ix.locs[i].size;
-            s->expert_bytes += s->ix.locs[i].size;
-        }
-    }
-    for (int32_t l = 0; l < 4096; l++) {
-        s->layer_bytes_max = per_layer[l] > s->layer_bytes_max ? per_layer[l] : s->layer_bytes_max;
-    }
-    free(per_layer);
     if (s->expert_bytes == 0) {
         snprintf(s->last_error, sizeof s->last_error,
                  "%s has no expert tensors (blk.N.ffn_*_exps.weight): not a Mixture-of-Experts model", s->model_path);
         return fail_new(s, -EINVAL, last_error, last_error_size);
     }
-    if (cfg->budget_bytes != 0 && (rc = mf_streamer_set_budget(s, cfg->budget_bytes)) != 0) {
-        return fail_new(s, rc, last_error, last_error_size);
-    }
     s->direct = cfg->reader == MF_READER_DIRECT;
     for (int32_t i = 0; i < s->ix.n_files; i++) {
         s->direct &= s->ix.files[i].fd_direct >= 0;
     }
-    if (s->direct && posix_memalign(&s->bounce, MF_PAGE, MF_BOUNCE_SIZE) != 0) {
-        s->bounce = NULL;
+    if (s->direct) {
+        if (posix_memalign(&s->bounce, s->page_size, MF_BOUNCE_SIZE) == 0) {
+            s->bounce_size = MF_BOUNCE_SIZE;
+        } else {
+            s->bounce = NULL;  // dense tensors are then read buffered
+        }
     }
     mf_buft_init(s);
-    for (int32_t i = 0; i < cfg->n_lanes; i++) {
-        rc = pthread_create(&s->lanes[i], NULL, mf_lane_main, s);
-        if (rc != 0) {
-            snprintf(s->last_error, sizeof s->last_error, "cannot start reader lane: %s", strerror(rc));
-            return fail_new(s, -rc, last_error, last_error_size);
-        }
-        s->n_lanes_started++;
+    if ((rc = mf_lanes_start(s, cfg->n_lanes)) != 0) {
+        snprintf(s->last_error, sizeof s->last_error, "cannot start reader lane: %s", strerror(-rc));
+        return fail_new(s, rc, last_error, last_error_size);
     }
     // always: the hook says where each slice is (its frame). A stateless dispatcher, safe to leave
     // installed, and shared by every streamer
-    ggml_cpu_set_mul_mat_id_ready_hook(mf_ready_hook, NULL);
+    ggml_cpu_set_mul_mat_id_ready_hook(ready_hook, NULL);
     *out = s;
     return 0;
 }
@@ -616,19 +573,8 @@ void mf_streamer_free(mf_streamer * s) {
     if (!s) {
         return;
     }
-    pthread_mutex_lock(&s->mu);
-    s->stop = true;
-    pthread_cond_broadcast(&s->work_cv);
-    pthread_mutex_unlock(&s->mu);
-    for (int32_t i = 0; i < s->n_lanes_started; i++) {
-        pthread_join(s->lanes[i], NULL);
-    }
-    for (int32_t i = 0; i < s->n_xt; i++) {
-        free(s->xts[i]->state);
-        free(s->xts[i]->slot);
-        free(s->xts[i]);
-    }
-    free(s->xts);
+    mf_lanes_stop(s);
+    mf_buft_free_xtensors(s);
     free_layers(s);
     free(s->queue);
     free(s->want);
@@ -659,7 +605,7 @@ int mf_streamer_set_budget(mf_streamer * s, uint64_t budget_bytes) {
                  (unsigned long long) budget_bytes, (unsigned long long) s->layer_bytes_max);
         return -EINVAL;
     }
-    s->cfg.budget_bytes = budget_bytes;
+    s->budget_bytes = budget_bytes;
     return 0;
 }
 
@@ -676,28 +622,28 @@ ggml_backend_buffer_type_t mf_streamer_rows_buft(mf_streamer * s) {
 }
 
 void mf_streamer_get_stats(const mf_streamer * s, mf_stats * out) {
-#define LOAD(c) atomic_load_explicit(&s->c, memory_order_relaxed)
-    out->routes         = LOAD(st_routes);
-    out->hits           = LOAD(st_hits);
-    out->misses         = LOAD(st_misses);
-    out->evictions      = LOAD(st_evictions);
-    out->bytes_read     = LOAD(st_bytes_read);
-    out->reads          = LOAD(st_reads);
-    out->wait_ns        = LOAD(st_wait_ns);
-    out->manage_ns      = LOAD(st_manage_ns);
-    out->read_ns        = LOAD(st_read_ns);
-    out->dense_bytes    = LOAD(st_dense_bytes);
-    out->resident_bytes = LOAD(st_resident_bytes);
-    out->violations     = LOAD(st_violations);
-    out->errors         = LOAD(st_errors);
-    out->direct_io      = s->direct ? 1 : 0;
-    out->memory_bytes    = atomic_load_explicit(&s->frames.populated, memory_order_relaxed);
-    out->frames_released = atomic_load_explicit(&s->frames.released, memory_order_relaxed);
-    out->prefetched     = LOAD(st_prefetched);
-    out->prefetch_used  = LOAD(st_prefetch_used);
-    out->mapped_bytes   = LOAD(st_mapped_bytes);
-    out->hold_all       = s->hold_all ? 1 : 0;
-    out->routing_off    = atomic_load_explicit(&s->routing_off, memory_order_relaxed) ? 1 : 0;
+#define LOAD(c) atomic_load_explicit(&s->st.c, memory_order_relaxed)
+    out->routes              = LOAD(routes);
+    out->hits                = LOAD(hits);
+    out->misses              = LOAD(misses);
+    out->evictions           = LOAD(evictions);
+    out->bytes_read          = LOAD(bytes_read);
+    out->reads               = LOAD(reads);
+    out->flash_wait_ns       = LOAD(flash_wait_ns);
+    out->cache_ns            = LOAD(cache_ns);
+    out->read_ns             = LOAD(read_ns);
+    out->dense_bytes         = LOAD(dense_bytes);
+    out->resident_bytes      = LOAD(resident_bytes);
+    out->violations          = LOAD(violations);
+    out->errors              = LOAD(errors);
+    out->direct_io           = s->direct ? 1 : 0;
+    out->prefetched          = LOAD(prefetched);
+    out->prefetch_hits       = LOAD(prefetch_hits);
+    out->mapped_bytes        = LOAD(mapped_bytes);
+    out->hold_all            = s->hold_all ? 1 : 0;
+    out->routing_off         = atomic_load_explicit(&s->routing_off, memory_order_relaxed) ? 1 : 0;
+    out->expert_memory_bytes = atomic_load_explicit(&s->frames.populated, memory_order_relaxed);
+    out->frames_released     = atomic_load_explicit(&s->frames.released, memory_order_relaxed);
 #undef LOAD
 }
 
@@ -706,10 +652,10 @@ int mf_streamer_preload(mf_streamer * s) {
         snprintf(s->last_error, sizeof s->last_error, "preload before mf_streamer_check_loaded");
         return -EINVAL;
     }
-    if (s->cfg.budget_bytes < s->expert_bytes) {
+    if (s->budget_bytes < s->expert_bytes) {
         snprintf(s->last_error, sizeof s->last_error,
                  "preload needs a budget holding every expert (%llu bytes), not %llu",
-                 (unsigned long long) s->expert_bytes, (unsigned long long) s->cfg.budget_bytes);
+                 (unsigned long long) s->expert_bytes, (unsigned long long) s->budget_bytes);
         return -ENOSPC;
     }
     // every layer routes to all its experts once: the lanes read them at full depth
@@ -717,19 +663,19 @@ int mf_streamer_preload(mf_streamer * s) {
         if (s->layers[l].n_xt == 0) {
             continue;
         }
-        mf_wait_all(s);
+        mf_lanes_wait_all(s);
         memset(s->want, 1, (size_t) s->n_expert);
         int rc = mf_cache_route(s->cache, l, s->want);
         if (rc >= 0) {
-            rc = mf_queue_route(s, l, true);
+            rc = mf_lanes_queue_route(s, l, true);
         }
         if (rc < 0) {
             snprintf(s->last_error, sizeof s->last_error, "preload of layer %d failed: %s", (int) l, strerror(-rc));
             return rc;
         }
     }
-    mf_wait_all(s);
-    mf_reap_failures(s);
+    mf_lanes_wait_all(s);
+    mf_lanes_reap_failures(s);
     char msg[MF_ERR_LEN];
     const int rc = mf_streamer_take_error(s, msg, sizeof msg);
     if (rc != 0) {
@@ -745,10 +691,10 @@ void mf_streamer_drop_cache(mf_streamer * s) {
         return;
     }
     atomic_store_explicit(&s->routing_off, false, memory_order_relaxed);  // reads are needed again
-    mf_wait_all(s);
-    mf_reap_failures(s);
+    mf_lanes_wait_all(s);
+    mf_lanes_reap_failures(s);
     mf_cache_evict_all(s->cache);
-    mf_evict_listed_now(s);
+    mf_lanes_apply_evictions(s);
     s->pf_layer = -1;
     mf_frames_trim(&s->frames);  // a cold cache holds no memory
 }

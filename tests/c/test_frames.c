@@ -1,5 +1,5 @@
 // Test of the expert frames (streaming_ext/src/mf_frames.c), built with ASan + UBSan and run by
-// tests/test_streaming_ext.py.
+// tests/streaming_ext/test_streamer.py.
 //
 // Checks, each printing one "ok NAME: ..." or "FAIL NAME: ..." line (exit status 0 only if all pass):
 //   init      bad sizes and counts are refused with -EINVAL and leave nothing mapped
@@ -44,8 +44,8 @@ static int stamped(const mf_frames * fr, int32_t id, uint64_t serial) {
 
 static int zeros(const mf_frames * fr, int32_t id) {
     const char * p = mf_frames_addr(fr, id);
-    for (size_t i = 0; i < fr->frame_bytes; i += MF_PAGE) {
-        if (p[i] != 0 || p[i + MF_PAGE - 1] != 0) {
+    for (size_t i = 0; i < fr->frame_bytes; i += mf_page_size()) {
+        if (p[i] != 0 || p[i + mf_page_size() - 1] != 0) {
             return 0;
         }
     }
@@ -54,8 +54,8 @@ static int zeros(const mf_frames * fr, int32_t id) {
 
 static void test_init(void) {
     mf_frames fr;
-    const int odd  = mf_frames_init(&fr, MF_PAGE + 1, 4);
-    const int none = mf_frames_init(&fr, MF_PAGE, 0);
+    const int odd  = mf_frames_init(&fr, mf_page_size() + 1, 4);
+    const int none = mf_frames_init(&fr, mf_page_size(), 0);
     const int zero = mf_frames_init(&fr, 0, 4);
     verdict(odd == -EINVAL && none == -EINVAL && zero == -EINVAL && fr.base == NULL, "init",
             "a size not in whole pages, no frames, or empty frames are refused");
@@ -63,7 +63,7 @@ static void test_init(void) {
 
 static void test_reuse_warm_exhaust(void) {
     mf_frames fr;
-    if (mf_frames_init(&fr, 3 * MF_PAGE, 4) != 0) {
+    if (mf_frames_init(&fr, 3 * mf_page_size(), 4) != 0) {
         verdict(0, "reuse", "mf_frames_init failed");
         return;
     }
@@ -83,9 +83,9 @@ static void test_reuse_warm_exhaust(void) {
     const int32_t g          = mf_frames_take(&fr);  // the fourth frame: fresh
     char          what[160];
     snprintf(what, sizeof what, "held %zu pages after three takes, %zu after reusing two, %zu after a fourth",
-             held / MF_PAGE, held_after / MF_PAGE, atomic_load(&fr.populated) / MF_PAGE);
-    verdict(held == 9 * MF_PAGE && held_after == held && ((e == d && f == c) || (e == c && f == d)) && g >= 0 &&
-                g != a && g != c && g != d && atomic_load(&fr.populated) == 12 * MF_PAGE,
+             held / mf_page_size(), held_after / mf_page_size(), atomic_load(&fr.populated) / mf_page_size());
+    verdict(held == 9 * mf_page_size() && held_after == held && ((e == d && f == c) || (e == c && f == d)) && g >= 0 &&
+                g != a && g != c && g != d && atomic_load(&fr.populated) == 12 * mf_page_size(),
             "warm", what);
     verdict(mf_frames_take(&fr) == -1, "exhaust", "a fifth take of four frames answers -1");
     mf_frames_free(&fr);
@@ -102,7 +102,7 @@ static uint64_t rnd(void) {
 
 static void test_stress_trim(void) {
     enum { CAP = 96, OPS = 200000 };
-    const size_t bytes = 5 * MF_PAGE;
+    const size_t bytes = 5 * mf_page_size();
     mf_frames    fr;
     if (mf_frames_init(&fr, bytes, CAP) != 0) {
         verdict(0, "stress", "mf_frames_init failed");

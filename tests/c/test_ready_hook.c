@@ -1,4 +1,4 @@
-// Test of patch 0002 (ggml-cpu mul_mat_id ready hook), driven by tests/test_patches.py.
+// Test of patch 0002 (ggml-cpu mul_mat_id ready hook), driven by tests/build/test_patches.py.
 //
 //   test_ready_hook MODEL.gguf N_THREADS
 //

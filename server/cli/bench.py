@@ -1,0 +1,124 @@
+"""`moeflash bench`: the side-by-side benchmark, and `--replay` of routing traces.
+
+moeflash bench --shape qwen30b-shape --caps 0.25,0.5          # generates (or reuses) the model
+moeflash bench --model m.gguf --caps 4G,8G --tokens 32
+moeflash bench --replay ../shared/data/route-traces/qwen.route.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from server.errors import ConfigError, MoeflashError
+from server.settings import ModelSettings, add_arguments, given_flags
+
+logger = logging.getLogger(__name__)
+
+# the context of every run unless --ctx-size says otherwise (a full-context run fills it)
+BENCH_CTX_SIZE = 1024
+
+
+def register(subparsers: Any) -> None:
+    """Add the `bench` subcommand."""
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark moeflash against stock mmap and the disk ceiling (or replay routing traces)",
+        description="Side-by-side benchmark on one model file under memory caps, with the BENCH.md ratios; "
+        "or --replay a routing trace through the streamer's cache policy.",
+    )
+    what = p.add_argument_group("what to measure (one of --shape, --model, --replay)")
+    what.add_argument("--shape", help="synthetic model preset to generate or reuse (e.g. qwen30b-shape)")
+    what.add_argument("--replay", type=Path, nargs="+", help="route trace(s) to replay (*.route.csv)")
+    p.add_argument("--caps", default="0.25,0.5", help="memory caps: fractions of the file size or sizes (4G)")
+    p.add_argument("--tokens", type=int, default=32, help="decode tokens per system (default 32)")
+    p.add_argument("--mmap-tokens", type=int, default=8, help="decode tokens of the stock mmap run (slow)")
+    p.add_argument("--no-levers", action="store_true", help="skip the one-lever-at-a-time variants")
+    p.add_argument("--ceiling-seconds", type=float, default=8.0, help="seconds per disk-ceiling pattern")
+    p.add_argument("--models-dir", type=Path, default=Path("models"), help="where --shape models live")
+    p.add_argument("--delete-model", action="store_true", help="delete a generated model afterwards")
+    p.add_argument("--out", type=Path, help="report path without suffix (default bench/reports/<name>)")
+    # the model settings of serve and generate: --model is an existing GGUF (the first file of a split
+    # set); the others given go to every system's run (its own levers come later and win), and
+    # --ctx-size is 1024 unless given
+    add_arguments(p, (ModelSettings,))
+    p.set_defaults(func=run)
+
+
+def _parse_caps(text: str, file_bytes: int) -> list[int]:
+    from server.settings import parse_size
+
+    caps = []
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        try:
+            value = float(part)
+            caps.append(int(value * file_bytes) if value <= 1.0 else int(value))
+        except ValueError:
+            try:
+                caps.append(parse_size(part))
+            except ValueError as exc:
+                raise ConfigError(f"--caps: {exc}") from None
+    if not caps:
+        raise ConfigError("--caps needs at least one cap")
+    return caps
+
+
+def _progress(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The `bench` subcommand."""
+    command = "moeflash " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    if sum(bool(x) for x in (args.shape, args.model, args.replay)) != 1:
+        raise ConfigError("name one of --shape, --model or --replay")
+    if args.replay:
+        from server.bench.replay_report import run_replay
+
+        return run_replay(args.replay, args.out, command, _progress)
+    if args.tokens < 4 or args.mmap_tokens < 1:
+        raise ConfigError("--tokens must be >= 4 and --mmap-tokens >= 1")
+    from server.bench.harness import BenchConfig, run_bench
+    from server.bench.models import describe_model, shape_model
+    from server.bench.report import write_reports
+    from server.bench.systems import default_systems
+
+    generated = False
+    if args.shape:
+        path, generated = shape_model(args.shape, args.models_dir, progress=sys.stderr.isatty())
+    else:
+        path = Path(args.model)
+        if not path.exists():
+            raise ConfigError(f"model {path} does not exist")
+    try:
+        info = describe_model(path)
+        if args.shape:
+            info["sha256"] = path.with_suffix(".sha256").read_text().strip()
+        cfg = BenchConfig(
+            model=path,
+            caps=_parse_caps(args.caps, info["file_bytes"]),
+            decode_tokens=args.tokens,
+            ctx_size=int(args.ctx_size or BENCH_CTX_SIZE),
+            ceiling_seconds=args.ceiling_seconds,
+            settings_flags=tuple(given_flags(args, ModelSettings, skip=("model", "ctx_size", "config"))),
+        )
+        systems = default_systems(args.mmap_tokens, levers=not args.no_levers)
+        try:
+            result = run_bench(cfg, systems, info, _progress)
+        except OSError as exc:
+            raise MoeflashError(str(exc)) from exc
+        out = args.out or Path("bench/reports") / info["name"]
+        for p in write_reports(result, out, command):
+            print(p)
+        print(json.dumps(result.ratios, indent=1))
+    finally:
+        if generated and args.delete_model:
+            path.unlink(missing_ok=True)
+            path.with_suffix(".sha256").unlink(missing_ok=True)
+    return 0

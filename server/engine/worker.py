@@ -1,0 +1,285 @@
+"""The engine: ONE worker thread owns the model and serves a bounded FIFO of requests.
+
+DESIGN
+- The worker thread loads the model (so a long load never blocks the HTTP server: /health
+  answers 503 meanwhile), then pops jobs in arrival order and runs `decode.generate` on them.
+  Only this thread touches the Llama, so llama.cpp needs no locking.
+- One mutex + condition variable guard the waiting deque, the running job and the state.
+  `submit` refuses with QueueFull when `max_queue` jobs already wait (the running one does
+  not count), and with ServiceUnavailable while loading, after a failed load, or stopping.
+- Each job has its own event channel: the worker hands events to the job's asyncio loop
+  with call_soon_threadsafe; the HTTP side awaits them. A job is cancelled by setting its
+  event (client gone); the worker checks it before every token and between prefill batches,
+  so a cancelled generation stops within one token and frees the model.
+- `close()` (lifespan shutdown, i.e. SIGTERM) cancels the running job, fails the waiting
+  ones, joins the worker and releases the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+
+from server.engine.token_loop import GenerationRequest, GenerationStats, TextDelta, generate
+from server.errors import QueueFull, ServiceUnavailable
+from server.loading.loader import LoadedModel
+from server.loading.measured import DecodeStep
+
+logger = logging.getLogger(__name__)
+
+# finished jobs remembered for /metrics and for tests that inspect what the worker did
+_HISTORY = 256
+
+
+class EngineState(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event of a successful job."""
+
+    stats: GenerationStats
+    # the job's decode calls as one step (its streamer counters: a streamed model only)
+    telemetry: DecodeStep | None
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The last event of a job that raised on the worker."""
+
+    error: BaseException
+
+
+Event = TextDelta | Finished | Failed
+
+
+@dataclass
+class Job:
+    """One request's life on the engine: its input, its event channel, its cancel flag."""
+
+    id: str
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    submitted_ns: int = field(default_factory=time.monotonic_ns)
+    _events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    _cancel: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Ask the worker to stop this job (safe from any thread, idempotent)."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def _post(self, event: Event) -> None:
+        # called on the worker thread; a closed loop means nobody listens any more
+        try:
+            self.loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:
+            self._cancel.set()
+
+    async def events(self) -> AsyncIterator[Event]:
+        """The job's events in order, ending with Finished or Failed."""
+        while True:
+            event = await self._events.get()
+            yield event
+            if isinstance(event, Finished | Failed):
+                return
+
+
+class Engine:
+    """Owns the model through one worker thread; see the module docstring for the design."""
+
+    def __init__(
+        self,
+        loader: Callable[[], LoadedModel],
+        *,
+        max_queue: int = 16,
+        queue_full_status: int = 429,
+        retry_after_s: int = 1,
+    ) -> None:
+        self._loader = loader
+        self._max_queue = max_queue
+        self.queue_full_status = queue_full_status
+        self._retry_after_s = retry_after_s
+        self._cond = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._running: Job | None = None
+        self._state = EngineState.LOADING
+        self._model: LoadedModel | None = None
+        self._load_error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self.history: deque[tuple[str, GenerationStats]] = deque(maxlen=_HISTORY)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the worker; it loads the model first (the state says when it is ready)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="moeflash-engine", daemon=True)
+            self._thread.start()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Cancel the running job, fail the waiting ones, stop the worker, free the model."""
+        with self._cond:
+            if self._state in (EngineState.STOPPING, EngineState.STOPPED):
+                return
+            self._state = EngineState.STOPPING
+            dropped = list(self._waiting)
+            self._waiting.clear()
+            running = self._running
+            if running is not None:
+                running.cancel()
+            self._cond.notify_all()
+        for job in dropped:
+            job.cancel()
+            job._post(Failed(ServiceUnavailable("the server is shutting down", retry_after_s=5)))
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.error("the engine worker did not stop within %.0f s", timeout_s)
+        with self._cond:
+            self._state = EngineState.STOPPED
+        logger.info(
+            "engine stopped: %s, %d waiting request(s) refused, model released",
+            "running request cancelled" if running is not None else "idle",
+            len(dropped),
+        )
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Block until the model is loaded (True) or failed / timed out (False)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._state is EngineState.LOADING:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return self._state is EngineState.READY
+
+    # -- state -------------------------------------------------------------------------
+
+    @property
+    def state(self) -> EngineState:
+        with self._cond:
+            return self._state
+
+    @property
+    def load_error(self) -> BaseException | None:
+        with self._cond:
+            return self._load_error
+
+    @property
+    def model(self) -> LoadedModel | None:
+        """The loaded model (read-only use outside the worker: info, tokenizer, vocab)."""
+        with self._cond:
+            return self._model
+
+    @property
+    def queue_depth(self) -> int:
+        with self._cond:
+            return len(self._waiting)
+
+    @property
+    def running_job(self) -> Job | None:
+        with self._cond:
+            return self._running
+
+    def totals(self) -> DecodeStep | None:
+        """Every decode call of the loaded model so far (None before it is loaded); read from any
+        thread: the counters are copied without locks."""
+        model = self.model
+        return None if model is None else model.llama.totals()
+
+    # -- requests ----------------------------------------------------------------------
+
+    def submit(self, job_id: str, request: GenerationRequest) -> Job:
+        """Queue a job (call from the event loop that will consume its events)."""
+        job = Job(id=job_id, request=request, loop=asyncio.get_running_loop())
+        with self._cond:
+            if self._state is EngineState.LOADING:
+                raise ServiceUnavailable(
+                    "the model is still loading", retry_after_s=self._retry_after_s, code="model_loading"
+                )
+            if self._state is not EngineState.READY:
+                raise ServiceUnavailable(
+                    f"the model is not available ({self._state.value})",
+                    retry_after_s=self._retry_after_s,
+                    code="model_unavailable",
+                )
+            if len(self._waiting) >= self._max_queue and self._running is not None:
+                raise QueueFull(
+                    f"{len(self._waiting)} requests are already waiting for the model",
+                    retry_after_s=self._retry_after_s,
+                )
+            self._waiting.append(job)
+            self._cond.notify_all()
+        return job
+
+    # -- worker ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            model = self._loader()
+        except BaseException as exc:  # noqa: BLE001 - reported through state and /health
+            logger.error("model load failed: %s", exc)
+            with self._cond:
+                self._load_error = exc
+                if self._state is EngineState.LOADING:
+                    self._state = EngineState.FAILED
+                self._cond.notify_all()
+            return
+        with self._cond:
+            self._model = model
+            if self._state is EngineState.LOADING:
+                self._state = EngineState.READY
+            self._cond.notify_all()
+        try:
+            while True:
+                with self._cond:
+                    while not self._waiting and self._state is EngineState.READY:
+                        self._cond.wait()
+                    if self._state is not EngineState.READY:
+                        break
+                    job = self._waiting.popleft()
+                    self._running = job
+                last: Event = Failed(RuntimeError("generation did not finish"))
+                try:
+                    last = self._serve(model, job)
+                finally:
+                    # the engine's state is final before the client sees the last event
+                    with self._cond:
+                        self._running = None
+                        self.history.append((job.id, replace(job.stats)))
+                        self._cond.notify_all()
+                    job._post(last)
+        finally:
+            model.close()
+
+    def _serve(self, model: LoadedModel, job: Job) -> Finished | Failed:
+        """Run one job; text goes out as it comes, the final event is returned."""
+        if job.cancelled:
+            job.stats.finish_reason = "cancelled"
+            return Finished(job.stats, None)
+        before = model.llama.totals()
+        try:
+            generate(model.llama, job.request, job.stats, job._post, lambda: job.cancelled)
+        except Exception as exc:  # noqa: BLE001 - handed to the request, which maps it to HTTP
+            logger.exception("generation %s failed", job.id)
+            # the KV cache may hold a half-decoded batch: start the next request clean
+            model.llama.reset()  # type: ignore[no-untyped-call]
+            return Failed(exc)
+        return Finished(job.stats, model.llama.totals() - before)

@@ -1,0 +1,222 @@
+"""The FastAPI app: `create_app(settings, engine)`, its lifespan, routes and error mapping.
+
+Exceptions are mapped to HTTP once (server/http/errors.py); FastAPI's validation errors
+(including malformed JSON and a wrong content type) become 400s in the OpenAI shape, never
+422s, and Starlette's 404/405 get the same body.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import Body, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import HTMLResponse, JSONResponse, Response
+
+from server import __version__
+from server.engine.worker import Engine, EngineState
+from server.errors import InvalidRequest, MethodNotAllowed, MoeflashError, NotFound, RequestError
+from server.http.chat_completions import create_chat_completion
+from server.http.completions import create_completion
+from server.http.errors import error_response
+from server.http.messages import MessageOut, MessagesRequest, create_message
+from server.http.metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
+from server.http.protocol import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorBody,
+    ModelCard,
+    ModelList,
+)
+from server.http.responses import ResponsesRequest, create_response
+from server.http.security import SecurityMiddleware
+from server.http.serving import ServeContext
+from server.http.webui import index_html
+from server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody} for status in (400, 401, 404, 413, 429, 503)
+}
+
+
+def _validation_message(exc: RequestValidationError, request: Request) -> InvalidRequest:
+    content_type = request.headers.get("content-type", "")
+    if content_type and not content_type.lower().startswith("application/json"):
+        return InvalidRequest(
+            f"Content-Type must be application/json, not {content_type!r}", code="unsupported_content_type"
+        )
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": "value_error"}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return InvalidRequest(f"the request body is not valid JSON: {first.get('msg')}", code="invalid_json")
+    param = ".".join(loc) or None
+    where = f"{param}: " if param else ""
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return InvalidRequest(f"{where}{first.get('msg')}{more}", param=param, code="invalid_value")
+
+
+def _card(ctx: ServeContext, name: str) -> ModelCard:
+    info = ctx.ready_model().info
+    return ModelCard(
+        id=name,
+        created=info.created,
+        context_length=info.n_ctx,
+        architecture=info.architecture,
+        file_size=info.file_size,
+        mode=info.mode,
+        budget_bytes=info.budget_bytes,
+    )
+
+
+def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
+    """The app serving `engine`; the lifespan starts the engine (model load) and closes it."""
+    metrics = Metrics(engine)
+    ctx = ServeContext(settings=settings, engine=engine, metrics=metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()  # loads in the background: /health says 503 until ready
+        try:
+            yield
+        finally:
+            await run_in_threadpool(engine.close)
+
+    app = FastAPI(
+        title="moeflash",
+        version=__version__,
+        description="OpenAI-compatible API of moeflash (Mixture-of-Experts models streamed from flash).",
+        lifespan=lifespan,
+        responses=_ERRORS,
+    )
+    app.state.moeflash = ctx
+    queue_status = settings.queue_full_status
+
+    @app.exception_handler(MoeflashError)
+    async def _moeflash_error(request: Request, exc: MoeflashError) -> Response:
+        return error_response(exc, queue_status, request.url.path)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(_validation_message(exc, request), path=request.url.path)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        cause = exc.__cause__
+        if isinstance(cause, RequestError):  # e.g. the body cap hit while FastAPI read the body
+            return error_response(cause, queue_status, request.url.path)
+        if exc.status_code == 404:
+            return error_response(NotFound(f"no route {request.url.path}", code="not_found"))
+        if exc.status_code == 405:
+            allow = (exc.headers or {}).get("Allow", "")
+            return error_response(
+                MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}", allow=allow),
+                path=request.url.path,
+            )
+        if exc.status_code < 500:
+            return error_response(InvalidRequest(str(exc.detail)), path=request.url.path)
+        return error_response(exc, path=request.url.path)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        return error_response(exc, path=request.url.path)
+
+    @app.get("/health", tags=["server"])
+    async def health() -> JSONResponse:
+        """200 once the model is loaded; 503 while it loads (or after a failed load)."""
+        state = engine.state
+        status = 200 if state is EngineState.READY else 503
+        body: dict[str, Any] = {"status": "ok" if status == 200 else state.value}
+        if engine.load_error is not None:
+            body["error"] = str(engine.load_error)
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics", tags=["server"])
+    async def prometheus() -> Response:
+        """Prometheus text exposition."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", tags=["openai"])
+    async def list_models() -> ModelList:
+        """The loaded model, once under each of its names (--alias, then the file stem)."""
+        return ModelList(data=[_card(ctx, name) for name in ctx.ready_model().info.names])
+
+    @app.get("/v1/models/{model_id:path}", tags=["openai"])
+    async def get_model(model_id: str) -> ModelCard:
+        """The loaded model, if `model_id` is one of its names."""
+        if model_id not in ctx.ready_model().info.names:
+            raise NotFound(f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+        return _card(ctx, model_id)
+
+    @app.post(
+        "/v1/chat/completions",
+        tags=["openai"],
+        responses={200: {"model": ChatCompletion, "description": "a completion, or an SSE stream of chunks"}},
+    )
+    async def chat_completions(body: Annotated[ChatCompletionRequest, Body()], request: Request) -> Response:
+        """Chat completion, whole or streamed (SSE)."""
+        return await create_chat_completion(ctx, body, request)
+
+    @app.post(
+        "/v1/messages",
+        tags=["anthropic"],
+        responses={200: {"model": MessageOut, "description": "a message, or an SSE stream of its events"}},
+    )
+    async def messages(body: Annotated[MessagesRequest, Body()], request: Request) -> Response:
+        """Anthropic Messages API, whole or streamed (SSE); `x-api-key` is accepted as the key."""
+        return await create_message(ctx, body, request)
+
+    @app.post(
+        "/v1/responses",
+        tags=["openai"],
+        responses={200: {"description": "a response object, or an SSE stream of Responses API events"}},
+    )
+    async def responses(body: Annotated[ResponsesRequest, Body()], request: Request) -> Response:
+        """OpenAI Responses API (stateless), whole or streamed (SSE)."""
+        return await create_response(ctx, body, request)
+
+    @app.post(
+        "/v1/completions",
+        tags=["openai"],
+        responses={200: {"model": Completion, "description": "a completion, or an SSE stream of chunks"}},
+    )
+    async def completions(body: Annotated[CompletionRequest, Body()], request: Request) -> Response:
+        """Legacy text completion, whole or streamed (SSE)."""
+        return await create_completion(ctx, body, request)
+
+    page = index_html()
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> HTMLResponse:
+        return HTMLResponse(page)
+
+    # outermost first: security answers before CORS, CORS before the routes
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            # whatever an allowed origin's client sends (the openai npm SDK: X-Stainless-*, OpenAI-*)
+            allow_headers=["*"],
+        )
+    app.add_middleware(
+        SecurityMiddleware,
+        api_key=settings.resolved_api_key(),
+        loopback=settings.is_loopback(),
+        allowed_hosts=settings.allowed_hosts,
+        cors_origins=settings.cors_origins,
+        max_body_bytes=settings.max_body_bytes,
+    )
+    routes = frozenset(getattr(route, "path", "") for route in app.routes) - {"/v1/models/{model_id:path}"}
+    app.add_middleware(MetricsMiddleware, metrics=metrics, routes=routes)
+    return app

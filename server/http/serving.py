@@ -1,0 +1,427 @@
+"""What every API route shares: the checks, the one chat prepare path, and the job's events.
+
+Everything that can refuse a request (model id, bounds that depend on the model, template,
+grammar, context length, queue) runs BEFORE the 200 is sent, in `prepare_chat` (chat
+completions, Responses and Messages, each mapped onto the engine's ChatRequest) or in the
+legacy route. A submitted job becomes a `Plan`; its output arrives as `Pieces` through
+`generated` (wrapped by `collect` for a whole answer, `streamed` for a stream). `respond` is the
+one loop behind chat and legacy completions, whole or streamed, parameterised by a
+`ChunkFormat`: how pieces become that API's chunks. Once streaming, a failure is reported
+in-band as `data: {"error": ...}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import anyio
+from sse_starlette import ServerSentEvent
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from server.engine.chat import ChatRequest
+from server.engine.chat_template import ChatTemplate
+from server.engine.grammars import check_grammar, output_constraint
+from server.engine.reasoning import PlainSplitter, make_splitter
+from server.engine.token_loop import GenerationRequest, GenerationStats, TextDelta, TokenLogprob
+from server.engine.tool_calls import ChatOutput, OutPiece, call_syntax
+from server.engine.worker import Engine, Failed, Finished, Job
+from server.errors import ContextLengthExceeded, InvalidRequest, NotFound, ServiceUnavailable
+from server.http.errors import describe
+from server.http.metrics import Metrics
+from server.http.protocol import FinishReason, OutModel
+from server.http.sse import DONE, event, sse_response
+from server.http.timings import timings_of, token_timings, usage_of
+from server.loading.loader import LoadedModel
+from server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+TIMINGS_HEADER = "x-moeflash-timings"
+# what a request still connected when its job was cancelled gets: only shutdown does that
+_SHUTDOWN = ServiceUnavailable("the server is shutting down", retry_after_s=5, code="shutting_down")
+
+
+@dataclass
+class ServeContext:
+    """Per-app state shared by the routes (lives on app.state, never in a module global)."""
+
+    settings: ServerSettings
+    engine: Engine
+    metrics: Metrics
+    warned_fields: set[str] = field(default_factory=set)
+    _template: ChatTemplate | None = None
+
+    def ready_model(self) -> LoadedModel:
+        model = self.engine.model
+        if model is None:
+            error = self.engine.load_error
+            if error is not None:
+                raise ServiceUnavailable(
+                    f"the model failed to load: {error}", retry_after_s=60, code="model_failed"
+                )
+            raise ServiceUnavailable(
+                "the model is still loading", retry_after_s=self.settings.retry_after_s, code="model_loading"
+            )
+        return model
+
+    def template(self, model: LoadedModel) -> ChatTemplate:
+        if self._template is None:
+            self._template = ChatTemplate(model.llama, model.info.chat_template)
+        return self._template
+
+    def warn_unknown(self, extra: dict[str, Any] | None) -> None:
+        for name in extra or {}:
+            if name not in self.warned_fields:
+                self.warned_fields.add(name)
+                logger.warning("ignoring unknown request field %r (logged once)", name)
+
+
+# ---------------------------------------------------------------------- checks
+
+
+def check_model(model: LoadedModel, requested: str) -> None:
+    """NotFound unless `requested` is one of the served model's names."""
+    if requested not in model.info.names:
+        served = ", ".join(repr(name) for name in model.info.names)
+        raise NotFound(
+            f"the model {requested!r} does not exist; this server serves {served}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def check_one_choice(n: int | None) -> None:
+    if n is not None and n > 1:
+        raise InvalidRequest("n > 1 is not supported: this server generates one choice", param="n")
+
+
+def clamp_max_tokens(ctx: ServeContext, model: LoadedModel, requested: int | None, n_prompt: int) -> int:
+    """The tokens to generate: what was asked, clamped to the server's cap and to the context left
+    (as llama-server does: clients that send large defaults work, finish_reason says "length")."""
+    cap = ctx.settings.max_completion_tokens
+    room = model.info.n_ctx - n_prompt
+    return min(requested or cap, cap, room)
+
+
+def check_prompt(ctx: ServeContext, model: LoadedModel, n_prompt: int, what: str) -> None:
+    """A prompt that leaves no room for a token is refused in OpenAI's words, which client
+    libraries (litellm, LangChain) recognise as a context-window error; `what`: "messages" or
+    "prompt"."""
+    n_ctx = model.info.n_ctx
+    cap = ctx.settings.max_prompt_tokens
+    if cap is not None and n_prompt > cap:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {cap} tokens (the server's prompt cap). However, "
+            f"your {what} resulted in {n_prompt} tokens. Please reduce the length of the {what}."
+        )
+    if n_prompt >= n_ctx:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {n_ctx} tokens. However, your {what} resulted in "
+            f"{n_prompt} tokens. Please reduce the length of the {what}."
+        )
+
+
+def logit_bias(model: LoadedModel, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """The request's logit_bias as (token id, bias) pairs; InvalidRequest for a key that is not a
+    token id of the model."""
+    out: list[tuple[int, float]] = []
+    for key, value in (bias or {}).items():
+        if not key.lstrip("-").isdigit() or not 0 <= int(key) < model.info.n_vocab:
+            raise InvalidRequest(
+                f"logit_bias key {key!r} is not a token id of this model", param="logit_bias"
+            )
+        out.append((int(key), value))
+    return tuple(out)
+
+
+def want_timings(flag: bool | None, request: Request) -> bool:
+    """Whether the timings extension is on: the request's flag or the x-moeflash-timings header."""
+    return bool(flag) or request.headers.get(TIMINGS_HEADER, "").lower() in ("1", "true", "yes")
+
+
+# ---------------------------------------------------------------------- plans
+
+
+class Output(Protocol):
+    """Generated text -> output pieces (a ChatOutput, or legacy completion's plain text)."""
+
+    @property
+    def n_calls(self) -> int: ...
+
+    def feed(self, text: str) -> list[OutPiece]: ...
+
+    def finish(self) -> list[OutPiece]: ...
+
+
+@dataclass
+class Plan:
+    """A submitted job and how to present its output."""
+
+    job: Job
+    output: Output
+    created: int
+    model_id: str
+    fingerprint: str
+    timings: bool
+    include_usage: bool
+
+
+def submit(
+    ctx: ServeContext,
+    model: LoadedModel,
+    id_prefix: str,
+    request: GenerationRequest,
+    output: Output,
+    *,
+    model_id: str,
+    timings: bool,
+    include_usage: bool,
+) -> Plan:
+    """Queue `request` on the engine (QueueFull / ServiceUnavailable refuse it) as a Plan."""
+    job = ctx.engine.submit(id_prefix + secrets.token_hex(12), request)
+    return Plan(
+        job=job,
+        output=output,
+        created=int(time.time()),
+        model_id=model_id,
+        fingerprint=model.info.fingerprint,
+        timings=timings,
+        include_usage=include_usage,
+    )
+
+
+async def prepare_chat(
+    ctx: ServeContext, chat: ChatRequest, *, model_id: str, timings: bool = False, include_usage: bool = False
+) -> Plan:
+    """Check a chat request against the model, render and tokenize it, compile its grammar and
+    submit its job: everything that can refuse it, before any response starts. Every chat API
+    (chat completions, Responses, Messages) maps its request onto `chat` and comes here."""
+    model = ctx.ready_model()
+    check_model(model, model_id)
+    template = ctx.template(model)
+    settings = ctx.settings
+    harmony = template.style == "harmony"
+    constraint = output_constraint(
+        chat, model.llama, template.source, harmony, settings.max_json_schema_bytes
+    )
+
+    choice = chat.tool_choice
+    template_choice = choice if isinstance(choice, str) else "required" if choice is not None else None
+    prompt = await run_in_threadpool(
+        template.render, chat.messages, chat.tools, template_choice, chat.template_kwargs
+    )
+    tokens = await run_in_threadpool(template.tokenize, prompt)
+    check_prompt(ctx, model, len(tokens), "messages")
+    if constraint.grammar is not None:
+        await run_in_threadpool(
+            check_grammar, model.llama, constraint.grammar, settings.max_grammar_compile_ms, constraint.param
+        )
+
+    params = replace(
+        chat.sampling,
+        max_tokens=clamp_max_tokens(ctx, model, chat.sampling.max_tokens, len(tokens)),
+        grammar=constraint.grammar,
+    )
+    if constraint.lazy is not None:
+        params = replace(
+            params,
+            grammar_trigger_tokens=constraint.lazy.trigger_tokens,
+            grammar_trigger_patterns=constraint.lazy.trigger_patterns,
+        )
+    splitter = PlainSplitter() if constraint.whole_output else make_splitter(template.style, prompt)
+    output = ChatOutput(
+        splitter,
+        mode=constraint.mode,
+        forced_name=constraint.forced_name,
+        parse_tools=bool(chat.tools) and choice != "none" and not harmony,
+        syntax=call_syntax(template.style),
+        parallel=chat.parallel_tool_calls,
+    )
+    request = GenerationRequest(tokens, params, render_special=harmony)
+    return submit(
+        ctx,
+        model,
+        "chatcmpl-",
+        request,
+        output,
+        model_id=model_id,
+        timings=timings,
+        include_usage=include_usage,
+    )
+
+
+# ---------------------------------------------------------------------- job events
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """Output of a job as it comes: content / reasoning / tool-call pieces, the logprobs of their
+    tokens and, with the timings extension on, the timings of the decode step behind them."""
+
+    pieces: list[OutPiece]
+    logprobs: list[TokenLogprob]
+    timings: dict[str, Any] | None = None
+
+
+async def generated(ctx: ServeContext, plan: Plan) -> AsyncIterator[Pieces | Finished]:
+    """A job's output pieces, then its Finished event (observed by the metrics). A failure on the
+    worker is raised; a job cancelled while its reader is still here means the server is
+    stopping (raised as such). The caller cancels the job when it stops reading."""
+    async for ev in plan.job.events():
+        if isinstance(ev, TextDelta):
+            timings = token_timings(ev.timing) if plan.timings and ev.timing is not None else None
+            yield Pieces(plan.output.feed(ev.text), list(ev.logprobs), timings)
+        elif isinstance(ev, Failed):
+            raise ev.error
+        elif ev.stats.finish_reason == "cancelled":
+            raise _SHUTDOWN
+        else:
+            yield Pieces(plan.output.finish(), [])
+            ctx.metrics.observe(ev.stats)
+            yield ev
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    # after the body is read, receive() only returns when the client goes away
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.cancel()
+            return
+
+
+async def collect(
+    ctx: ServeContext, plan: Plan, request: Request
+) -> tuple[list[OutPiece], list[TokenLogprob], Finished]:
+    """A non-streamed job run to its end (cancelled if the client leaves): every piece, the
+    logprobs, the Finished event."""
+    watcher = asyncio.create_task(_watch_disconnect(request, plan.job))
+    pieces: list[OutPiece] = []
+    logprobs: list[TokenLogprob] = []
+    finished: Finished | None = None
+    try:
+        async for item in generated(ctx, plan):
+            if isinstance(item, Pieces):
+                pieces += item.pieces
+                logprobs += item.logprobs
+            else:
+                finished = item
+    finally:
+        watcher.cancel()
+        plan.job.cancel()
+    assert finished is not None  # generated() ends with it or raises
+    return pieces, logprobs, finished
+
+
+async def _cancel_on(shutdown: anyio.Event, job: Job) -> None:
+    await shutdown.wait()
+    job.cancel()
+
+
+async def streamed(ctx: ServeContext, plan: Plan, shutdown: anyio.Event) -> AsyncIterator[Pieces | Finished]:
+    """`generated` for a stream: the job is cancelled when the server shuts down or the reader
+    goes away (the generator is closed)."""
+    watcher = asyncio.create_task(_cancel_on(shutdown, plan.job))
+    try:
+        async for item in generated(ctx, plan):
+            yield item
+    finally:
+        watcher.cancel()
+        # a no-op when the job finished; stops the worker when the client went away
+        plan.job.cancel()
+
+
+def finish_reason(stats: GenerationStats, n_calls: int) -> FinishReason:
+    """stop | length | tool_calls; a call cut short by max_tokens is "length", like OpenAI: its
+    arguments are incomplete."""
+    if stats.finish_reason == "length":
+        return "length"
+    return "tool_calls" if n_calls else "stop"
+
+
+# ---------------------------------------------------------------------- chat and legacy responses
+
+
+class ChunkFormat(Protocol):
+    """How one API (chat or legacy completions) writes a plan's output as chunks, and whole.
+
+    `logprobs` are those of the tokens behind a chunk's piece(s); `timings` the extension's
+    object, None when off (or, on a piece, when its token's step has none)."""
+
+    def opening(self) -> Sequence[OutModel]:
+        """Chunks sent before any output (chat: the assistant role)."""
+        ...
+
+    def piece(
+        self, piece: OutPiece, logprobs: list[TokenLogprob], timings: dict[str, Any] | None
+    ) -> OutModel: ...
+
+    def last(
+        self, finish: FinishReason, logprobs: list[TokenLogprob], timings: dict[str, Any] | None
+    ) -> OutModel: ...
+
+    def usage(self, usage: dict[str, Any]) -> OutModel:
+        """The chunk with usage only (stream_options.include_usage)."""
+        ...
+
+    def whole(
+        self,
+        pieces: list[OutPiece],
+        logprobs: list[TokenLogprob],
+        finish: FinishReason,
+        usage: dict[str, Any],
+        timings: dict[str, Any] | None,
+    ) -> OutModel:
+        """The non-streamed response."""
+        ...
+
+
+async def respond(
+    ctx: ServeContext, plan: Plan, fmt: ChunkFormat, request: Request, stream: bool
+) -> Response:
+    """The response to a submitted chat or legacy completion: an SSE stream of `fmt`'s chunks,
+    or the whole answer once the job ends."""
+    if stream:
+        shutdown = anyio.Event()
+        return sse_response(_chunks(ctx, plan, fmt, shutdown), ctx.settings.keepalive_s, shutdown)
+    pieces, logprobs, finished = await collect(ctx, plan, request)
+    stats = finished.stats
+    timings = timings_of(stats, finished.telemetry) if plan.timings else None
+    finish = finish_reason(stats, plan.output.n_calls)
+    return JSONResponse(fmt.whole(pieces, logprobs, finish, usage_of(stats), timings).to_json())
+
+
+async def _chunks(
+    ctx: ServeContext, plan: Plan, fmt: ChunkFormat, shutdown: anyio.Event
+) -> AsyncIterator[ServerSentEvent]:
+    try:
+        for chunk in fmt.opening():
+            yield event(chunk.to_json())
+        # logprobs of tokens whose text has not become a piece yet (a held-back marker)
+        pending: list[TokenLogprob] = []
+        async for item in streamed(ctx, plan, shutdown):
+            if isinstance(item, Pieces):
+                pending += item.logprobs
+                timings = item.timings
+                for piece in item.pieces:
+                    yield event(fmt.piece(piece, pending, timings).to_json())
+                    pending, timings = [], None  # on the chunk that carries the token, once
+            else:
+                stats = item.stats
+                last_timings = timings_of(stats, item.telemetry) if plan.timings else None
+                finish = finish_reason(stats, plan.output.n_calls)
+                yield event(fmt.last(finish, pending, last_timings).to_json())
+                if plan.include_usage:
+                    yield event(fmt.usage(usage_of(stats)).to_json())
+    except Exception as exc:  # noqa: BLE001 - after the 200, the worker's failure or the server stopping is an event
+        _, body, _ = describe(exc, ctx.engine.queue_full_status)
+        yield event(body)
+    yield event(DONE)

@@ -1,0 +1,25 @@
+"""GET /: a one-file chat page with live tok/s and the compute / flash-wait / cache bars.
+
+Plain HTML and JavaScript in server/http/static/index.html, no build step and no external assets
+(the phone may be offline): the markdown renderer and the sanitiser it needs are vendored
+(server/http/static/vendor) and inlined into the page. The bars read the opt-in timings extension;
+resident models show n/a there (nothing is streamed). The page is served without the API key;
+it takes the key from a pairing link (#key=..., server/http/pairing.py) or asks for it, keeps it in the
+browser and sends it.
+"""
+
+from __future__ import annotations
+
+from importlib.resources import files
+
+# libraries the page uses (server/http/static/vendor/README.md), inlined where it says <!-- vendor -->
+_VENDOR = ("vendor/marked.umd.js", "vendor/purify.min.js")
+
+
+def index_html() -> str:
+    """The page's HTML with its libraries inlined (read from the package: works from a wheel too)."""
+    static = files("server.http").joinpath("static")
+    scripts = "".join(
+        f"<script>{static.joinpath(name).read_text(encoding='utf-8')}</script>\n" for name in _VENDOR
+    )
+    return static.joinpath("index.html").read_text(encoding="utf-8").replace("<!-- vendor -->", scripts, 1)

@@ -1,0 +1,227 @@
+"""The memory budget: what the process holds beside the expert cache, and the cache's share.
+
+Every term is measured where it can be, once the llama.cpp context exists:
+- in use: the process before the model (Python, libraries), its RSS; counted only under a
+  cgroup limit (MemAvailable, read before the load, already leaves the process out);
+- dense: the weights read into RAM (a streamed model's non-expert tensors; a resident model's
+  weights are page cache, which the kernel reclaims instead of killing the process);
+- the context (server/loading/context.py): KV cache, compute buffers reserved for a full micro-batch
+  over the whole context, output buffer, and without flash attention ggml's work buffer for the
+  attention product (allocated on the first long prompt);
+- margin: what cannot be measured (page tables, thread stacks, allocator slack, ggml's other
+  work buffers, the server's per-request objects): 64 MiB + 3% of the limit.
+auto = limit - all of them, clamped to [one layer's experts, all experts]; below the floor the
+context cannot be held in this memory and that is an error naming the terms.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from server.errors import ConfigError
+from server.loading.context import ContextBytes
+from server.loading.memcg import own_memory_cgroup
+from server.loading.model_files import split_files
+
+logger = logging.getLogger(__name__)
+
+_MIB = 2**20
+_UNLIMITED = 2**60  # cgroup v1 reports "no limit" as a huge page-rounded number
+
+
+def _mib(n: int) -> str:
+    return f"{n / _MIB:.0f} MiB"
+
+
+@dataclass(frozen=True)
+class BudgetChoice:
+    """The budget in bytes and the reason it was chosen (logged at start-up)."""
+
+    bytes: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """The memory this process may use, where that number comes from, and what of it the process
+    already held when it was read (its RSS under a cgroup limit; 0 for MemAvailable)."""
+
+    bytes: int
+    source: str
+    in_use: int = 0
+
+
+@dataclass(frozen=True)
+class MemoryTerms:
+    """What the process holds beside the expert cache, bytes (see the module docstring)."""
+
+    in_use: int
+    dense: int
+    context: ContextBytes
+    margin: int
+
+    @property
+    def total(self) -> int:
+        return self.in_use + self.dense + self.context.total + self.margin
+
+    def describe(self) -> str:
+        c = self.context
+        parts = [
+            f"in use {_mib(self.in_use)}",
+            f"dense {_mib(self.dense)}",
+            f"KV {_mib(c.kv)}",
+            f"compute {_mib(c.compute)}",
+            f"output {_mib(c.output)}",
+        ]
+        if c.attention_scratch:
+            parts.append(f"attention scratch {_mib(c.attention_scratch)}")
+        parts.append(f"margin {_mib(self.margin)}")
+        return " - ".join(parts)
+
+
+def margin_bytes(limit_bytes: int) -> int:
+    """What cannot be measured ahead of time (module docstring)."""
+    return 64 * _MIB + limit_bytes * 3 // 100
+
+
+def streamer_dense_bytes(path: Path, expert_bytes: int) -> int:
+    """Bytes of everything but the experts (dense weights, plus the small header)."""
+    total = sum(p.stat().st_size for p in split_files(path) if p.exists())
+    return max(0, total - expert_bytes)
+
+
+def _cgroup_limit() -> tuple[int, str] | None:
+    cg = own_memory_cgroup()
+    if cg is None:
+        return None
+    try:
+        raw = cg.limit_file.read_text().strip()
+    except OSError:
+        return None
+    if raw != "max" and raw.isdigit() and int(raw) < _UNLIMITED:
+        return int(raw), f"cgroup v{cg.version} {cg.limit_file.name} ({cg.limit_file})"
+    return None
+
+
+def _meminfo_bytes(path: str, key: str) -> int | None:
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def memory_limit() -> MemoryLimit:
+    """What this process may use now: its cgroup's limit (minus nothing yet: `in_use` says what
+    the process holds of it), else MemAvailable, which already leaves the process out."""
+    cg = _cgroup_limit()
+    if cg is not None:
+        return MemoryLimit(cg[0], cg[1], _meminfo_bytes("/proc/self/status", "VmRSS") or 0)
+    available = _meminfo_bytes("/proc/meminfo", "MemAvailable")
+    if available is None:
+        raise ConfigError("cannot read MemAvailable from /proc/meminfo; give an explicit --budget")
+    return MemoryLimit(available, "MemAvailable (/proc/meminfo)")
+
+
+def memory_terms(limit: MemoryLimit, dense: int, context: ContextBytes) -> MemoryTerms:
+    """The terms beside the expert cache under `limit`."""
+    return MemoryTerms(limit.in_use, dense, context, margin_bytes(limit.bytes))
+
+
+def choose_budget(
+    *,
+    requested: int | None,
+    expert_bytes: int,
+    layer_bytes: int,
+    terms: MemoryTerms,
+    limit: MemoryLimit,
+    n_ctx: int,
+) -> BudgetChoice:
+    """The expert budget: `requested` bytes as given (a warning when it and the rest exceed the
+    limit), or automatic when it is None (ConfigError when the rest leaves less than one layer's
+    experts: this context cannot be held in this memory)."""
+    free = limit.bytes - terms.total
+    why = f"{limit.source} {_mib(limit.bytes)} - {terms.describe()}"
+    if requested is not None:
+        check_budget_floor(requested, layer_bytes)
+        if requested > free:
+            logger.warning(
+                "expert budget %s + the rest (%s) exceed the memory limit (%s %s) by %s: a prompt "
+                "that fills the %d-token context may get the process killed; lower --budget or --ctx-size",
+                _mib(requested),
+                terms.describe(),
+                limit.source,
+                _mib(limit.bytes),
+                _mib(requested - free),
+                n_ctx,
+            )
+        return BudgetChoice(requested, "given explicitly")
+    if free >= expert_bytes:
+        return BudgetChoice(
+            expert_bytes, f"auto: {why} >= all experts ({_mib(expert_bytes)}): everything cached"
+        )
+    if free < layer_bytes:
+        raise ConfigError(
+            f"not enough memory for a {n_ctx}-token context: {why} = {_mib(free)}, below one layer's "
+            f"experts ({_mib(layer_bytes)}); lower --ctx-size, free memory, or use a smaller model"
+        )
+    return BudgetChoice(free, f"auto: {why}")
+
+
+def check_budget_floor(requested: int, layer_bytes: int) -> None:
+    """An explicit budget must hold one layer's experts, which one prompt can route to."""
+    if requested < layer_bytes:
+        raise ConfigError(
+            f"budget {requested / _MIB:.1f} MiB is smaller than one layer's experts "
+            f"({layer_bytes / _MIB:.1f} MiB), which one prompt can route to"
+        )
+
+
+def check_resident(terms: MemoryTerms, limit: MemoryLimit, file_bytes: int, n_ctx: int) -> None:
+    """A resident model's context must fit beside the process (ConfigError otherwise); its weights
+    should too (the page cache holds them; a warning when they do not: they are read again and
+    again from flash)."""
+    why = f"{limit.source} {_mib(limit.bytes)} - {terms.describe()}"
+    free = limit.bytes - terms.total
+    if free < 0:
+        raise ConfigError(
+            f"not enough memory for a {n_ctx}-token context: {why} = {_mib(free)}; lower --ctx-size "
+            "or free memory"
+        )
+    if free < file_bytes:
+        logger.warning(
+            "the model file (%s) does not fit in what the context leaves (%s = %s): its weights will be "
+            "read from flash again and again; --mode streaming bounds that",
+            _mib(file_bytes),
+            why,
+            _mib(free),
+        )
+
+
+def _numbers(raw: Any) -> list[float]:
+    """A scalar or array metadata value as numbers (booleans as 0 / 1); [] if absent or not numeric."""
+    if raw is None:
+        return []
+    if isinstance(raw, (list, tuple)):
+        return [float(x) for x in raw if isinstance(x, (int, float))]
+    if isinstance(raw, (int, float)):
+        return [float(raw)]
+    return [float(x) for x in re.findall(r"-?\d+(?:\.\d+)?", str(raw))]
+
+
+def _number(raw: Any, default: float) -> float:
+    values = _numbers(raw)
+    return values[0] if len(values) == 1 else default
+
+
+def max_heads(metadata: Mapping[str, Any]) -> int:
+    """The most attention heads of any layer (a scalar or a per-layer array in the header)."""
+    arch = metadata.get("general.architecture", "")
+    return max((int(v) for v in _numbers(metadata.get(f"{arch}.attention.head_count"))), default=1)

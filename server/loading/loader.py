@@ -1,0 +1,182 @@
+"""Model loading behind one function, `load_model(settings) -> LoadedModel`.
+
+Two modes. resident (server/loading/resident.py): llama.cpp maps the file the stock way. streaming: the
+expert streamer (server/loading/streaming.py) keeps dense weights in RAM and streams routed experts from
+flash into a bounded cache. Both measure what the context holds against the memory limit. auto
+(the default) streams when the model file does not fit comfortably in the memory this process
+may use. `load_model` is the only place that decides how a model is loaded;
+the Llama it returns records every decode call (server/loading/measured.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from server import __version__
+from server.errors import ConfigError, ModelLoadError
+from server.loading.model_files import split_files
+from server.settings import ModelSettings
+
+if TYPE_CHECKING:
+    from server.loading.measured import MeasuredLlama
+
+logger = logging.getLogger(__name__)
+
+# bytes hashed from the start of the file for system_fingerprint: the GGUF header and
+# metadata live there; hashing a 60 GB file at start-up is not an option
+_FINGERPRINT_BYTES = 1 << 20
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the API and the start-up log say about the loaded model."""
+
+    path: Path
+    id: str
+    names: tuple[str, ...]  # every name a request may use: the id, the other aliases, the file stem
+    architecture: str
+    file_size: int  # bytes, all split files together
+    n_ctx: int  # context window of the created context, tokens
+    n_ctx_train: int
+    n_vocab: int
+    chat_template: str | None
+    mode: str  # "resident" | "streaming"
+    budget_bytes: int | None  # the expert cache's (streaming), None for a resident model
+    budget_reason: str | None  # why that budget (the start-up log says the same)
+    fingerprint: str  # system_fingerprint: build + model hash
+    created: int  # file mtime, seconds since the epoch (the /v1/models `created`)
+
+
+@dataclass
+class LoadedModel:
+    """A loaded llama_cpp.Llama and its description; owned by the engine's worker thread."""
+
+    llama: MeasuredLlama
+    info: ModelInfo
+    _closed: bool = field(default=False, repr=False)
+
+    def close(self) -> None:
+        """Free the context and the model (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self.llama.close()
+
+
+def _model_names(settings: ModelSettings, path: Path) -> tuple[str, ...]:
+    """The id (the first alias, else the file stem without a split suffix), then the other names."""
+    name = path.name.removesuffix(".gguf")
+    marker = name.rfind("-of-")
+    if marker > 6 and name[marker - 6] == "-":
+        name = name[: marker - 6]
+    return tuple(dict.fromkeys([*settings.alias, name]))
+
+
+def _fingerprint(path: Path, size: int) -> str:
+    digest = hashlib.sha256(str(size).encode())
+    with path.open("rb") as fh:
+        digest.update(fh.read(_FINGERPRINT_BYTES))
+    return f"fp_moeflash-{__version__}-{digest.hexdigest()[:12]}"
+
+
+def _check_file(path: Path) -> list[Path]:
+    files = split_files(path)
+    for part in files:
+        if not part.is_file():
+            raise ModelLoadError(f"model file not found: {part}")
+        with part.open("rb") as fh:
+            if fh.read(4) != GGUF_MAGIC:
+                raise ModelLoadError(f"not a GGUF file (bad magic): {part}")
+    return files
+
+
+def choose_mode(settings: ModelSettings, file_size: int) -> tuple[str, str]:
+    """("resident" | "streaming", why) for the configured mode and the model's size."""
+    if settings.mode != "auto":
+        return settings.mode, "chosen in the settings"
+    from server.loading.budget import memory_limit
+
+    limit = memory_limit()
+    # resident needs the whole file in page cache plus KV and compute buffers: keep headroom
+    if file_size <= (limit.bytes - limit.in_use) * 0.6:
+        return "resident", f"auto: the file ({file_size / 2**30:.1f} GiB) fits in {limit.source}"
+    return "streaming", f"auto: the file ({file_size / 2**30:.1f} GiB) exceeds 60% of {limit.source}"
+
+
+def load_model(settings: ModelSettings) -> LoadedModel:
+    """Load the model `settings` names; ModelLoadError/ConfigError when it cannot be."""
+    if settings.model is None:
+        raise ConfigError("no model given (--model PATH or MOEFLASH_MODEL)")
+    path = settings.model.expanduser().resolve()
+    files = _check_file(path)
+    file_size = sum(part.stat().st_size for part in files)
+    mode, why = choose_mode(settings, file_size)
+    logger.info("loading %s %s (%s)", path, mode, why)
+
+    threads = settings.threads or os.cpu_count() or 1
+    kwargs: dict[str, Any] = {
+        "n_batch": settings.n_batch,
+        "n_ubatch": settings.n_batch,
+        # sliding-window layers keep the window (plus a micro-batch), not the whole context:
+        # gemma4-26b-shape at 32k tokens, 6.4 GB of KV cache less (engine/token_loop.py checks a
+        # reused prefix still has its window)
+        "swa_full": False,
+        # every core (llama-cpp-python's own default decodes on half of them)
+        "n_threads": threads,
+        "n_threads_batch": threads,
+        "verbose": False,
+    }
+    budget_bytes: int | None = None
+    budget_reason: str | None = None
+    llama: MeasuredLlama
+    if mode == "streaming":
+        from server.loading.streaming import load_streaming_llama
+
+        streamed = load_streaming_llama(
+            path,
+            settings.streamer_config(),
+            budget=settings.budget,
+            preload=settings.preload,
+            n_ctx=settings.ctx_size,
+            flash_attn=settings.flash_attn,
+            **kwargs,
+        )
+        budget_bytes, budget_reason = streamed.budget.bytes, streamed.budget.reason
+        llama = streamed
+    else:
+        from server.loading.resident import load_resident_llama
+
+        llama = load_resident_llama(path, n_ctx=settings.ctx_size, flash_attn=settings.flash_attn, **kwargs)
+
+    metadata: dict[str, str] = dict(llama.metadata)
+    template = metadata.get("tokenizer.chat_template")
+    if settings.chat_template_file is not None:
+        try:
+            template = settings.chat_template_file.read_text(encoding="utf-8")
+        except OSError as exc:
+            llama.close()
+            raise ConfigError(f"cannot read the chat template {settings.chat_template_file}: {exc}") from exc
+    names = _model_names(settings, path)
+    info = ModelInfo(
+        path=path,
+        id=names[0],
+        names=names,
+        architecture=metadata.get("general.architecture", "unknown"),
+        file_size=file_size,
+        n_ctx=llama.n_ctx(),
+        n_ctx_train=llama._model.n_ctx_train(),
+        n_vocab=llama.n_vocab(),
+        chat_template=template,
+        mode=mode,
+        budget_bytes=budget_bytes,
+        budget_reason=budget_reason,
+        fingerprint=_fingerprint(path, file_size),
+        created=int(os.stat(path).st_mtime),
+    )
+    return LoadedModel(llama=llama, info=info)

@@ -1,0 +1,119 @@
+"""The Llama every loader returns: llama_cpp.Llama plus a record of each llama_decode call.
+
+A decode step is one llama_decode: its tokens, its wall time and, for a streamed model, the
+expert streamer's counters over it (streaming_ext.StreamerStats, named as in C). The token loop
+hands a step to whoever watches the tokens (the HTTP timings, `moeflash generate`'s telemetry);
+`totals()` is the same record summed since the load, which the engine subtracts around a job and
+/metrics exports. One record, one set of names, from the C counters to the API timings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import llama_cpp
+
+from server.errors import ExpertReadError
+
+if TYPE_CHECKING:
+    from server.loading.budget import MemoryTerms
+    from streaming_ext import Streamer, StreamerStats
+
+# decode steps kept: the server reads the latest, `generate` one per token of a run
+_STEPS_KEPT = 4096
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One llama_decode call (or, from `totals()` and subtraction, a sum of them)."""
+
+    n_tokens: int
+    wall_ns: int
+    # the streamer's counters over the call (gauges as after it); None for a resident model
+    streamer: StreamerStats | None = None
+
+    @property
+    def compute_ns(self) -> int | None:
+        """Wall time less waiting for flash and cache management; None when nothing is streamed."""
+        s = self.streamer
+        return None if s is None else max(0, self.wall_ns - s.flash_wait_ns - s.cache_ns)
+
+    @property
+    def routed(self) -> bool:
+        """Whether the streamer watched routing in the call (not once every expert is resident:
+        then hits and misses are not counted, which is not "no hits")."""
+        return self.streamer is not None and self.streamer.routes > 0
+
+    def __sub__(self, before: DecodeStep) -> DecodeStep:
+        streamer = None
+        if self.streamer is not None and before.streamer is not None:
+            streamer = self.streamer - before.streamer
+        return DecodeStep(self.n_tokens - before.n_tokens, self.wall_ns - before.wall_ns, streamer)
+
+
+class MeasuredLlama(llama_cpp.Llama):
+    """A Llama whose decode calls are recorded; `streamer` is set for a streamed model.
+
+    `memory` is what the process holds beside the weights or the expert cache (server/loading/
+    budget.py), set by the loader once the context exists."""
+
+    streamer: Streamer | None
+    memory: MemoryTerms | None
+    steps: deque[DecodeStep]
+
+    def __init__(self, model_path: str, *, streamer: Streamer | None = None, **kwargs: Any) -> None:
+        self.streamer = streamer
+        self.memory = None
+        self.steps = deque(maxlen=_STEPS_KEPT)
+        self._tokens_total = 0
+        self._wall_total_ns = 0
+        super().__init__(model_path, **kwargs)
+        self.measure_decode()
+
+    def measure_decode(self) -> None:
+        """Wrap the context's decode (again after the context is re-created). llama-cpp-python has
+        no hook after llama_decode; the context's decode is the narrowest seam, and a failed expert
+        read raises there, before Llama.eval counts the batch as done."""
+        ctx = self._ctx
+        original = ctx.decode
+
+        def decode(batch: Any) -> None:
+            streamer = self.streamer
+            before = streamer.stats() if streamer is not None else None
+            start = time.monotonic_ns()
+            try:
+                original(batch)
+            except RuntimeError as exc:
+                failure = streamer.take_error() if streamer is not None else None
+                if failure is not None:
+                    raise ExpertReadError(str(failure)) from exc
+                raise
+            wall = time.monotonic_ns() - start
+            delta = None
+            if streamer is not None and before is not None:
+                failure = streamer.take_error()
+                if failure is not None:
+                    raise ExpertReadError(str(failure))
+                delta = streamer.stats() - before
+            n_tokens = int(batch.batch.n_tokens)
+            self._tokens_total += n_tokens
+            self._wall_total_ns += wall
+            self.steps.append(DecodeStep(n_tokens, wall, delta))
+
+        ctx.decode = decode  # type: ignore[method-assign]
+
+    def totals(self) -> DecodeStep:
+        """Every decode call since the load as one step; the streamer's counters are cumulative
+        (its reads at load, e.g. a preload, included)."""
+        stats = self.streamer.stats() if self.streamer is not None else None
+        return DecodeStep(self._tokens_total, self._wall_total_ns, stats)
+
+    def close(self) -> None:
+        """Free the model first (its buffers belong to the streamer's buffer types), then the
+        streamer (idempotent)."""
+        super().close()
+        if self.streamer is not None:
+            self.streamer.close()

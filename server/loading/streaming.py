@@ -1,0 +1,169 @@
+"""Streaming model loader: a llama_cpp.Llama whose experts are streamed from flash.
+
+`load_streaming_llama(path, config, budget=..., **llama_kwargs)` returns a `StreamingLlama`: a Llama (the
+rest of the program cannot tell it from a resident one) whose expert tensors live in the
+streamer's reserved memory and whose cb_eval is the streamer's C callback. The file is mapped
+without being read (load mode MMAP_NO_PREFETCH); dense weights are read once into anonymous
+memory, except the token embeddings of a model with its own output matrix, which stay mapped
+from the file (a token reads one row); experts are read on demand into a cache bounded by the
+budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+
+from server.errors import ConfigError, ModelLoadError
+from server.loading.budget import (
+    BudgetChoice,
+    check_budget_floor,
+    choose_budget,
+    max_heads,
+    memory_limit,
+    memory_terms,
+    streamer_dense_bytes,
+)
+from server.loading.context import ContextBytes, check_flash_attn, fit_context
+from server.loading.gguf_header import read_metadata
+from server.loading.measured import MeasuredLlama
+from server.settings import Budget
+from streaming_ext import Streamer, StreamerConfig, StreamerError, StreamerStats
+
+logger = logging.getLogger(__name__)
+
+# llama.cpp matches these with std::regex_search against tensor names, first match wins
+EXPERT_PATTERN = r"^blk\.\d+\.ffn_(gate|up|down|gate_up)_exps\.weight$"
+DENSE_PATTERN = r".*"
+# a token reads one row of the embeddings: mapped from the file, not read into memory, unless the
+# output matrix is the same tensor (no output.weight: llama.cpp then multiplies by it every token)
+EMBEDDINGS = "token_embd.weight"
+UNTIED_OUTPUT = "output.weight"
+
+
+class StreamingLlama(MeasuredLlama):
+    """A Llama whose experts are streamed; `budget` says what the expert cache holds and why."""
+
+    streamer: Streamer
+    budget: BudgetChoice
+
+    def __init__(self, model_path: str, *, streamer: Streamer, **kwargs: Any) -> None:
+        self.budget = BudgetChoice(0, "not chosen yet")
+        super().__init__(model_path, streamer=streamer, **kwargs)
+
+    def stats(self) -> StreamerStats:
+        """The streamer's cumulative counters."""
+        return self.streamer.stats()
+
+
+def load_streaming_llama(
+    model_path: str | os.PathLike[str],
+    config: StreamerConfig,
+    *,
+    budget: Budget = "auto",
+    preload: bool = False,
+    n_ctx: int = 4096,
+    flash_attn: str = "auto",
+    **llama_kwargs: Any,
+) -> StreamingLlama:
+    """Load `model_path` (a GGUF or the first file of a split set) with its experts streamed.
+
+    `budget`: the expert cache's bytes, "all" or "auto"; `preload` reads every expert at load
+    (the budget must hold them all). `flash_attn`: "on", "off", or "auto" (on when the context's
+    attention buffers would keep the cache from holding the budget asked for, or every expert for
+    an automatic one). The budget counts what the context holds, measured
+    (server/loading/budget.py). Raises ConfigError for bad
+    options (lanes, budget below one layer's experts, a context the memory cannot hold, ...) and
+    ModelLoadError for a file that cannot be streamed (missing, truncated, not MoE, ...), in both
+    cases before any generation.
+    """
+    path = Path(model_path)
+    if not path.is_file():
+        raise ModelLoadError(f"model file {path} does not exist")
+    if not 1 <= config.lanes <= 16:
+        raise ConfigError(f"lanes must be 1..16, got {config.lanes}")
+    flash_first = check_flash_attn(flash_attn)
+    limit = memory_limit()  # before the load: what the process holds now is `in_use`
+    # the streamer indexes the file first: a bad file is refused before llama.cpp sees it
+    try:
+        streamer = Streamer(path, config)
+    except StreamerError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    try:
+        overrides = [(EXPERT_PATTERN, streamer.expert_buft)]
+        mapped = streamer.tensor_bytes(EMBEDDINGS) if streamer.tensor_bytes(UNTIED_OUTPUT) else 0
+        if mapped:
+            overrides.append(("^" + re.escape(EMBEDDINGS) + "$", streamer.rows_buft))
+        overrides.append((DENSE_PATTERN, streamer.dense_buft))
+        dense = streamer_dense_bytes(path, streamer.expert_bytes) - mapped
+        requested = streamer.expert_bytes if budget == "all" else None if budget == "auto" else budget
+        if requested is not None:
+            # an explicit budget is checked before anything is loaded
+            check_budget_floor(requested, streamer.layer_bytes)
+        kwargs = dict(llama_kwargs)
+        kwargs.setdefault("verbose", False)
+        try:
+            llm = StreamingLlama(
+                str(path),
+                streamer=streamer,
+                n_ctx=n_ctx,
+                load_mode=llama_cpp.LLAMA_LOAD_MODE_MMAP_NO_PREFETCH,
+                use_extra_bufts=False,
+                tensor_buft_overrides=overrides,
+                cb_eval=streamer.eval_callback,
+                cb_eval_user_data=streamer.handle,
+                flash_attn=flash_first,
+                **kwargs,
+            )
+        except ValueError as exc:
+            failure = streamer.take_error()
+            detail = f": {failure}" if failure else ""
+            raise ModelLoadError(f"llama.cpp could not load {path}{detail} ({exc})") from exc
+        try:
+            failure = streamer.take_error()
+            if failure is not None:
+                raise ModelLoadError(f"loading {path} failed: {failure}")
+            wanted = requested or streamer.expert_bytes
+
+            def fits(context: ContextBytes) -> bool:
+                return limit.bytes - memory_terms(limit, dense, context).total >= wanted
+
+            ctx_before = llm._ctx
+            context = fit_context(
+                llm, flash_attn=flash_attn, n_head_max=max_heads(read_metadata(path)), fits=fits
+            )
+            if llm._ctx is not ctx_before:
+                llm.measure_decode()
+            terms = memory_terms(limit, dense, context)
+            choice = choose_budget(
+                requested=requested,
+                expert_bytes=streamer.expert_bytes,
+                layer_bytes=streamer.layer_bytes,
+                terms=terms,
+                limit=limit,
+                n_ctx=llm.n_ctx(),
+            )
+            streamer.set_budget(choice.bytes)
+            streamer.check_loaded()
+            if preload:
+                streamer.preload()
+        except (StreamerError, ModelLoadError, ConfigError) as exc:
+            llm.close()
+            if isinstance(exc, StreamerError):
+                raise ModelLoadError(str(exc)) from exc
+            raise
+        llm.budget = choice
+        llm.memory = terms
+        logger.info("expert budget %.1f MiB: %s", choice.bytes / 2**20, choice.reason)
+        logger.info("expert memory: %s", streamer.memory_note())
+        if mapped:
+            logger.info("%s (%.1f MiB) mapped from the file, not read into RAM", EMBEDDINGS, mapped / 2**20)
+        return llm
+    except BaseException:
+        streamer.close()  # idempotent; the model (if any) was freed first
+        raise

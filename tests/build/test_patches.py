@@ -1,0 +1,186 @@
+"""Each patch in vendor/llama.cpp/patches has a test here that fails without it.
+
+0001 llama.cpp load mode MMAP_NO_PREFETCH: the file is mapped but not read at load.
+0002 ggml-cpu mul_mat_id ready hook, which also says where a slice is: tests/c/test_ready_hook.c
+     (built by `make ext`), through the vec_dot and the tiled matmul.
+0003 llama-cpp-python Llama(...): cb_eval, cb_eval_user_data, tensor_buft_overrides,
+     use_extra_bufts and load_mode reach llama.cpp, and survive context re-creation.
+0004 llama_get_context_bytes: a context's KV cache, compute and output buffers, as llama.cpp
+     allocated them (they grow with the context and the micro-batch as llama.cpp sizes them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import llama_cpp
+import pytest
+
+from server.modelgen import QType
+from tests.models import greedy, load_llama
+
+REPO = Path(__file__).resolve().parents[2]
+READY_HOOK_TEST = REPO / "tests" / "c" / "build" / "test_ready_hook"
+
+
+def mapping_rss_bytes(path: Path) -> int:
+    """Resident bytes of this process's mappings of `path` (from /proc/self/smaps)."""
+    target = str(path.resolve())
+    total_kb = 0
+    in_target = False
+    header = re.compile(r"^[0-9a-f]+-[0-9a-f]+ \S+ [0-9a-f]+ \S+ \d+\s*(.*)$")
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            m = header.match(line)
+            if m:
+                in_target = m.group(1).strip() == target
+            elif in_target and line.startswith("Rss:"):
+                total_kb += int(line.split()[1])
+    return total_kb * 1024
+
+
+@pytest.fixture(scope="module")
+def qwen(tiny_model: Callable[..., Path]) -> Path:
+    return tiny_model("tiny-qwen3moe")
+
+
+def test_0001_no_prefetch_maps_without_reading(qwen: Path) -> None:
+    size = qwen.stat().st_size
+    # control: the stock MMAP mode populates the whole mapping at load (MAP_POPULATE)
+    stock = load_llama(qwen, load_mode=llama_cpp.LLAMA_LOAD_MODE_MMAP)
+    try:
+        stock_rss = mapping_rss_bytes(qwen)
+        stock_out = greedy(stock, list(range(40, 52)), 6)
+    finally:
+        stock.close()
+    assert stock_rss > 0.9 * size, f"control failed: stock mmap mapped only {stock_rss} of {size} bytes"
+
+    lazy = load_llama(qwen, load_mode=llama_cpp.LLAMA_LOAD_MODE_MMAP_NO_PREFETCH)
+    try:
+        lazy_rss = mapping_rss_bytes(qwen)
+        lazy_out = greedy(lazy, list(range(40, 52)), 6)
+    finally:
+        lazy.close()
+    assert lazy_rss < 0.1 * size, f"MMAP_NO_PREFETCH faulted in {lazy_rss} of {size} bytes at load"
+    assert lazy_out == stock_out, "the load mode must not change the output"
+
+
+def test_0001_load_mode_name_round_trips() -> None:
+    mode = llama_cpp.LLAMA_LOAD_MODE_MMAP_NO_PREFETCH
+    assert llama_cpp.llama_load_mode_name(mode) == b"mmap-noprefetch"
+    assert llama_cpp.llama_load_mode_from_str(b"mmap-noprefetch") == mode
+
+
+@pytest.mark.parametrize(
+    "kquant",
+    [pytest.param(False, id="vec-dot"), pytest.param(True, id="tiled")],
+)
+def test_0002_ready_hook_announces_and_places_routed_experts(
+    tiny_model: Callable[..., Path], kquant: bool
+) -> None:
+    """The hook is told of every routed expert before its slice is read, can refuse it, and says
+    where the slice is: the matmul reads the bytes it points at. Q4_0 experts go through the
+    vec_dot matmul; Q4_K ones, forced, through the tiled one (GGML_CPU_TILED_MM_FORCE)."""
+    assert READY_HOOK_TEST.is_file(), "build it with `make ext`"
+    if kquant:
+        model = tiny_model("tiny-qwen3moe", expert_qtype=QType.Q4_K, n_ff_exp=256)
+        env = {**os.environ, "GGML_CPU_TILED_MM_FORCE": "1"}
+    else:
+        model, env = tiny_model("tiny-qwen3moe"), dict(os.environ)
+    argv = [str(READY_HOOK_TEST), str(model), "2"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert [line.split()[0] for line in proc.stdout.splitlines()] == ["ok"] * 5, proc.stdout
+
+
+def test_0003_cb_eval_is_called_and_survives_recreation(qwen: Path) -> None:
+    calls = {"ask": 0, "observed": 0}
+
+    def on_eval(tensor: int, ask: bool, user_data: int) -> bool:
+        if ask:
+            calls["ask"] += 1
+            return True  # observe every node: the graph is split per node, output must not change
+        calls["observed"] += 1
+        return True
+
+    callback = llama_cpp.ggml_backend_sched_eval_callback(on_eval)
+    reference = load_llama(qwen)
+    try:
+        expected = greedy(reference, list(range(40, 52)), 4)
+    finally:
+        reference.close()
+
+    llm = load_llama(qwen, cb_eval=callback)
+    try:
+        assert greedy(llm, list(range(40, 52)), 4) == expected
+        assert calls["ask"] > 0 and calls["observed"] > 0, "cb_eval given to Llama(...) was never called"
+        state = llm.__getstate__()
+        assert state["cb_eval"] is callback
+    finally:
+        llm.close()
+
+    calls["ask"] = 0
+    twin = llama_cpp.Llama(**state)  # re-creation from the state keeps the callback
+    try:
+        assert greedy(twin, list(range(40, 52)), 4) == expected
+        assert calls["ask"] > 0
+    finally:
+        twin.close()
+
+
+def test_0003_use_extra_bufts_reaches_the_loader(
+    tiny_model: Callable[..., Path], capfd: pytest.CaptureFixture[str]
+) -> None:
+    q4 = tiny_model("tiny-qwen3moe")  # Q4_0 experts
+    load_llama(q4, use_extra_bufts=True, verbose=True).close()
+    with_repack = capfd.readouterr().err
+    if "CPU_REPACK" not in with_repack:
+        pytest.skip("this CPU build has no Q4_0 repacking, so use_extra_bufts has no visible effect")
+    llm = load_llama(q4, use_extra_bufts=False, verbose=True)
+    try:
+        assert llm.__getstate__()["use_extra_bufts"] is False
+    finally:
+        llm.close()
+    assert "CPU_REPACK" not in capfd.readouterr().err
+
+
+def test_0003_tensor_buft_overrides_reach_the_loader(qwen: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    cpu = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so"))
+    cpu.ggml_backend_cpu_buffer_type.restype = ctypes.c_void_p
+    buft = cpu.ggml_backend_cpu_buffer_type()
+    llm = load_llama(qwen, tensor_buft_overrides=[(r"ffn_down_exps\.weight", buft)], verbose=True)
+    try:
+        assert llm.__getstate__()["tensor_buft_overrides"] == [(r"ffn_down_exps\.weight", buft)]
+    finally:
+        llm.close()
+    err = capfd.readouterr().err
+    assert re.search(r"blk\.0\.ffn_down_exps\.weight .* buffer type overridden to CPU", err), err[-2000:]
+    assert not re.search(r"ffn_up_exps\.weight .* overridden", err), "only matching tensors move"
+
+
+def test_0003_null_buffer_type_is_refused(qwen: Path) -> None:
+    with pytest.raises(ValueError, match="null buffer type"):
+        load_llama(qwen, tensor_buft_overrides=[(r"ffn_up_exps\.weight", 0)])
+
+
+def test_0004_context_bytes_follow_the_context_and_the_micro_batch(qwen: Path) -> None:
+    def measured(**kw: int) -> tuple[llama_cpp.llama_context_bytes, int]:
+        llm = load_llama(qwen, **kw)
+        try:
+            return llama_cpp.llama_get_context_bytes(llm._ctx.ctx), llm.n_vocab()
+        finally:
+            llm.close()
+
+    small, n_vocab = measured(n_ctx=256, n_batch=64, n_ubatch=64)
+    long_ctx, _ = measured(n_ctx=2048, n_batch=64, n_ubatch=64)
+    big_batch, _ = measured(n_ctx=256, n_batch=256, n_ubatch=256)
+    # the KV cache holds n_ctx cells (F16 K and V); the scores of a micro-batch over the whole
+    # context live in the compute buffers; the output buffer holds one row of logits
+    assert long_ctx.memory == 8 * small.memory > 0
+    assert long_ctx.compute > small.compute > 0 and big_batch.compute > small.compute
+    assert small.output >= n_vocab * 4

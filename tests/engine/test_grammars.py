@@ -1,0 +1,90 @@
+"""Which grammar constrains a chat request's output (server/engine/grammars.py), and its refusals."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import pytest
+
+from server.engine.chat import ChatMessage, ChatRequest, ChatTool, NamedTool, OutputFormat, ToolChoice
+from server.engine.grammars import output_constraint, schema_grammar, tool_grammar
+from server.engine.token_loop import SamplingParams
+from server.errors import InvalidRequest
+
+WEATHER = ChatTool("get_weather", "weather", {"type": "object", "properties": {"unit": {"type": "string"}}})
+TIME = ChatTool("get_time")
+CAP = 64 * 1024
+
+
+def _chat(
+    tools: tuple[ChatTool, ...] = (WEATHER, TIME),
+    choice: ToolChoice | None = None,
+    fmt: OutputFormat | None = None,
+) -> ChatRequest:
+    return ChatRequest(
+        (ChatMessage("user", "hi"),), SamplingParams(max_tokens=8), tools, choice, output_format=fmt
+    )
+
+
+@pytest.mark.parametrize("choice", [None, "none", "auto"])
+def test_the_model_chooses_without_a_grammar(choice: ToolChoice | None) -> None:
+    assert tool_grammar([WEATHER], choice, True, CAP) == (None, None)
+
+
+def test_a_named_tool_forces_its_arguments() -> None:
+    grammar, name = tool_grammar([WEATHER, TIME], NamedTool("get_time"), True, CAP)
+    assert name == "get_time" and grammar is not None and "root ::=" in grammar
+
+
+def test_a_named_tool_that_is_not_in_tools_is_refused() -> None:
+    with pytest.raises(InvalidRequest, match="'nope', which is not in tools") as refused:
+        tool_grammar([WEATHER], NamedTool("nope"), True, CAP)
+    assert refused.value.param == "tool_choice"
+
+
+def test_schemas_over_the_cap_or_unsupported_are_refused() -> None:
+    with pytest.raises(InvalidRequest, match="over the 10-byte cap") as big:
+        schema_grammar({"type": "object"}, 10, "response_format")
+    assert big.value.param == "response_format"
+    with pytest.raises(InvalidRequest, match="unsupported JSON schema") as bad:
+        schema_grammar({"$ref": "#/nowhere"}, CAP, "tools")
+    assert bad.value.param == "tools"
+
+
+@pytest.mark.parametrize(
+    ("chat", "mode", "param", "whole"),
+    [
+        pytest.param(_chat(choice=NamedTool("get_weather")), "named", "tools", True, id="named"),
+        pytest.param(_chat(choice="required"), "required", "tools", True, id="required"),
+        pytest.param(
+            _chat(fmt=OutputFormat("json_schema", {"type": "object"})),
+            "text",
+            "response_format",
+            True,
+            id="schema",
+        ),
+        pytest.param(
+            _chat(fmt=OutputFormat("json_schema")), "text", "response_format", True, id="any-object"
+        ),
+        pytest.param(
+            _chat(choice="none", fmt=OutputFormat("json_object")), "text", "response_format", True, id="json"
+        ),
+        pytest.param(
+            _chat(choice="required", fmt=OutputFormat("json_object")),
+            "required",
+            "tools",
+            True,
+            id="calls-first",
+        ),
+        # auto on a template without <tool_call>: free text, calls parsed from it
+        pytest.param(_chat(choice="auto"), "text", "response_format", False, id="auto"),
+        pytest.param(_chat(fmt=OutputFormat("text")), "text", "response_format", False, id="text"),
+    ],
+)
+def test_output_constraint(chat: ChatRequest, mode: str, param: str, whole: bool) -> None:
+    # no template here has <tool_call>, so no lazy grammar and the model is not needed
+    constraint = output_constraint(chat, cast(Any, None), "{{ messages }}", False, CAP)
+    assert constraint.mode == mode and constraint.param == param
+    assert constraint.whole_output is whole and constraint.lazy is None
+    assert (constraint.grammar is not None) is whole
+    assert constraint.forced_name == ("get_weather" if mode == "named" else None)

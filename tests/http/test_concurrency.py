@@ -1,0 +1,156 @@
+"""Concurrency and lifecycle: parallel streams, the queue limit, cancellation on disconnect.
+
+Assertions are on the engine's state (what the worker recorded), never on elapsed time.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.servers import RunningServer, running_server, wait_for
+
+# a generation long enough to still be running while the test acts on it (the tiny model
+# decodes thousands of tokens per second; the context allows this many)
+LONG = 12000
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model: Any) -> Path:
+    return Path(tiny_model("tiny-qwen3moe"))
+
+
+@pytest.fixture(scope="module")
+def server(model_path: Path) -> Iterator[RunningServer]:
+    with running_server(model_path, ctx_size=16384, max_queue=1, max_completion_tokens=LONG) as running:
+        yield running
+
+
+def _no_eog(server: RunningServer) -> dict[str, int]:
+    return {str(t): -100 for t in server.eog_tokens()}
+
+
+def _long_chat(server: RunningServer, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": server.model_id,
+        "messages": [{"role": "user", "content": "go on forever"}],
+        "max_tokens": LONG,
+        "temperature": 0.0,
+        "logit_bias": _no_eog(server),
+        **extra,
+    }
+
+
+def _stream_first_chunks(client: httpx.Client, server: RunningServer, n: int) -> str:
+    """Start a long stream, read `n` data events, then drop the connection; returns the job id."""
+    job_id = ""
+    with client.stream("POST", "/v1/chat/completions", json=_long_chat(server, stream=True)) as response:
+        assert response.status_code == 200
+        seen = 0
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                job_id = json.loads(line[6:])["id"]
+                seen += 1
+                if seen >= n:
+                    break
+    return job_id
+
+
+def test_eight_simultaneous_streams_complete_with_the_right_content(model_path: Path) -> None:
+    with running_server(model_path, ctx_size=1024, max_queue=8) as server:
+        prompts = [f"question number {i}" for i in range(8)]
+        with openai.OpenAI(
+            base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120
+        ) as client:
+
+            def ask(prompt: str, stream: bool) -> str:
+                kwargs: dict[str, Any] = {
+                    "model": server.model_id,
+                    "messages": [{"role": "user", "content": prompt}],
+                    "max_tokens": 24,
+                    "temperature": 0.0,
+                }
+                if not stream:
+                    return client.chat.completions.create(**kwargs).choices[0].message.content or ""
+                chunks = list(client.chat.completions.create(stream=True, **kwargs))
+                assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+                return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+            expected = [ask(p, stream=False) for p in prompts]  # one at a time: the reference
+            with ThreadPoolExecutor(max_workers=8) as pool:
+                got = list(pool.map(lambda p: ask(p, stream=True), prompts))
+        assert got == expected
+
+
+def test_full_queue_is_429_with_retry_after(server: RunningServer) -> None:
+    with (
+        httpx.Client(base_url=server.base_url, timeout=120) as a,
+        httpx.Client(base_url=server.base_url, timeout=120) as b,
+    ):
+        with a.stream("POST", "/v1/chat/completions", json=_long_chat(server, stream=True)) as running:
+            assert running.status_code == 200
+            wait_for(lambda: server.engine.running_job is not None, "the first job to run")
+            with b.stream("POST", "/v1/chat/completions", json=_long_chat(server, stream=True)) as queued:
+                assert queued.status_code == 200
+                wait_for(lambda: server.engine.queue_depth == 1, "the second job to wait")
+                refused = httpx.post(
+                    server.base_url + "/v1/chat/completions", json=_long_chat(server), timeout=30
+                )
+                assert refused.status_code == 429
+                assert int(refused.headers["retry-after"]) >= 0
+                assert refused.json()["error"]["code"] == "queue_full"
+    wait_for(
+        lambda: server.engine.running_job is None and server.engine.queue_depth == 0, "the engine to be idle"
+    )
+
+
+def test_disconnect_mid_stream_frees_the_model_within_one_token(server: RunningServer) -> None:
+    with httpx.Client(base_url=server.base_url, timeout=120) as client:
+        job_id = _stream_first_chunks(client, server, 4)
+    stats = server.job_stats(job_id)
+    assert stats.finish_reason == "cancelled"
+    assert stats.completion_tokens < LONG
+    assert stats.tokens_after_cancel <= 1
+    wait_for(lambda: server.engine.running_job is None, "the model to be free")
+
+
+def test_disconnect_of_a_non_streaming_request_cancels_it(server: RunningServer) -> None:
+    before = len(server.engine.history)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            server.base_url + "/v1/chat/completions",
+            json=_long_chat(server),
+            timeout=httpx.Timeout(30, read=0.5),
+        )
+    wait_for(
+        lambda: len(server.engine.history) > before and server.engine.running_job is None, "the job to end"
+    )
+    job_id, stats = server.engine.history[-1]
+    assert job_id.startswith("chatcmpl-")
+    assert stats.finish_reason == "cancelled"
+    assert stats.completion_tokens < LONG
+    assert stats.tokens_after_cancel <= 1
+
+
+def test_a_queued_request_survives_the_one_before_it_being_cancelled(server: RunningServer) -> None:
+    with httpx.Client(base_url=server.base_url, timeout=120) as a:
+        with a.stream("POST", "/v1/chat/completions", json=_long_chat(server, stream=True)) as first:
+            assert first.status_code == 200
+            wait_for(lambda: server.engine.running_job is not None, "the first job to run")
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                short = {**_long_chat(server), "max_tokens": 5}
+                second = pool.submit(
+                    httpx.post, server.base_url + "/v1/chat/completions", json=short, timeout=120
+                )
+                wait_for(lambda: server.engine.queue_depth == 1, "the second job to wait")
+                first.close()  # the client of the running stream leaves
+                result = second.result()
+    assert result.status_code == 200
+    assert result.json()["usage"]["completion_tokens"] == 5

@@ -1,0 +1,123 @@
+"""A real uvicorn server on a free loopback port, in-process, for the server tests.
+
+The server runs the production app (`create_app`) on the production engine; the test keeps
+a handle on the engine so it can assert on its state (queue depth, the running job, what
+happened to a cancelled job) instead of on time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from server.engine.token_loop import GenerationStats
+from server.engine.worker import Engine
+from server.http.app import create_app
+from server.loading.loader import LoadedModel, load_model
+from server.settings import load_settings
+
+# bounded polling for state changes on the server (no test asserts on how long they take)
+POLL_S = 0.01
+WAIT_S = 60.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
+    """Poll `condition` until true; fail the test with `what` if it never becomes true."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(POLL_S)
+
+
+@dataclass
+class RunningServer:
+    base_url: str
+    engine: Engine
+    api_key: str | None
+    port: int
+
+    @property
+    def model(self) -> LoadedModel:
+        model = self.engine.model
+        assert model is not None
+        return model
+
+    @property
+    def model_id(self) -> str:
+        return self.model.info.id
+
+    def job_stats(self, job_id: str) -> GenerationStats:
+        """What the worker recorded for a finished job (waits until it is finished)."""
+        found: list[GenerationStats] = []
+
+        def done() -> bool:
+            found[:] = [stats for jid, stats in list(self.engine.history) if jid == job_id]
+            return bool(found)
+
+        wait_for(done, f"job {job_id} to finish")
+        return found[0]
+
+    def eog_tokens(self) -> list[int]:
+        import llama_cpp
+
+        vocab = self.model.llama._model.vocab
+        return [t for t in range(self.model.info.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)]
+
+
+@contextlib.contextmanager
+def running_server(
+    model_path: Path,
+    *,
+    loader: Callable[[], LoadedModel] | None = None,
+    wait_ready: bool = True,
+    **overrides: Any,
+) -> Iterator[RunningServer]:
+    """Serve `model_path` with settings `overrides` (field names of ServerSettings/ModelSettings)."""
+    host = overrides.pop("host", "127.0.0.1")
+    port = free_port("127.0.0.1" if host == "127.0.0.1" else "0.0.0.0")
+    server_settings, model_settings = load_settings(
+        {"model": model_path, "host": host, "port": port, **overrides}
+    )
+    engine = Engine(
+        loader or (lambda: load_model(model_settings)),
+        max_queue=server_settings.max_queue,
+        queue_full_status=server_settings.queue_full_status,
+        retry_after_s=server_settings.retry_after_s,
+    )
+    app = create_app(server_settings, engine)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, "uvicorn to start")
+        if wait_ready:
+            assert engine.wait_ready(WAIT_S), f"model did not load: {engine.load_error}"
+        url_host = "127.0.0.1" if host in ("127.0.0.1", "0.0.0.0") else host
+        yield RunningServer(
+            base_url=f"http://{url_host}:{port}",
+            engine=engine,
+            api_key=server_settings.resolved_api_key(),
+            port=port,
+        )
+    finally:
+        server.should_exit = True
+        thread.join(WAIT_S)
+        engine.close()

@@ -1,0 +1,64 @@
+"""Settings: sizes, precedence of CLI over environment over TOML, the shipped config, refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from server.errors import ConfigError
+from server.settings import load_settings, parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("123", 123), ("4k", 4096), ("512M", 512 << 20), ("1.5GiB", 3 << 29), ("2g", 2 << 30)],
+)
+def test_parse_size(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+def test_settings_precedence_cli_over_env_over_toml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "moeflash.toml"
+    config.write_text('[server]\nport = 9001\nhost = "0.0.0.0"\nmax_queue = 3\n[model]\nctx_size = 1024\n')
+    monkeypatch.setenv("MOEFLASH_PORT", "9002")
+    monkeypatch.setenv("MOEFLASH_CORS_ORIGINS", "http://a.example, http://b.example")
+    server, model = load_settings({"port": "9003", "max_queue": None}, config)
+    assert server.port == 9003  # CLI
+    assert server.cors_origins == ["http://a.example", "http://b.example"]  # env
+    assert server.host == "0.0.0.0" and server.max_queue == 3  # TOML
+    assert model.ctx_size == 1024
+    server, _ = load_settings({}, config)
+    assert server.port == 9002
+
+
+def test_shipped_config_file_is_valid() -> None:
+    config = Path(__file__).resolve().parents[1] / "configs" / "default.toml"
+    server, model = load_settings({}, config)
+    default_server, default_model = load_settings({})
+    assert server.model_dump() == default_server.model_dump()
+    assert model.model_dump() == default_model.model_dump()
+
+
+@pytest.mark.parametrize(
+    "cli",
+    [
+        pytest.param({"port": "70000"}, id="port"),
+        pytest.param({"ctx_size": "1"}, id="ctx"),
+        pytest.param({"budget": "lots"}, id="budget"),
+        pytest.param({"queue_full_status": "500"}, id="status"),
+    ],
+)
+def test_bad_settings_are_a_config_error(cli: dict[str, str]) -> None:
+    with pytest.raises(ConfigError):
+        load_settings(cli)
+
+
+def test_api_key_file(tmp_path: Path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    server, _ = load_settings({"api_key_file": key_file})
+    assert server.resolved_api_key() == "s3cret"
+    key_file.write_text("")
+    with pytest.raises(ConfigError):
+        server.resolved_api_key()
