@@ -137,11 +137,17 @@ bench-small: setup-dev
 		--out bench/reports/small
 
 # The full report (an 18 GB model, ~30 minutes) and the trace replay. BENCH_SHAPE=qwen30b-q4km-shape
-# runs the same on the real Q4_K_M file's expert layout (19 GB; bench/reports/qwen30b-q4km-shape.*)
+# runs the same on the real Q4_K_M file's expert layout (19 GB; bench/reports/qwen30b-q4km-shape.*).
+# ROUTE_TRACE=FILE routes every system by a recorded trace (lossy, labelled in the report) and
+# decodes the trace's whole decode; its systems are the prefetch's bounds, not the levers. E.g.
+# BENCH_SHAPE=qwen30b-q4km-k6-shape ROUTE_TRACE=../shared/data/route-traces/qwen.route.csv; the
+# report is bench/reports/<shape>-<trace name>.*
 BENCH_SHAPE ?= qwen30b-shape
+ROUTE_TRACE ?=
+BENCH_OUT = bench/reports/$(BENCH_SHAPE)$(if $(ROUTE_TRACE),-$(firstword $(subst ., ,$(notdir $(ROUTE_TRACE)))))
 bench: setup-dev
-	$(VENV)/bin/moeflash bench --shape $(BENCH_SHAPE) --caps 0.25,0.5 --tokens 32 --mmap-tokens 6 \
-		--out bench/reports/$(BENCH_SHAPE)
+	$(VENV)/bin/moeflash bench --shape $(BENCH_SHAPE) --caps 0.25,0.5 --mmap-tokens 6 \
+		$(if $(ROUTE_TRACE),--route-trace $(ROUTE_TRACE) --no-levers,--tokens 32) --out $(BENCH_OUT)
 
 replay: setup-dev
 	$(VENV)/bin/moeflash bench --replay ../shared/data/route-traces/qwen.route.csv \

@@ -239,6 +239,36 @@ class ModelSettings(BaseSettings):
         )
 
 
+class RouteTraceSettings(BaseSettings):
+    """Routing replayed from or recorded to a route trace (server/loading/route_trace.py): flags of
+    `generate` and `bench`, never of `serve`, since replayed routing is not the model's output."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    route_trace: Path | None = Field(
+        None,
+        description="route every token as this *.route.csv trace did (lossy, for benchmarks: the trace's "
+        "layers, experts and k must be the model's)",
+    )
+    record_route_trace: Path | None = Field(
+        None, description="write the routing the run used to this file, in the *.route.csv format"
+    )
+    prefetch_from_trace: bool = Field(
+        False,
+        description="with --route-trace, streaming: prefetch reads the next layer's experts as the trace "
+        "routes them, not as the model's router predicts (the prefetch's upper bound, for benchmarks)",
+    )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RouteTraceSettings:
+        """The flags a command line gave, over the environment."""
+        given = {name: value for name in cls.model_fields if (value := getattr(args, name, None)) is not None}
+        try:
+            return cls(**given)
+        except ValidationError as exc:
+            raise ConfigError(f"invalid settings: {exc}") from exc
+
+
 S = TypeVar("S", bound=BaseSettings)
 
 SETTINGS_CLASSES: tuple[type[BaseSettings], ...] = (ServerSettings, ModelSettings)
@@ -289,7 +319,9 @@ def add_arguments(
 ) -> None:
     """Add one flag per field of `classes` (serve: both; generate and bench: the model's); unset
     flags stay None so lower sources (env, TOML, defaults) still apply."""
-    tables = " and ".join(f"[{cls.__name__.removesuffix('Settings').lower()}]" for cls in classes)
+    tables = " and ".join(
+        f"[{cls.__name__.removesuffix('Settings').lower()}]" for cls in classes if cls in SETTINGS_CLASSES
+    )
     parser.add_argument("--config", type=Path, default=None, help=f"TOML file with {tables}")
     for cls in classes:
         group = parser.add_argument_group(cls.__name__.removesuffix("Settings").lower())

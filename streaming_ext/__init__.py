@@ -5,6 +5,7 @@ build to load instead (the test suite uses it for the ASan+UBSan build).
 """
 
 from streaming_ext._lib import StreamLib, StreamLibError, library_path, load_library
+from streaming_ext.routes import RouteRecord, RouteTracer
 from streaming_ext.streamer import (
     CachePolicy,
     Policy,
@@ -19,6 +20,8 @@ __all__ = [
     "CachePolicy",
     "Policy",
     "Reader",
+    "RouteRecord",
+    "RouteTracer",
     "StreamLib",
     "StreamLibError",
     "Streamer",

@@ -66,11 +66,29 @@ class MfStats(ctypes.Structure):
     ]
 
 
+class MfRouteRecord(ctypes.Structure):
+    """struct mf_route_record (moeflash_stream.h): one routed expert, as a route tracer records it."""
+
+    _fields_ = [
+        ("turn", ctypes.c_int32),
+        ("phase", ctypes.c_int32),
+        ("step", ctypes.c_int32),
+        ("layer", ctypes.c_int32),
+        ("slot", ctypes.c_int32),
+        ("expert", ctypes.c_int32),
+        ("weight", ctypes.c_float),
+    ]
+
+
 # the counters' names, in struct order (StreamerStats has the same fields)
 STAT_FIELDS: tuple[str, ...] = tuple(field[0] for field in MfStats._fields_)
 
 # the ctypes structs shared with C, by the name the library's layout functions use (mf_<name>_*)
-SHARED_STRUCTS: tuple[tuple[str, type[ctypes.Structure]], ...] = (("config", MfConfig), ("stats", MfStats))
+SHARED_STRUCTS: tuple[tuple[str, type[ctypes.Structure]], ...] = (
+    ("config", MfConfig),
+    ("stats", MfStats),
+    ("route_record", MfRouteRecord),
+)
 
 
 def library_path() -> Path:
@@ -130,6 +148,7 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "mf_streamer_get_stats": ([vp, ctypes.POINTER(MfStats)], None),
         "mf_streamer_take_error": ([vp, ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int),
         "mf_streamer_last_error": ([vp], ctypes.c_char_p),
+        "mf_streamer_set_predictor": ([vp, vp, vp], None),
         "mf_streamer_drop_cache": ([vp], None),
         "mf_streamer_preload": ([vp], ctypes.c_int),
         "mf_streamer_layer_bytes": ([vp], u64),
@@ -145,6 +164,18 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "mf_cache_free": ([vp], None),
         "mf_cache_route": ([vp, i32, ctypes.POINTER(ctypes.c_uint8)], ctypes.c_int),
         "mf_cache_counts": ([vp, ctypes.POINTER(u64), ctypes.POINTER(u64), ctypes.POINTER(u64)], None),
+        "mf_route_trace_new": ([i32, i32, i32, ctypes.POINTER(vp)], ctypes.c_int),
+        "mf_route_trace_free": ([vp], None),
+        "mf_route_trace_set_replay": ([vp, i32, ctypes.c_int64, ctypes.POINTER(i32)], ctypes.c_int),
+        "mf_route_trace_set_recording": ([vp, i32], None),
+        "mf_route_trace_chain": ([vp, vp, vp], None),
+        "mf_route_trace_begin_phase": ([vp, i32], None),
+        "mf_route_trace_begin_batch": ([vp, ctypes.c_int64], None),
+        "mf_route_trace_eval_cb": ([vp, c_bool, vp], c_bool),
+        "mf_route_trace_n_recorded": ([vp], ctypes.c_int64),
+        "mf_route_trace_take_recorded": ([vp, ctypes.POINTER(MfRouteRecord), ctypes.c_int64], ctypes.c_int64),
+        "mf_route_trace_take_error": ([vp, ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int),
+        "mf_route_trace_predict": ([vp, i32, ctypes.POINTER(ctypes.c_uint8)], i32),
     }
     for struct, _ in SHARED_STRUCTS:
         sigs[f"mf_{struct}_size"] = ([], ctypes.c_size_t)

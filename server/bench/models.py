@@ -94,6 +94,9 @@ def describe_model(path: Path) -> dict[str, Any]:
     # layers may differ in expert size (Q4_K_M keeps ffn_down in Q6_K on half of them): the mean
     # expert, and the exact bytes a token routes to (k of each layer's experts)
     n_moe_layers = len({t.name.split(".")[1] for t in experts})
+    per_layer: dict[str, int] = {}
+    for t in experts:
+        per_layer[t.name.split(".")[1]] = per_layer.get(t.name.split(".")[1], 0) + t.n_bytes // n_expert
     per_expert = expert_bytes // (n_expert * n_moe_layers) if n_moe_layers else 0
     return {
         "name": str(meta.get("general.name", path.stem)),
@@ -104,6 +107,9 @@ def describe_model(path: Path) -> dict[str, Any]:
         "n_expert_used": k,
         "bytes_per_expert": per_expert,
         "bytes_per_expert_slice": max(slice_sizes) if slice_sizes else per_expert,
+        # the largest expert (gate + up + down) of any layer: the streamer's frame, the size at
+        # which its cache counts every expert (docs/memory.md, "Expert memory")
+        "frame_bytes": max(per_layer.values(), default=per_expert),
         "routed_bytes_per_token": expert_bytes * k // n_expert,
         "expert_bytes": expert_bytes,
         "dense_bytes": file_bytes - expert_bytes,

@@ -7,6 +7,7 @@ not part of this benchmark). Decode figures come from the per-token records (pro
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from server.bench.targets import check_targets
@@ -259,5 +260,70 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
             # what the kernel read for stock mmap per decoded token (its page faults)
             "mmap_bytes_read_per_token": md["bytes_read"] if md else None,
         }
+        if result.model.get("route_trace"):
+            out["per_cap"][str(cap)]["trace"] = _trace_figures(result, cap, sd)
     out["targets"] = [t.to_json() for t in check_targets(out, int(result.model["file_bytes"]))]
+    return out
+
+
+def _prefetch_figures(run: Run | None) -> dict[str, Any] | None:
+    """Decode rate, hit rates and the prefetch's accuracy of one capped run."""
+    d = decode_figures(run) if run else None
+    if not d or "miss_rate" not in d or run is None:
+        return None
+    toks = run.report["per_token"]
+    prefetched = sum(int(t.get("prefetched") or 0) for t in toks)
+    used = sum(int(t.get("prefetch_hits") or 0) for t in toks)
+    return {
+        "tok_s": d["tok_s_median"],
+        "hit_rate": 1.0 - d["miss_rate"],
+        "cache_hit_rate": d["cache_hit_rate"],
+        "prefetch_hit_rate": d["prefetch_hit_rate"],
+        # of the entries read ahead, the share their layer then routed
+        "prefetch_accuracy": used / prefetched if prefetched else None,
+        "bytes_read": d["bytes_read"],
+        "per_token_split_s": {k: d[k] for k in ("compute_s", "flash_wait_s", "cache_s")},
+    }
+
+
+def _trace_figures(result: BenchResult, cap: int, sd: dict[str, Any] | None) -> dict[str, Any]:
+    """A trace-routed cap: the prefetch's bounds (the model's router, a lower bound since it
+    predicts the model's routing, not the trace's; the trace itself, the upper bound; none), the
+    cache's hit rate without prefetch against the replay of the same routes at the same budget,
+    and the default policy's share of Belady's optimum there."""
+    from server.bench.replay import replay_run
+    from server.loading.route_trace import load_trace
+    from streaming_ext import Policy
+
+    info = result.model["route_trace"]
+    off_run = _by_name(result, "lever-no-prefetch", cap)
+    out: dict[str, Any] = {
+        "prefetch_router": _prefetch_figures(_median_run(_runs_of(result, "streaming", cap))),
+        "prefetch_trace": _prefetch_figures(_by_name(result, "streaming-prefetch-from-trace", cap)),
+        "prefetch_off": _prefetch_figures(off_run),
+        "cache_share": sd["cache_s"] / sd["seconds"] if sd and sd["seconds"] else None,
+        "replay_cache_hit_rate": None,
+        "replay_belady_hit_rate": None,
+        "replay_disagreement_points": None,
+        "share_of_belady": None,
+    }
+    off = out["prefetch_off"]
+    if off is None or off_run is None or not off_run.report.get("budget_bytes"):
+        return out
+    trace = load_trace(Path(info["path"]))
+    replay = replay_run(
+        trace,
+        decode_steps=len(off_run.report["per_token"]),
+        n_batch=int(info["n_batch"]),
+        frame_bytes=int(result.model["frame_bytes"]),
+        budget_bytes=int(off_run.report["budget_bytes"]),
+        policy=Policy[str(info["cache_policy"]).upper()],
+    )
+    measured = 100.0 * off["cache_hit_rate"]
+    out |= {
+        "replay_cache_hit_rate": replay.policy / 100.0,
+        "replay_belady_hit_rate": replay.belady / 100.0,
+        "replay_disagreement_points": abs(measured - replay.policy),
+        "share_of_belady": measured / replay.belady if replay.belady else None,
+    }
     return out

@@ -1,49 +1,28 @@
 """Trace replay: real routing traces through the streamer's cache policy, next to references.
 
-A route trace (../shared/data/route-traces/*.route.csv) lists, per token and layer, the experts
-the router picked. Replaying it through `streaming_ext.CachePolicy` runs the very C code the
-streamer runs (mf_cache.c); LFU, random and Belady's offline optimum are reference policies
-written here (they are not streamer policies). Hit rates are per routed (layer, expert) entry:
+A route trace (../shared/data/route-traces/*.route.csv, read by server/loading/route_trace.py)
+lists, per token and layer, the experts the router picked. Replaying it through
+`streaming_ext.CachePolicy` runs the very C code the streamer runs (mf_cache.c); LFU, random and
+Belady's offline optimum are reference policies written here (they are not streamer policies).
+Hit rates are per routed (layer, expert) entry:
 cumulative over the whole trace and over decode steps only, as in the published curves.
 """
 
 from __future__ import annotations
 
-import csv
 import heapq
 import logging
 import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
-from server.errors import ConfigError
+from server.loading.route_trace import Route, Trace
 from streaming_ext import CachePolicy, Policy
 
 logger = logging.getLogger(__name__)
 
 _MIB = 2**20
 BUDGETS_MIB = (250, 500, 750, 1000, 1500, 2000, 2500, 3000, 4000, 6000, 8000)
-
-
-@dataclass(frozen=True)
-class Route:
-    """One layer of one token: the experts it routed to."""
-
-    decode: bool
-    layer: int
-    experts: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Trace:
-    """A parsed route trace."""
-
-    name: str
-    n_layer: int
-    n_expert: int
-    entry_bytes: list[int]  # per layer: bytes of one expert (gate + up + down)
-    routes: list[Route]
 
 
 @dataclass(frozen=True)
@@ -55,68 +34,6 @@ class ReplayResult:
     hit_pct_cum: float
     hit_pct_decode: float
     read_mib: float
-
-
-_COLUMNS = ("turn", "phase", "step", "layer", "expert")
-
-
-def _header(path: Path, lines: list[str]) -> tuple[int, int, list[int]]:
-    n_layer = n_expert = 0
-    entry: dict[int, int] = {}
-    for line in lines:
-        fields = dict(kv.split("=", 1) for kv in line[1:].split() if "=" in kv)
-        try:
-            if "n_layer" in fields:
-                n_layer, n_expert = int(fields["n_layer"]), int(fields["n_expert"])
-            if "layer" in fields and "expert_bytes" in fields:
-                entry[int(fields["layer"])] = int(fields["expert_bytes"])
-        except (KeyError, ValueError) as exc:
-            raise ConfigError(f"{path}: bad header line {line.strip()!r}") from exc
-    if n_layer <= 0 or n_expert <= 0:
-        raise ConfigError(f"{path}: no '# ... n_layer=... n_expert=...' header")
-    missing = [layer for layer in range(n_layer) if entry.get(layer, 0) <= 0]
-    if missing:
-        raise ConfigError(f"{path}: no '# layer=N expert_bytes=...' header for layers {missing[:8]}")
-    return n_layer, n_expert, [entry[layer] for layer in range(n_layer)]
-
-
-def load_trace(path: Path) -> Trace:
-    """Parse a *.route.csv file (header comments give the shape and per-layer expert bytes).
-
-    Raises ConfigError, naming the file and line, for anything that is not such a trace.
-    """
-    try:
-        with path.open() as fh:
-            lines = fh.readlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read route trace {path}: {exc}") from exc
-    n_layer, n_expert, entry_bytes = _header(path, [ln for ln in lines if ln.startswith("#")])
-    reader = csv.DictReader(ln for ln in lines if not ln.startswith("#"))
-    if not set(_COLUMNS) <= set(reader.fieldnames or ()):
-        raise ConfigError(f"{path}: the column header must name {', '.join(_COLUMNS)}")
-    routes: list[Route] = []
-    key: tuple[str, str, str, str] | None = None
-    experts: list[int] = []
-    for rec in reader:
-        try:
-            layer, expert = int(rec["layer"]), int(rec["expert"])
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{path}: line {reader.line_num}: layer and expert must be integers") from exc
-        if not (0 <= layer < n_layer and 0 <= expert < n_expert):
-            raise ConfigError(
-                f"{path}: line {reader.line_num}: layer {layer} or expert {expert} outside the header's "
-                f"{n_layer} layers x {n_expert} experts"
-            )
-        k = (rec["turn"], rec["phase"], rec["step"], rec["layer"])
-        if k != key:
-            if key is not None:
-                routes.append(Route(key[1] == "1", int(key[3]), tuple(experts)))
-            key, experts = k, []
-        experts.append(expert)
-    if key is None:
-        raise ConfigError(f"{path}: no routes")
-    routes.append(Route(key[1] == "1", int(key[3]), tuple(experts)))
-    return Trace(path.name.split(".")[0], n_layer, n_expert, entry_bytes, routes)
 
 
 class _Counter:
@@ -145,9 +62,8 @@ class _Counter:
         )
 
 
-def replay_streamer(trace: Trace, budget_mib: int, policy: Policy) -> ReplayResult:
-    """The streamer's own policy code (mf_cache.c) on the trace."""
-    cache = CachePolicy(trace.n_layer, trace.n_expert, trace.entry_bytes, budget_mib * _MIB, policy)
+def _streamer(trace: Trace, budget_bytes: int, policy: Policy) -> _Counter:
+    cache = CachePolicy(trace.n_layer, trace.n_expert, trace.entry_bytes, budget_bytes, policy)
     counter = _Counter()
     try:
         for route in trace.routes:
@@ -155,14 +71,19 @@ def replay_streamer(trace: Trace, budget_mib: int, policy: Policy) -> ReplayResu
             counter.add(route, misses, trace.entry_bytes[route.layer])
     finally:
         cache.close()
-    return counter.result(policy.name.lower(), budget_mib)
+    return counter
+
+
+def replay_streamer(trace: Trace, budget_mib: int, policy: Policy) -> ReplayResult:
+    """The streamer's own policy code (mf_cache.c) on the trace."""
+    return _streamer(trace, budget_mib * _MIB, policy).result(policy.name.lower(), budget_mib)
 
 
 class _Bytes:
     """A byte budget, as the streamer's: entries of different layers may differ in size."""
 
-    def __init__(self, trace: Trace, budget_mib: int) -> None:
-        self.sizes, self.budget, self.used = trace.entry_bytes, budget_mib * _MIB, 0
+    def __init__(self, trace: Trace, budget_bytes: int) -> None:
+        self.sizes, self.budget, self.used = trace.entry_bytes, budget_bytes, 0
 
     def full_for(self, layer: int) -> bool:
         return self.used > 0 and self.used + self.sizes[layer] > self.budget
@@ -176,7 +97,7 @@ def _replay_reference(trace: Trace, budget_mib: int, name: str, seed: int = 0) -
     freq: dict[tuple[int, int], int] = {}
     last: dict[tuple[int, int], int] = {}
     rng = random.Random(seed)
-    budget = _Bytes(trace, budget_mib)
+    budget = _Bytes(trace, budget_mib * _MIB)
     counter = _Counter()
     for step, route in enumerate(trace.routes):
         want = {(route.layer, e) for e in route.experts}
@@ -223,9 +144,13 @@ def replay_belady(trace: Trace, budget_mib: int) -> ReplayResult:
     size); this is how the published curves beside the traces were made (reproduced within 0.14
     points of decode hit rate at every budget).
     """
+    return _belady(trace, budget_mib * _MIB).result("belady", budget_mib)
+
+
+def _belady(trace: Trace, budget_bytes: int) -> _Counter:
     resident: dict[tuple[int, int], int] = {}  # entry -> its next use
     heap: list[tuple[int, tuple[int, int]]] = []  # (-next use, entry), lazily invalidated
-    budget = _Bytes(trace, budget_mib)
+    budget = _Bytes(trace, budget_bytes)
     counter = _Counter()
     for route, next_uses in zip(trace.routes, _next_uses(trace), strict=True):
         misses = 0
@@ -250,7 +175,7 @@ def replay_belady(trace: Trace, budget_mib: int) -> ReplayResult:
             resident[key] = nu
             heapq.heappush(heap, (-nu, key))
         counter.add(route, misses, trace.entry_bytes[route.layer])
-    return counter.result("belady", budget_mib)
+    return counter
 
 
 def replay_all(trace: Trace, budgets_mib: Iterable[int] = BUDGETS_MIB) -> list[ReplayResult]:
@@ -263,3 +188,53 @@ def replay_all(trace: Trace, budgets_mib: Iterable[int] = BUDGETS_MIB) -> list[R
         results.append(_replay_reference(trace, budget, "random"))
         results.append(replay_belady(trace, budget))
     return results
+
+
+def run_routes(trace: Trace, decode_steps: int, n_batch: int) -> list[Route]:
+    """The routes a trace-routed `moeflash generate` run hands the streamer's cache, in order:
+    the trace's prompt in micro-batches of n_batch tokens, each layer routing the union of its
+    batch's experts once (the last layer only in the last batch, for the last token: the only
+    one whose logits are asked for), then decode_steps decode tokens, wrapping around the trace's
+    decode steps as mf_route.c does."""
+    by_token = {(r.decode, r.turn, r.step, r.layer): r.experts for r in trace.routes}
+    prompt, decode = trace.steps(decode=False), trace.steps(decode=True)
+    last = trace.n_layer - 1
+    out: list[Route] = []
+    for start in range(0, len(prompt), n_batch):
+        batch = prompt[start : start + n_batch]
+        final = start + n_batch >= len(prompt)
+        for layer in range(trace.n_layer):
+            tokens = batch[-1:] if layer == last else batch
+            if layer == last and not final:
+                continue
+            union = sorted({e for turn, step in tokens for e in by_token.get((False, turn, step, layer), ())})
+            if union:
+                out.append(Route(False, layer, tuple(union)))
+    for i in range(decode_steps):
+        turn, step = decode[i % len(decode)]
+        for layer in range(trace.n_layer):
+            experts = by_token.get((True, turn, step, layer))
+            if experts:
+                out.append(Route(True, layer, experts))
+    return out
+
+
+@dataclass(frozen=True)
+class RunReplay:
+    """Decode hit rates (%) of the routes one run executed, replayed at its budget."""
+
+    policy: float  # the streamer's default policy (mf_cache.c, as the run had it)
+    belady: float  # the offline optimum at the same budget
+
+
+def replay_run(
+    trace: Trace, decode_steps: int, n_batch: int, frame_bytes: int, budget_bytes: int, policy: Policy
+) -> RunReplay:
+    """What a trace-routed run's expert cache must hit without prefetch: its routes
+    (`run_routes`) through its cache policy under its budget, every expert counted at the frame
+    size (as the streamer counts it), next to Belady's optimum under the same budget."""
+    routes = run_routes(trace, decode_steps, n_batch)
+    framed = Trace(trace.name, trace.n_layer, trace.n_expert, [frame_bytes] * trace.n_layer, routes, trace.k)
+    ours = _streamer(framed, budget_bytes, policy).result("run", 0)
+    best = _belady(framed, budget_bytes).result("belady", 0)
+    return RunReplay(ours.hit_pct_decode, best.hit_pct_decode)

@@ -16,9 +16,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from server.bench.replay import BUDGETS_MIB, ReplayResult, Trace, load_trace, replay_all
+from server.bench.replay import BUDGETS_MIB, ReplayResult, replay_all
 from server.bench.targets import REPLAY_SHARE_OF_BELADY
 from server.errors import ConfigError
+from server.loading.route_trace import Trace, load_trace
 
 # published hit rates beside a trace: (budget MiB, policy) -> column -> value
 Curves = dict[tuple[int, str], dict[str, float]]

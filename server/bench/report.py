@@ -12,6 +12,17 @@ from server.bench.results import BenchResult, Run
 _MIB = 2**20
 
 
+def _routing_lines(model: dict[str, Any]) -> list[str]:
+    trace = model.get("route_trace")
+    if not trace:
+        return []
+    return [
+        f"Routing: **replayed from {trace['path']}** ({trace['prompt_steps']} prompt and "
+        f"{trace['decode_steps']} decode steps) for every system, stock mmap included: lossy, the "
+        "text is not the model's own; the short prompt has the trace's prompt length."
+    ]
+
+
 def _fmt(value: float | None, spec: str = ".2f", unit: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{unit}"
 
@@ -48,6 +59,7 @@ def markdown(result: BenchResult, command: str) -> str:
         f"{result.environment.get('read_ahead_kb')}; {result.cgroup}; page cache {result.page_cache}.",
         f"Code: moeflash {result.environment.get('moeflash', '?')}, commit "
         f"{result.environment.get('commit') or 'unknown (not a git checkout)'}.",
+        *_routing_lines(m),
         "",
         "## Disk ceiling (same file)",
         "",
@@ -164,6 +176,7 @@ def markdown(result: BenchResult, command: str) -> str:
             + ".",
         ]
     lines += _prefill(ra)
+    lines += _traced(ra)
     lines += _targets(ra.get("targets") or [])
     return "\n".join(lines) + "\n"
 
@@ -191,6 +204,65 @@ def _prefill(ra: dict[str, Any]) -> list[str]:
             f"{_fmt(cap.get('prefill_512_io_bound_tok_s'), '.1f')} | "
             f"{_fmt(cap['prefill_512_efficiency'], '.2f')} | "
             f"{_fmt(cap.get('prefill_512_roofline_efficiency'), '.2f')} |"
+        )
+    return out
+
+
+def _traced(ra: dict[str, Any]) -> list[str]:
+    """Under trace routing, per cap: the prefetch's bounds and the cache against the replay."""
+    caps = [c for c in ra.get("per_cap", {}).values() if c.get("trace")]
+    if not caps:
+        return []
+    out = [
+        "",
+        "### Trace routing: prefetch bounds and the cache against the replay",
+        "",
+        "Prefetch predicts the next layer's experts. The model's router (the default) predicts the"
+        " model's own routing, not the trace's: a lower bound. Reading what the trace routes next"
+        " (`--prefetch-from-trace`) is the upper bound; prefetch off, the floor. Hit rate = cached +"
+        " prefetched; accuracy = the share of prefetched experts their layer routed. Without"
+        " prefetch the hit rate is the cache policy's alone: the replay runs the same routes (the"
+        " prompt's batch unions, then each decode token) through the same policy code at the run's"
+        " budget, every expert counted at the frame size as the streamer counts it, next to"
+        " Belady's optimum there.",
+        "",
+        "| cap | prefetch | tok/s | hit rate | accuracy | read/token MB | compute / flash wait / cache ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for cap in caps:
+        for key, label in (
+            ("prefetch_router", "model's router"),
+            ("prefetch_trace", "trace (oracle)"),
+            ("prefetch_off", "off"),
+        ):
+            f = cap["trace"].get(key)
+            if f is None:
+                out.append(f"| {cap['cap_bytes'] / 2**30:.2f} GiB | {label} | n/a | | | | |")
+                continue
+            split = " / ".join(
+                f"{f['per_token_split_s'][k] * 1e3:.0f}" for k in ("compute_s", "flash_wait_s", "cache_s")
+            )
+            out.append(
+                f"| {cap['cap_bytes'] / 2**30:.2f} GiB | {label} | {_fmt(f['tok_s'])} | "
+                f"{f['cache_hit_rate']:.1%} + {f['prefetch_hit_rate']:.1%} | "
+                f"{_fmt(f['prefetch_accuracy'], '.1%')} | "
+                f"{_mb(f['bytes_read'])} | {split} |"
+            )
+    out += [
+        "",
+        "| cap | hit rate, prefetch off | replay, same policy and budget | off by (points) | Belady "
+        "| share of Belady | cache management / token |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for cap in caps:
+        t = cap["trace"]
+        off = t.get("prefetch_off") or {}
+        out.append(
+            f"| {cap['cap_bytes'] / 2**30:.2f} GiB | {_fmt(off.get('cache_hit_rate'), '.1%')} | "
+            f"{_fmt(t.get('replay_cache_hit_rate'), '.1%')} | "
+            f"{_fmt(t.get('replay_disagreement_points'), '.2f')} | "
+            f"{_fmt(t.get('replay_belady_hit_rate'), '.1%')} | {_fmt(t.get('share_of_belady'), '.2f')} | "
+            f"{_fmt(t.get('cache_share'), '.1%')} |"
         )
     return out
 

@@ -88,8 +88,22 @@ class SystemSet:
     capped: list[System] = field(default_factory=list)
 
 
-def default_systems(mmap_tokens: int, levers: bool = True) -> SystemSet:
-    """resident + all-cached streaming (uncapped); stock mmap, streaming best and levers (capped)."""
+# under trace routing the model's router predicts the wrong routing: the default's prefetch is the
+# lower bound of prefetch, this one (mf_route_trace_predict) the upper; prefetch off is the floor
+# and the run whose hit rate is the cache policy's alone (ratios.py checks it against the replay)
+PREFETCH_FROM_TRACE = System(
+    "streaming-prefetch-from-trace",
+    True,
+    ("--prefetch-from-trace",),
+    description="moeflash, prefetch reading the next layer's experts as the trace routes them (oracle)",
+)
+NO_PREFETCH = System("lever-no-prefetch", True, ("--no-prefetch",), lever="prefetch off")
+
+
+def default_systems(mmap_tokens: int, levers: bool = True, traced: bool = False) -> SystemSet:
+    """resident + all-cached streaming (uncapped); stock mmap, streaming best and levers (capped);
+    `traced` (routing replayed from a trace): prefetch from the trace and prefetch off, levers or
+    not."""
     uncapped = [
         System(
             "resident",
@@ -170,6 +184,9 @@ def default_systems(mmap_tokens: int, levers: bool = True) -> SystemSet:
             System("lever-lanes-2", True, ("--lanes", "2"), lever="2 lanes"),
             System("lever-buffered", True, ("--reader", "buffered"), lever="O_DIRECT off"),
             System("lever-overlap", True, ("--overlap",), lever="overlap on"),
-            System("lever-no-prefetch", True, ("--no-prefetch",), lever="prefetch off"),
         ]
+    if levers or traced:
+        capped.append(NO_PREFETCH)
+    if traced:
+        capped.append(PREFETCH_FROM_TRACE)
     return SystemSet(uncapped, capped)

@@ -23,6 +23,14 @@ TTFT_20_S = 10.0
 # bytes read at load over the file's non-expert bytes: the load reads dense weights, never the
 # experts (stock mmap with MAP_POPULATE reads the whole file); the slack covers the libraries
 LOAD_READ_OVER_NON_EXPERT = 1.1
+# under trace routing (issue 22, set for the Qwen trace on qwen30b-q4km-k6-shape): decode at a
+# 25% cap at least BigMoeOnEdge's 5.2 tok/s on a phone, rounded down; cache management at most
+# this share of a token's time; the cache without prefetch at least this share of Belady's hit
+# rate on the same routes and budget; and that hit rate within this many points of the replay
+TRACE_TOK_S_AT_25 = 5.0
+TRACE_CACHE_SHARE = 0.05
+TRACE_SHARE_OF_BELADY = 0.90
+TRACE_REPLAY_POINTS = 1.0
 
 
 @dataclass(frozen=True)
@@ -84,4 +92,32 @@ def check_targets(ratios: dict[str, Any], file_bytes: int) -> list[Target]:
                 False,
             ),
         ]
+        if "trace" in cap:
+            out += _trace_targets(cap, scope, fraction)
     return out
+
+
+def _trace_targets(cap: dict[str, Any], scope: str, fraction: float) -> list[Target]:
+    trace = cap["trace"]
+    out = []
+    if fraction <= 0.25 + _FRACTION_SLACK:
+        out.append(
+            Target("decode tok/s, trace-routed", scope, cap.get("streaming_tok_s"), TRACE_TOK_S_AT_25, True)
+        )
+    return out + [
+        Target("cache management / token time", scope, trace.get("cache_share"), TRACE_CACHE_SHARE, False),
+        Target(
+            "cache hit rate (prefetch off) / Belady's",
+            scope,
+            trace.get("share_of_belady"),
+            TRACE_SHARE_OF_BELADY,
+            True,
+        ),
+        Target(
+            "hit rate (prefetch off) off the replay's, points",
+            scope,
+            trace.get("replay_disagreement_points"),
+            TRACE_REPLAY_POINTS,
+            False,
+        ),
+    ]

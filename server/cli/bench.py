@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from server.errors import ConfigError, MoeflashError
-from server.settings import ModelSettings, add_arguments, given_flags
+from server.settings import ModelSettings, RouteTraceSettings, add_arguments, given_flags
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,12 @@ def register(subparsers: Any) -> None:
     what.add_argument("--shape", help="synthetic model preset to generate or reuse (e.g. qwen30b-shape)")
     what.add_argument("--replay", type=Path, nargs="+", help="route trace(s) to replay (*.route.csv)")
     p.add_argument("--caps", default="0.25,0.5", help="memory caps: fractions of the file size or sizes (4G)")
-    p.add_argument("--tokens", type=int, default=32, help="decode tokens per system (default 32)")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="decode tokens per system (default 32; with --route-trace the trace's whole decode)",
+    )
     p.add_argument("--mmap-tokens", type=int, default=8, help="decode tokens of the stock mmap run (slow)")
     p.add_argument("--no-levers", action="store_true", help="skip the one-lever-at-a-time variants")
     p.add_argument("--ceiling-seconds", type=float, default=8.0, help="seconds per disk-ceiling pattern")
@@ -46,8 +51,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--out", type=Path, help="report path without suffix (default bench/reports/<name>)")
     # the model settings of serve and generate: --model is an existing GGUF (the first file of a split
     # set); the others given go to every system's run (its own levers come later and win), and
-    # --ctx-size is 1024 unless given
-    add_arguments(p, (ModelSettings,))
+    # --ctx-size is 1024 unless given; --route-trace routes every system by the trace, its prompt
+    # as long as the trace's
+    add_arguments(p, (ModelSettings, RouteTraceSettings))
     p.set_defaults(func=run)
 
 
@@ -69,6 +75,20 @@ def _parse_caps(text: str, file_bytes: int) -> list[int]:
     return caps
 
 
+def _trace_flags(trace_path: Path, model: Path, info: dict[str, Any]) -> list[str]:
+    """The flags that route every system by the trace (checked against the model first, so a
+    trace that does not fit fails here, not in every run), its prompt the trace's prompt length;
+    the report says the routing is the trace's."""
+    from server.loading.route_trace import ModelShape, check_fits, load_trace
+
+    trace = load_trace(trace_path)
+    check_fits(trace, ModelShape.of(model), trace_path)
+    prompt = len(trace.steps(decode=False))
+    decode = len(trace.steps(decode=True))
+    info["route_trace"] = {"path": str(trace_path), "prompt_steps": prompt, "decode_steps": decode}
+    return ["--route-trace", str(trace_path.resolve()), "--prompt-tokens", str(prompt)]
+
+
 def _progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -82,8 +102,15 @@ def run(args: argparse.Namespace) -> int:
         from server.bench.replay_report import run_replay
 
         return run_replay(args.replay, args.out, command, _progress)
-    if args.tokens < 4 or args.mmap_tokens < 1:
+    if (args.tokens is not None and args.tokens < 4) or args.mmap_tokens < 1:
         raise ConfigError("--tokens must be >= 4 and --mmap-tokens >= 1")
+    routing = RouteTraceSettings.from_args(args)
+    if routing.record_route_trace is not None:
+        raise ConfigError("--record-route-trace records one run: use it with moeflash generate")
+    if routing.prefetch_from_trace:
+        raise ConfigError(
+            "--prefetch-from-trace is one of the systems a traced bench runs: give --route-trace"
+        )
     from server.bench.harness import BenchConfig, run_bench
     from server.bench.models import describe_model, shape_model
     from server.bench.report import write_reports
@@ -100,15 +127,29 @@ def run(args: argparse.Namespace) -> int:
         info = describe_model(path)
         if args.shape:
             info["sha256"] = path.with_suffix(".sha256").read_text().strip()
+        flags = given_flags(args, ModelSettings, skip=("model", "ctx_size", "config"))
+        tokens = args.tokens or 32
+        if routing.route_trace is not None:
+            flags += _trace_flags(routing.route_trace, path, info)
+            # what the replay of each run's routes needs to judge its hit rate (ratios.py)
+            defaults = ModelSettings.model_fields
+            info["route_trace"] |= {
+                "cache_policy": args.cache_policy or defaults["cache_policy"].default,
+                "n_batch": int(args.n_batch or defaults["n_batch"].default),
+            }
+            # the first token comes from the prompt: one decode step fewer than tokens
+            tokens = args.tokens or info["route_trace"]["decode_steps"] + 1
         cfg = BenchConfig(
             model=path,
             caps=_parse_caps(args.caps, info["file_bytes"]),
-            decode_tokens=args.tokens,
+            decode_tokens=tokens,
             ctx_size=int(args.ctx_size or BENCH_CTX_SIZE),
             ceiling_seconds=args.ceiling_seconds,
-            settings_flags=tuple(given_flags(args, ModelSettings, skip=("model", "ctx_size", "config"))),
+            settings_flags=tuple(flags),
         )
-        systems = default_systems(args.mmap_tokens, levers=not args.no_levers)
+        systems = default_systems(
+            args.mmap_tokens, levers=not args.no_levers, traced=routing.route_trace is not None
+        )
         try:
             result = run_bench(cfg, systems, info, _progress)
         except OSError as exc:

@@ -22,7 +22,8 @@ from server.engine.token_loop import GenerationRequest, GenerationStats, Samplin
 from server.errors import ConfigError
 from server.loading.loader import LoadedModel, load_model
 from server.loading.measured import DecodeStep
-from server.settings import ModelSettings, add_arguments, settings_from_args
+from server.loading.route_trace import recorded_routes, write_trace
+from server.settings import ModelSettings, RouteTraceSettings, add_arguments, settings_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ class GenerateReport:
     # the streamer's counters over the whole run (streaming_ext.StreamerStats)
     totals: dict[str, Any] = field(default_factory=dict)
     per_token: list[TokenRecord] = field(default_factory=list)
+    # the trace every token was routed by (lossy: not the model's own output), None for its own
+    route_trace: str | None = None
 
 
 def register(subparsers: Any) -> None:
@@ -89,7 +92,7 @@ def register(subparsers: Any) -> None:
         description="Generate tokens from a prompt with the model loaded as `serve` loads it (the same "
         "flags), printing the text, per-token telemetry and a summary.",
     )
-    add_arguments(p, (ModelSettings,))
+    add_arguments(p, (ModelSettings, RouteTraceSettings))
     run_group = p.add_argument_group("generation")
     src = run_group.add_mutually_exclusive_group()
     src.add_argument("--prompt", "-p", default="Once upon a time", help="prompt text")
@@ -281,6 +284,8 @@ def _summary(r: GenerateReport) -> str:
         f"decode {r.decode_tokens} tokens in {r.decode_s:.2f} s: {r.decode_tok_s:.2f} tok/s "
         f"(median {r.decode_tok_s_median:.2f})",
     ]
+    if r.route_trace:
+        lines.append(f"routing replayed from {r.route_trace}: the text is not the model's own")
     if r.budget_bytes is not None:
         t = r.totals
         routed = max(1, t["hits"] + t["misses"])
@@ -304,14 +309,18 @@ def run(args: argparse.Namespace) -> int:
     """The `generate` subcommand."""
     _check_args(args)
     _, settings = settings_from_args(args, (ModelSettings,))
+    routing = RouteTraceSettings.from_args(args)
     if settings.model is None:
         raise ConfigError("no model given: moeflash generate --model PATH (or MOEFLASH_MODEL)")
     storage_before_load = _storage_read_bytes()
     t0 = time.perf_counter()
-    model = load_model(settings)
+    model = load_model(settings, routing)
     load_s = time.perf_counter() - t0
     try:
         report = run_generation(model, args, load_s, storage_before_load)
+        report.route_trace = str(routing.route_trace) if routing.route_trace else None
+        if routing.record_route_trace is not None and model.route_shape is not None:
+            write_trace(routing.record_route_trace, model.route_shape, recorded_routes(model.llama))
     finally:
         model.close()
     if args.json:

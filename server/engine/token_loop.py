@@ -262,6 +262,7 @@ def generate(
     start = time.perf_counter_ns()
     stats.cached_tokens = _reuse_prefix(llama, tokens)
     rest = list(tokens[stats.cached_tokens :])
+    llama.begin_phase(0)
     for i in range(0, len(rest), llama.n_batch):
         if cancelled():
             stats.finish_reason = "cancelled"
@@ -270,6 +271,7 @@ def generate(
         llama.eval(rest[i : i + llama.n_batch])
     prefilled = time.perf_counter_ns()
     stats.prompt_ns = prefilled - start
+    llama.begin_phase(1)
 
     seed = params.seed if params.seed is not None else random.getrandbits(32)
     sampler = _build_sampler(llama, params, seed & 0xFFFFFFFF)

@@ -1,4 +1,5 @@
-"""The key/values of a GGUF header, numeric arrays included, read quickly.
+"""The key/values of a GGUF header, numeric arrays included, read quickly; and its tensor table's
+sizes (route traces name the bytes of one expert per layer).
 
 llama-cpp-python's `Llama.metadata` leaves arrays out (llama.cpp keeps only scalars as
 strings), yet per-layer hyperparameters live in arrays (gemma4's head_count_kv and
@@ -39,15 +40,16 @@ def read_metadata(path: Path) -> dict[str, Any]:
     (the vocabulary) are skipped. ModelLoadError if the file is not a readable GGUF."""
     try:
         with path.open("rb") as f:
-            return _read(f)
+            return _read(f)[1]
     except (OSError, struct.error, UnicodeDecodeError, ValueError) as exc:
         raise ModelLoadError(f"cannot read the GGUF header of {path}: {exc}") from exc
 
 
-def _read(f: BinaryIO) -> dict[str, Any]:
+def _read(f: BinaryIO) -> tuple[int, dict[str, Any]]:
+    """(the number of tensors, the key/values); leaves f at the tensor table."""
     if f.read(4) != _MAGIC:
         raise ValueError("not a GGUF file (bad magic)")
-    version, _n_tensors, n_kv = struct.unpack("<IQQ", f.read(20))
+    version, n_tensors, n_kv = struct.unpack("<IQQ", f.read(20))
     if version < 2:
         raise ValueError(f"GGUF version {version} is not supported")
     out: dict[str, Any] = {}
@@ -57,7 +59,7 @@ def _read(f: BinaryIO) -> dict[str, Any]:
         value = _value(f, vtype)
         if value is not None:
             out[key] = value
-    return out
+    return n_tensors, out
 
 
 def _string(f: BinaryIO) -> str:
@@ -90,3 +92,26 @@ def _value(f: BinaryIO, vtype: int) -> Any:
     if len(data) != size * count:
         raise ValueError("truncated array")
     return [v for (v,) in struct.iter_unpack(fmt, data)]
+
+
+def read_tensor_sizes(path: Path) -> dict[str, int]:
+    """Bytes of each tensor of one GGUF file (its data up to the next tensor's, alignment padding
+    included: at most general.alignment - 1 bytes). ModelLoadError if the file is not a GGUF."""
+    try:
+        with path.open("rb") as f:
+            n_tensors, meta = _read(f)
+            infos: list[tuple[str, int]] = []
+            for _ in range(n_tensors):
+                name = _string(f)
+                (n_dims,) = struct.unpack("<I", f.read(4))
+                f.seek(8 * n_dims + 4, 1)  # the dimensions and the type
+                (offset,) = struct.unpack("<Q", f.read(8))
+                infos.append((name, offset))
+            alignment = int(meta.get("general.alignment", 32))
+            data_start = -(-f.tell() // alignment) * alignment
+            data_bytes = path.stat().st_size - data_start
+    except (OSError, struct.error, UnicodeDecodeError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read the GGUF tensor table of {path}: {exc}") from exc
+    ordered = sorted(infos, key=lambda info: info[1])
+    ends = [offset for _, offset in ordered[1:]] + [data_bytes]
+    return {name: end - offset for (name, offset), end in zip(ordered, ends, strict=True)}

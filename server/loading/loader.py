@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, Any
 from server import __version__
 from server.errors import ConfigError, ModelLoadError
 from server.loading.model_files import split_files
-from server.settings import ModelSettings
+from server.settings import ModelSettings, RouteTraceSettings
 
 if TYPE_CHECKING:
     from server.loading.measured import MeasuredLlama
+    from server.loading.route_trace import ModelShape
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ class LoadedModel:
 
     llama: MeasuredLlama
     info: ModelInfo
+    # the model's routing shape when its routing is replayed or recorded (a recorded trace's header)
+    route_shape: ModelShape | None = None
     _closed: bool = field(default=False, repr=False)
 
     def close(self) -> None:
@@ -109,8 +112,9 @@ def choose_mode(settings: ModelSettings, file_size: int) -> tuple[str, str]:
     return "streaming", f"auto: the file ({file_size / 2**30:.1f} GiB) exceeds 60% of {limit.source}"
 
 
-def load_model(settings: ModelSettings) -> LoadedModel:
-    """Load the model `settings` names; ModelLoadError/ConfigError when it cannot be."""
+def load_model(settings: ModelSettings, routing: RouteTraceSettings | None = None) -> LoadedModel:
+    """Load the model `settings` names, its routing replayed from or recorded to a route trace
+    as `routing` says; ModelLoadError/ConfigError when it cannot be."""
     if settings.model is None:
         raise ConfigError("no model given (--model PATH or MOEFLASH_MODEL)")
     path = settings.model.expanduser().resolve()
@@ -132,13 +136,33 @@ def load_model(settings: ModelSettings) -> LoadedModel:
         "n_threads_batch": threads,
         "verbose": False,
     }
-    budget_bytes: int | None = None
-    budget_reason: str | None = None
-    llama: MeasuredLlama
+    from server.loading.route_trace import build_tracer
+
+    if routing is not None and routing.prefetch_from_trace:
+        if routing.route_trace is None or mode != "streaming" or not settings.prefetch:
+            raise ConfigError(
+                f"--prefetch-from-trace needs --route-trace, streaming and prefetch on (mode {mode}, "
+                f"prefetch {'on' if settings.prefetch else 'off'})"
+            )
+    traced = build_tracer(routing, path) if routing is not None else None
+    if traced is not None:
+        kwargs["tracer"] = traced[0]
+    try:
+        llama = _load(settings, path, mode, kwargs)
+    except BaseException:
+        if traced is not None:
+            traced[0].close()
+        raise
+    if routing is not None and routing.prefetch_from_trace and llama.tracer and llama.streamer:
+        llama.tracer.predict_for(llama.streamer)
+    return _described(settings, llama, path, file_size, mode, traced[1] if traced else None)
+
+
+def _load(settings: ModelSettings, path: Path, mode: str, kwargs: dict[str, Any]) -> MeasuredLlama:
     if mode == "streaming":
         from server.loading.streaming import load_streaming_llama
 
-        streamed = load_streaming_llama(
+        return load_streaming_llama(
             path,
             settings.streamer_config(),
             budget=settings.budget,
@@ -147,13 +171,24 @@ def load_model(settings: ModelSettings) -> LoadedModel:
             flash_attn=settings.flash_attn,
             **kwargs,
         )
-        budget_bytes, budget_reason = streamed.budget.bytes, streamed.budget.reason
-        llama = streamed
-    else:
-        from server.loading.resident import load_resident_llama
+    from server.loading.resident import load_resident_llama
 
-        llama = load_resident_llama(path, n_ctx=settings.ctx_size, flash_attn=settings.flash_attn, **kwargs)
+    return load_resident_llama(path, n_ctx=settings.ctx_size, flash_attn=settings.flash_attn, **kwargs)
 
+
+def _described(
+    settings: ModelSettings,
+    llama: MeasuredLlama,
+    path: Path,
+    file_size: int,
+    mode: str,
+    route_shape: ModelShape | None,
+) -> LoadedModel:
+    from server.loading.streaming import StreamingLlama
+
+    budget_bytes, budget_reason = None, None
+    if isinstance(llama, StreamingLlama):
+        budget_bytes, budget_reason = llama.budget.bytes, llama.budget.reason
     metadata: dict[str, str] = dict(llama.metadata)
     template = metadata.get("tokenizer.chat_template")
     if settings.chat_template_file is not None:
@@ -179,4 +214,4 @@ def load_model(settings: ModelSettings) -> LoadedModel:
         fingerprint=_fingerprint(path, file_size),
         created=int(os.stat(path).st_mtime),
     )
-    return LoadedModel(llama=llama, info=info)
+    return LoadedModel(llama=llama, info=info, route_shape=route_shape)

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 
-from server.errors import ExpertReadError
+from server.errors import ConfigError, ExpertReadError
 
 if TYPE_CHECKING:
     from server.loading.budget import MemoryTerms
-    from streaming_ext import Streamer, StreamerStats
+    from streaming_ext import RouteTracer, Streamer, StreamerStats
 
 # decode steps kept: the server reads the latest, `generate` one per token of a run
 _STEPS_KEPT = 4096
@@ -55,17 +55,32 @@ class DecodeStep:
 
 
 class MeasuredLlama(llama_cpp.Llama):
-    """A Llama whose decode calls are recorded; `streamer` is set for a streamed model.
+    """A Llama whose decode calls are recorded; `streamer` is set for a streamed model, `tracer`
+    when its routing is replayed from or recorded to a route trace (its callback is the context's
+    cb_eval, the streamer's chained behind it).
 
     `memory` is what the process holds beside the weights or the expert cache (server/loading/
     budget.py), set by the loader once the context exists."""
 
     streamer: Streamer | None
+    tracer: RouteTracer | None
     memory: MemoryTerms | None
     steps: deque[DecodeStep]
 
-    def __init__(self, model_path: str, *, streamer: Streamer | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        streamer: Streamer | None = None,
+        tracer: RouteTracer | None = None,
+        **kwargs: Any,
+    ) -> None:
         self.streamer = streamer
+        self.tracer = tracer
+        if tracer is not None:
+            if streamer is not None:
+                tracer.chain(kwargs["cb_eval"], kwargs["cb_eval_user_data"])
+            kwargs = {**kwargs, "cb_eval": tracer.eval_callback, "cb_eval_user_data": tracer.handle}
         self.memory = None
         self.steps = deque(maxlen=_STEPS_KEPT)
         self._tokens_total = 0
@@ -83,10 +98,15 @@ class MeasuredLlama(llama_cpp.Llama):
         def decode(batch: Any) -> None:
             streamer = self.streamer
             before = streamer.stats() if streamer is not None else None
+            if self.tracer is not None:
+                self.tracer.begin_batch(int(batch.batch.n_tokens))
             start = time.monotonic_ns()
             try:
                 original(batch)
             except RuntimeError as exc:
+                misfit = self.tracer.take_error() if self.tracer is not None else None
+                if misfit is not None:
+                    raise ConfigError(f"the route trace does not fit: {misfit}") from exc
                 failure = streamer.take_error() if streamer is not None else None
                 if failure is not None:
                     raise ExpertReadError(str(failure)) from exc
@@ -105,6 +125,12 @@ class MeasuredLlama(llama_cpp.Llama):
 
         ctx.decode = decode  # type: ignore[method-assign]
 
+    def begin_phase(self, phase: int) -> None:
+        """The decode calls from now on are a prompt's (0) or its decode steps (1): a route
+        trace replays and records them as that phase (nothing to do without one)."""
+        if self.tracer is not None:
+            self.tracer.begin_phase(phase)
+
     def totals(self) -> DecodeStep:
         """Every decode call since the load as one step; the streamer's counters are cumulative
         (its reads at load, e.g. a preload, included)."""
@@ -112,8 +138,10 @@ class MeasuredLlama(llama_cpp.Llama):
         return DecodeStep(self._tokens_total, self._wall_total_ns, stats)
 
     def close(self) -> None:
-        """Free the model first (its buffers belong to the streamer's buffer types), then the
-        streamer (idempotent)."""
+        """Free the model first (its buffers belong to the streamer's buffer types, its context
+        calls the tracer), then the streamer and the tracer (idempotent)."""
         super().close()
         if self.streamer is not None:
             self.streamer.close()
+        if self.tracer is not None:
+            self.tracer.close()

@@ -72,6 +72,29 @@ def _gptoss(n_layer: int, n_expert: int, name: str) -> ModelSpec:
 
 def _all() -> tuple[Preset, ...]:
     gptoss_120b = _gptoss(36, 128, "gptoss-120b-shape")
+    gemma4_26b = ModelSpec(
+        arch="gemma4",
+        n_layer=30,
+        n_embd=2816,
+        n_head=16,
+        n_head_kv=2,
+        head_dim=512,
+        head_dim_swa=256,
+        n_head_kv_swa=8,
+        n_expert=128,
+        n_expert_used=8,
+        n_ff_exp=704,
+        n_ff_shexp=2112,
+        n_vocab=262144,
+        n_ctx=262144,
+        expert_qtype=QType.Q4_K,
+        dense_qtype=QType.Q8_0,
+        down_qtype=QType.Q8_0,
+        down_qtype_rest=QType.Q5_0,
+        n_swa=1024,
+        tied_embeddings=True,
+        name="gemma4-26b-shape",
+    )
     qwen30b = ModelSpec(
         arch="qwen3moe",
         n_layer=48,
@@ -175,6 +198,18 @@ def _all() -> tuple[Preset, ...]:
             ),
         ),
         Preset(
+            "qwen30b-q4km-k6-shape",
+            "qwen30b-q4km-shape routing 6 experts per token, as the Qwen route trace was recorded "
+            "(../shared/data/route-traces/qwen.route.csv): the shape of trace-routed benchmarks",
+            dataclasses.replace(
+                qwen30b,
+                n_expert_used=6,
+                expert_qtype=QType.Q4_K,
+                down_qtype=QType.Q6_K,
+                name="qwen30b-q4km-k6-shape",
+            ),
+        ),
+        Preset(
             "qwen30b-8l-shape",
             "qwen30b-shape, 8 layers, 32k vocabulary (~3 GB): the quick benchmark (make bench-small)",
             dataclasses.replace(qwen30b, n_layer=8, n_vocab=32000, name="qwen30b-8l-shape"),
@@ -184,29 +219,13 @@ def _all() -> tuple[Preset, ...]:
             "Gemma-4-26B-A4B's shape with the real Q4_K_M file's experts: gemma4, 30 layers, 128 "
             "experts (8 used), Q4_K gate_up, Q5_0 down (Q8_0 on 14 layers, as the route trace's "
             "header), Q8_0 dense, tied embeddings",
-            ModelSpec(
-                arch="gemma4",
-                n_layer=30,
-                n_embd=2816,
-                n_head=16,
-                n_head_kv=2,
-                head_dim=512,
-                head_dim_swa=256,
-                n_head_kv_swa=8,
-                n_expert=128,
-                n_expert_used=8,
-                n_ff_exp=704,
-                n_ff_shexp=2112,
-                n_vocab=262144,
-                n_ctx=262144,
-                expert_qtype=QType.Q4_K,
-                dense_qtype=QType.Q8_0,
-                down_qtype=QType.Q8_0,
-                down_qtype_rest=QType.Q5_0,
-                n_swa=1024,
-                tied_embeddings=True,
-                name="gemma4-26b-shape",
-            ),
+            gemma4_26b,
+        ),
+        Preset(
+            "gemma4-26b-k6-shape",
+            "gemma4-26b-shape routing 6 experts per token, as the Gemma route trace was recorded "
+            "(../shared/data/route-traces/gemma.route.csv): the shape of trace-routed benchmarks",
+            dataclasses.replace(gemma4_26b, n_expert_used=6, name="gemma4-26b-k6-shape"),
         ),
         Preset(
             "gptoss-120b-shape",

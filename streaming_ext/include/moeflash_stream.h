@@ -154,6 +154,15 @@ MF_API void mf_streamer_get_stats(const mf_streamer * s, mf_stats * out);
 // Thread contract: between llama_decode calls, on the decode thread.
 MF_API int mf_streamer_take_error(mf_streamer * s, char * msg, size_t msg_size);
 
+// A source of next-layer predictions in place of the model's routers (mf_predict.c): fills
+// want[n_expert], zeroed by the caller, with the experts layer il is expected to route for the
+// tokens whose layer il - 1 just routed; returns how many it set (0: no prediction). Called on
+// the decode thread from the routing callback, when prefetch is on.
+typedef int32_t (*mf_predictor)(void * user_data, int32_t il, uint8_t * want);
+// Predict with fn from now on (NULL: the routers again). user_data must outlive the streamer or
+// the next call.
+MF_API void mf_streamer_set_predictor(mf_streamer * s, mf_predictor fn, void * user_data);
+
 // The message of the last failure of a call on this streamer. Valid until the next call.
 MF_API const char * mf_streamer_last_error(const mf_streamer * s);
 
@@ -178,17 +187,20 @@ MF_API uint64_t mf_streamer_tensor_bytes(const mf_streamer * s, const char * nam
 MF_API const char * mf_streamer_memory_note(const mf_streamer * s);
 
 // ---------------------------------------------------------------------------------------------
-// Layout of the structs shared with Python (mf_config, mf_stats), checked by streaming_ext/_lib.py
-// when it loads the library. Neither struct has padding: every byte belongs to a listed field.
+// Layout of the structs shared with Python (mf_config, mf_stats, mf_route_record), checked by
+// streaming_ext/_lib.py // when it loads the library. Neither struct has padding: every byte belongs to a listed field.
 // Thread-safe; constant answers.
 
 MF_API size_t  mf_config_size(void);
 MF_API size_t  mf_stats_size(void);
+MF_API size_t  mf_route_record_size(void);
 // Number of fields, and the byte offset of the named one (-1 when the struct has no such field).
 MF_API int32_t mf_config_n_fields(void);
 MF_API int32_t mf_stats_n_fields(void);
+MF_API int32_t mf_route_record_n_fields(void);
 MF_API int64_t mf_config_offset(const char * field);
 MF_API int64_t mf_stats_offset(const char * field);
+MF_API int64_t mf_route_record_offset(const char * field);
 
 // ---------------------------------------------------------------------------------------------
 // The cache policy on its own, for trace replay (the same code the streamer runs). A cache is
@@ -208,6 +220,53 @@ MF_API int mf_cache_route(mf_cache * c, int32_t layer, const uint8_t * want);
 
 // Counters of a stand-alone cache: hits, misses, evictions.
 MF_API void mf_cache_counts(const mf_cache * c, uint64_t * hits, uint64_t * misses, uint64_t * evictions);
+
+// ---------------------------------------------------------------------------------------------
+// Route traces (mf_route.c): make every MoE layer route each token as a recorded trace did, and
+// record the routing a model runs. Install mf_route_trace_eval_cb as cb_eval with the trace as
+// user data, chained to the streamer's callback for a streamed model. Replayed output differs from
+// the model's own (benchmarks and tests only); a streamed and a resident model replaying the same
+// trace must give the same bytes. One thread at a time (the llama_decode thread).
+
+typedef struct mf_route_trace mf_route_trace;
+
+// One routed expert, as recorded: slot is its rank among the token's k, weight the router's
+// score of it (0 where the graph does not expose the scores).
+typedef struct mf_route_record {
+    int32_t turn;    // counts mf_route_trace_begin_phase(0) calls from 0
+    int32_t phase;   // 0 prompt, 1 decode
+    int32_t step;    // token index within the phase
+    int32_t layer;
+    int32_t slot;
+    int32_t expert;
+    float   weight;
+} mf_route_record;
+
+// A trace for a model of n_layer layers, n_expert experts, k used per token. 0 or -errno.
+MF_API int  mf_route_trace_new(int32_t n_layer, int32_t n_expert, int32_t k, mf_route_trace ** out);
+MF_API void mf_route_trace_free(mf_route_trace * rt);
+// Routing to replay for phase 0 (prompt) or 1 (decode): ids[n_steps][n_layer][k], copied; a
+// layer whose first id is -1 routes as the model does. -EINVAL, -ERANGE (an id out of range).
+MF_API int  mf_route_trace_set_replay(mf_route_trace * rt, int32_t phase, int64_t n_steps, const int32_t * ids);
+// Non-zero: record every route from now on (after replacement, so a replayed run records the trace).
+MF_API void mf_route_trace_set_recording(mf_route_trace * rt, int32_t on);
+// The callback to run after this one on every node (the streamer's), or NULL.
+MF_API void mf_route_trace_chain(mf_route_trace * rt, ggml_backend_sched_eval_callback next, void * next_user_data);
+// The tokens decoded from now on belong to `phase` (0 prompt, 1 decode), from step 0 on.
+MF_API void mf_route_trace_begin_phase(mf_route_trace * rt, int32_t phase);
+// The next llama_decode call holds n_tokens tokens (the steps after the previous call's).
+MF_API void mf_route_trace_begin_batch(mf_route_trace * rt, int64_t n_tokens);
+MF_API bool mf_route_trace_eval_cb(struct ggml_tensor * t, bool ask, void * user_data);
+// Records not yet taken; moves up to max of them, oldest first, into out. Returns how many.
+MF_API int64_t mf_route_trace_n_recorded(const mf_route_trace * rt);
+MF_API int64_t mf_route_trace_take_recorded(mf_route_trace * rt, mf_route_record * out, int64_t max);
+// The error that stopped a graph (a node the trace does not fit): -errno (0 if none) and its message.
+MF_API int mf_route_trace_take_error(mf_route_trace * rt, char * msg, size_t msg_size);
+// An mf_predictor (user_data: the trace) that knows the future: the experts the replayed trace
+// routes at layer il for the tokens of the last ffn_moe_topk node it saw, the prefetch's upper
+// bound. 0 when nothing is replayed. The last layer of a prompt computes only the batch's last
+// tokens, which it cannot know: it predicts the whole batch there.
+MF_API int32_t mf_route_trace_predict(void * user_data, int32_t il, uint8_t * want);
 
 #ifdef __cplusplus
 }

@@ -2,6 +2,7 @@
 //
 // Units, each calling only the ones listed after it (no circles):
 //   mf_streamer.c  the API: life cycle, routing callback, ready hook, counters
+//   mf_route.c     route traces: replayed and recorded routing (beside the streamer: calls none of it)
 //   mf_buft.c      the three buffer types; registers expert tensors while the model loads
 //   mf_lanes.c     reader lanes and the memory of slices: carries out a route's loads and evictions
 //   mf_predict.c   the next layer's experts, from its router
@@ -330,6 +331,8 @@ struct mf_streamer {
     uint8_t *                   want_next;    // [n_expert] the prediction
     uint8_t *                   pf_mark;      // [n_expert] experts prefetched for layer pf_layer
     int32_t                     pf_layer;
+    mf_predictor                predictor;       // NULL: predict from the routers
+    void *                      predictor_data;
 
     mf_frames     frames;  // the memory of resident entries (not under hold_all)
     char          memory_note[200];

@@ -19,6 +19,8 @@
         X(dense_bytes) X(resident_bytes) X(violations) X(errors) X(direct_io) X(prefetched) X(prefetch_hits) \
             X(mapped_bytes) X(hold_all) X(routing_off) X(expert_memory_bytes) X(frames_released)
 
+#define ROUTE_RECORD_FIELDS(X) X(turn) X(phase) X(step) X(layer) X(slot) X(expert) X(weight)
+
 typedef struct mf_field {
     const char * name;
     size_t       offset;
@@ -26,16 +28,21 @@ typedef struct mf_field {
 
 #define CONFIG_ENTRY(f) { #f, offsetof(mf_config, f) },
 #define STATS_ENTRY(f)  { #f, offsetof(mf_stats, f) },
+#define RECORD_ENTRY(f) { #f, offsetof(mf_route_record, f) },
 #define CONFIG_BYTES(f) +sizeof(((mf_config *) 0)->f)
 #define STATS_BYTES(f)  +sizeof(((mf_stats *) 0)->f)
+#define RECORD_BYTES(f) +sizeof(((mf_route_record *) 0)->f)
 
 static const mf_field config_fields[] = { CONFIG_FIELDS(CONFIG_ENTRY) };
 static const mf_field stats_fields[]  = { STATS_FIELDS(STATS_ENTRY) };
+static const mf_field record_fields[] = { ROUTE_RECORD_FIELDS(RECORD_ENTRY) };
 
 _Static_assert(sizeof(mf_config) == 0 CONFIG_FIELDS(CONFIG_BYTES),
                "mf_config has padding, or a field missing from CONFIG_FIELDS");
 _Static_assert(sizeof(mf_stats) == 0 STATS_FIELDS(STATS_BYTES),
                "mf_stats has padding, or a field missing from STATS_FIELDS");
+_Static_assert(sizeof(mf_route_record) == 0 ROUTE_RECORD_FIELDS(RECORD_BYTES),
+               "mf_route_record has padding, or a field missing from ROUTE_RECORD_FIELDS");
 
 #define N_OF(a) ((int32_t) (sizeof(a) / sizeof((a)[0])))
 
@@ -70,4 +77,16 @@ int64_t mf_config_offset(const char * field) {
 
 int64_t mf_stats_offset(const char * field) {
     return offset_of(stats_fields, N_OF(stats_fields), field);
+}
+
+size_t mf_route_record_size(void) {
+    return sizeof(mf_route_record);
+}
+
+int32_t mf_route_record_n_fields(void) {
+    return N_OF(record_fields);
+}
+
+int64_t mf_route_record_offset(const char * field) {
+    return offset_of(record_fields, N_OF(record_fields), field);
 }

@@ -48,7 +48,17 @@ static void prefetch_next(mf_streamer * s, int32_t il, const struct ggml_tensor 
     if (mf_cache_layer_resident(s->cache, il + 1)) {
         return;
     }
-    if (mf_predict_next(s, il, ids, s->want_next) == 0 || mf_cache_prefetch(s->cache, il + 1, s->want_next) < 0) {
+    if (il + 1 >= s->n_layers || s->layers[il + 1].n_xt == 0) {
+        return;
+    }
+    int32_t n;
+    if (s->predictor) {
+        memset(s->want_next, 0, (size_t) s->n_expert);
+        n = s->predictor(s->predictor_data, il + 1, s->want_next);
+    } else {
+        n = mf_predict_next(s, il, ids, s->want_next);
+    }
+    if (n <= 0 || mf_cache_prefetch(s->cache, il + 1, s->want_next) < 0) {
         return;
     }
     if (s->cache->n_load == 0 && s->cache->n_evict == 0) {
@@ -62,6 +72,11 @@ static void prefetch_next(mf_streamer * s, int32_t il, const struct ggml_tensor 
     }
     s->pf_layer = il + 1;
     ADD(s->st.prefetched, s->cache->n_load);
+}
+
+void mf_streamer_set_predictor(mf_streamer * s, mf_predictor fn, void * user_data) {
+    s->predictor      = fn;
+    s->predictor_data = fn ? user_data : NULL;
 }
 
 // hold_all: once every expert is READY, routing has nothing left to decide (no read, no eviction)

@@ -1,4 +1,4 @@
-"""The structs shared by C and ctypes (mf_config, mf_stats) have one layout.
+"""The structs shared by C and ctypes (mf_config, mf_stats, mf_route_record) have one layout.
 
 The library reports each struct's size, field count and every field's offset by name
 (streaming_ext/src/mf_layout.c, whose static assertions make its field lists complete: a field

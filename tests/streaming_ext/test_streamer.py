@@ -67,11 +67,13 @@ def test_sanitizer_build_loads() -> None:
 
 
 def test_streaming_gates_under_sanitizers() -> None:
-    """The streaming gates and error tests again, with the ASan+UBSan build of the library."""
+    """The streaming gates, the trace-routing gates and the error tests again, with the ASan+UBSan
+    build of the library."""
     assert ASAN_LIB.is_file(), "build it with `make ext`"
     selection = (
         "evicts_every_layer or reader_modes or frames or sizes_differ or dropped or prefetch or stress"
         " or split or multi_turn or every_architecture or negative"
+        " or recorded_routing or trace_routed or does_not_fit"
     )
     proc = subprocess.run(
         [
@@ -83,6 +85,7 @@ def test_streaming_gates_under_sanitizers() -> None:
             "no:cacheprovider",
             "tests/loading/test_streaming_gates.py",
             "tests/loading/test_streaming_errors.py",
+            "tests/loading/test_route_trace.py",
             "-k",
             # not unknown_architecture: llama.cpp's own C++ exception aborts under a preloaded
             # libasan (uninstrumented libstdc++), before our library is involved

@@ -1,0 +1,313 @@
+"""Route traces: the file format, and replaying or recording a model's routing with one.
+
+A route trace (`*.route.csv`, the format of ../shared/data/route-traces) lists, per token and
+MoE layer, the experts the router picked. `#` header lines give the model, n_layer, n_expert,
+n_expert_used and, per layer, `expert_bytes` (one expert: gate + up + down) and `dense_bytes`;
+then one row per routed expert: `turn,phase,step,layer,slot,expert,weight,residency,expert_bytes`
+(phase 0 is the prompt, 1 decode; step the token's index within the phase; slot its rank among
+the token's k; weight the router's score; residency is not used here).
+
+`--route-trace FILE` makes a model route every token as the trace did (streaming_ext.RouteTracer
+in the eval callback, the same for a resident and a streamed model): prompt token i takes the
+trace's prompt step i and decode token j its decode step j, wrapping around when the run is
+longer than the trace; the steps of several turns run one after the other. Output then differs
+from the model's own (benchmarks and tests only). `--record-route-trace FILE` writes the routing
+a run used in the same format.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from server.errors import ConfigError
+from server.loading.gguf_header import read_metadata, read_tensor_sizes
+from server.loading.model_files import split_files
+from server.settings import RouteTraceSettings
+
+if TYPE_CHECKING:
+    from server.loading.measured import MeasuredLlama
+    from streaming_ext import RouteTracer
+
+logger = logging.getLogger(__name__)
+
+FORMAT_LINE = "# route_trace v1"
+COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert", "weight", "residency", "expert_bytes")
+_NEEDED = ("turn", "phase", "step", "layer", "expert")
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Route:
+    """One layer of one token: the experts it routed to, in slot order."""
+
+    decode: bool
+    layer: int
+    experts: tuple[int, ...]
+    turn: int = 0
+    step: int = 0
+    weights: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A parsed route trace: the shape it was recorded on and its routes in file order."""
+
+    name: str
+    n_layer: int
+    n_expert: int
+    entry_bytes: list[int]  # per layer: bytes of one expert (gate + up + down)
+    routes: list[Route]
+    n_expert_used: int = 0  # k; 0 when the header does not say (then the longest route's)
+    dense_bytes: list[int] = field(default_factory=list)
+    model: str = ""
+    arch: str = ""
+
+    @property
+    def k(self) -> int:
+        """Experts routed per token."""
+        return self.n_expert_used or max((len(r.experts) for r in self.routes), default=0)
+
+    def steps(self, decode: bool) -> list[tuple[int, int]]:
+        """The (turn, step) tokens of one phase, in order."""
+        return sorted({(r.turn, r.step) for r in self.routes if r.decode == decode})
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a trace must match to route a model, and what a recorded trace's header says."""
+
+    path: Path
+    arch: str
+    n_layer: int
+    n_expert: int
+    n_expert_used: int
+    entry_bytes: list[int]  # per layer: one expert's bytes (0: a layer without experts)
+    dense_bytes: list[int]  # per layer: the layer's other tensors
+
+    @classmethod
+    def of(cls, path: Path) -> ModelShape:
+        """Read from the GGUF header and tensor table (all split files)."""
+        meta = read_metadata(path)
+        arch = str(meta.get("general.architecture", ""))
+        n_layer = int(meta.get(f"{arch}.block_count", 0))
+        n_expert = int(meta.get(f"{arch}.expert_count", 0))
+        k = int(meta.get(f"{arch}.expert_used_count", 0))
+        expert = [0] * n_layer
+        dense = [0] * n_layer
+        for part in split_files(path):
+            for name, size in read_tensor_sizes(part).items():
+                match = _BLOCK.match(name)
+                if match is None or int(match.group(1)) >= n_layer:
+                    continue
+                layer = int(match.group(1))
+                if "_exps." in name:
+                    expert[layer] += size
+                else:
+                    dense[layer] += size
+        per_expert = [total // n_expert if n_expert else 0 for total in expert]
+        return cls(path, arch, n_layer, n_expert, k, per_expert, dense)
+
+
+def _header(path: Path, lines: list[str]) -> dict[str, object]:
+    out: dict[str, object] = {"entry": {}, "dense": {}}
+    entry: dict[int, int] = {}
+    dense: dict[int, int] = {}
+    for line in lines:
+        fields = dict(kv.split("=", 1) for kv in line[1:].split() if "=" in kv)
+        try:
+            if "n_layer" in fields:
+                out["n_layer"], out["n_expert"] = int(fields["n_layer"]), int(fields["n_expert"])
+                out["k"] = int(fields.get("n_expert_used", 0))
+                out["model"], out["arch"] = fields.get("model", ""), fields.get("arch", "")
+            if "layer" in fields and "expert_bytes" in fields:
+                entry[int(fields["layer"])] = int(fields["expert_bytes"])
+                dense[int(fields["layer"])] = int(fields.get("dense_bytes", 0))
+        except (KeyError, ValueError) as exc:
+            raise ConfigError(f"{path}: bad header line {line.strip()!r}") from exc
+    n_layer, n_expert = int(str(out.get("n_layer", 0))), int(str(out.get("n_expert", 0)))
+    if n_layer <= 0 or n_expert <= 0:
+        raise ConfigError(f"{path}: no '# ... n_layer=... n_expert=...' header")
+    missing = [layer for layer in range(n_layer) if layer not in entry]
+    if missing:
+        raise ConfigError(f"{path}: no '# layer=N expert_bytes=...' header for layers {missing[:8]}")
+    out["entry"] = [entry[layer] for layer in range(n_layer)]
+    out["dense"] = [dense[layer] for layer in range(n_layer)]
+    return out
+
+
+def load_trace(path: Path) -> Trace:
+    """Parse a *.route.csv file. ConfigError, naming the file and line, for anything that is not
+    such a trace (a route with repeated experts, or more than the header's k, included)."""
+    try:
+        with path.open() as fh:
+            lines = fh.readlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read route trace {path}: {exc}") from exc
+    head = _header(path, [ln for ln in lines if ln.startswith("#")])
+    n_layer, n_expert, k = int(str(head["n_layer"])), int(str(head["n_expert"])), int(str(head["k"]))
+    reader = csv.DictReader(ln for ln in lines if not ln.startswith("#"))
+    if not set(_NEEDED) <= set(reader.fieldnames or ()):
+        raise ConfigError(f"{path}: the column header must name {', '.join(_NEEDED)}")
+    routes: list[Route] = []
+    key: tuple[int, int, int, int] | None = None
+    experts: list[int] = []
+    weights: list[float] = []
+
+    def close_route() -> None:
+        if key is None:
+            return
+        if len(set(experts)) != len(experts) or (k and len(experts) > k):
+            raise ConfigError(
+                f"{path}: turn {key[0]} phase {key[1]} step {key[2]} layer {key[3]} routes to {experts} "
+                f"(experts must be distinct, at most {k or 'k'} of them)"
+            )
+        routes.append(Route(key[1] == 1, key[3], tuple(experts), key[0], key[2], tuple(weights)))
+
+    for rec in reader:
+        try:
+            row = tuple(int(rec[name]) for name in _NEEDED)
+            weight = float(rec.get("weight") or 0.0)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"{path}: line {reader.line_num}: {', '.join(_NEEDED)} must be integers"
+            ) from exc
+        turn, phase, step, layer, expert = row
+        if not (0 <= layer < n_layer and 0 <= expert < n_expert) or phase not in (0, 1) or step < 0:
+            raise ConfigError(
+                f"{path}: line {reader.line_num}: phase {phase}, step {step}, layer {layer} or expert "
+                f"{expert} outside the header's {n_layer} layers x {n_expert} experts (phase 0 or 1)"
+            )
+        if (turn, phase, step, layer) != key:
+            close_route()
+            key, experts, weights = (turn, phase, step, layer), [], []
+        experts.append(expert)
+        weights.append(weight)
+    if key is None:
+        raise ConfigError(f"{path}: no routes")
+    close_route()
+    return Trace(
+        path.name.split(".")[0],
+        n_layer,
+        n_expert,
+        list(head["entry"]),  # type: ignore[call-overload]
+        routes,
+        n_expert_used=k,
+        dense_bytes=list(head["dense"]),  # type: ignore[call-overload]
+        model=str(head["model"]),
+        arch=str(head["arch"]),
+    )
+
+
+def write_trace(path: Path, shape: ModelShape, routes: list[Route]) -> None:
+    """Write `routes` of a model of `shape` as a *.route.csv file (ConfigError if it cannot)."""
+    try:
+        with path.open("w", newline="") as fh:
+            fh.write(f"{FORMAT_LINE}\n")
+            fh.write(
+                f"# model={shape.path} arch={shape.arch} n_layer={shape.n_layer} n_expert={shape.n_expert} "
+                f"n_expert_used={shape.n_expert_used}\n"
+            )
+            for layer in range(shape.n_layer):
+                fh.write(
+                    f"# layer={layer} expert_bytes={shape.entry_bytes[layer]} "
+                    f"dense_bytes={shape.dense_bytes[layer]}\n"
+                )
+            out = csv.writer(fh, lineterminator="\n")
+            out.writerow(COLUMNS)
+            for r in routes:
+                weights = r.weights or (0.0,) * len(r.experts)
+                for slot, (expert, weight) in enumerate(zip(r.experts, weights, strict=True)):
+                    out.writerow(
+                        (
+                            r.turn,
+                            int(r.decode),
+                            r.step,
+                            r.layer,
+                            slot,
+                            expert,
+                            f"{weight:.6f}",
+                            0,
+                            shape.entry_bytes[r.layer],
+                        )
+                    )
+    except OSError as exc:
+        raise ConfigError(f"cannot write the route trace {path}: {exc}") from exc
+
+
+def check_fits(trace: Trace, shape: ModelShape, path: Path) -> None:
+    """ConfigError unless `trace` can route the model of `shape`: the same layers, experts and k,
+    and both a prompt and a decode phase."""
+    problems = []
+    if trace.n_layer != shape.n_layer:
+        problems.append(f"{trace.n_layer} layers (the model has {shape.n_layer})")
+    if trace.n_expert != shape.n_expert:
+        problems.append(f"{trace.n_expert} experts per layer (the model has {shape.n_expert})")
+    if trace.k != shape.n_expert_used:
+        problems.append(f"{trace.k} experts per token (the model uses {shape.n_expert_used})")
+    short = [r for r in trace.routes if len(r.experts) != trace.k]
+    if short:
+        r = short[0]
+        problems.append(f"a route of {len(r.experts)} experts (turn {r.turn} step {r.step} layer {r.layer})")
+    for decode, phase in ((False, "prompt"), (True, "decode")):
+        if not trace.steps(decode):
+            problems.append(f"no {phase} steps")
+    if problems:
+        raise ConfigError(f"the route trace {path} cannot route {shape.path.name}: " + "; ".join(problems))
+
+
+def build_tracer(settings: RouteTraceSettings, model_path: Path) -> tuple[RouteTracer, ModelShape] | None:
+    """The RouteTracer that replays and/or records what `settings` ask for, for the model at
+    `model_path`, or None when they ask for neither. ConfigError for a trace that does not fit."""
+    if settings.route_trace is None and settings.record_route_trace is None:
+        return None
+    from streaming_ext import RouteTracer
+
+    shape = ModelShape.of(model_path)
+    if shape.n_expert <= 0 or shape.n_expert_used <= 0:
+        raise ConfigError(f"{model_path.name} has no experts: there is no routing to replay or record")
+    tracer = RouteTracer(shape.n_layer, shape.n_expert, shape.n_expert_used)
+    try:
+        if settings.route_trace is not None:
+            trace = load_trace(settings.route_trace)
+            check_fits(trace, shape, settings.route_trace)
+            for decode in (False, True):
+                steps = trace.steps(decode)
+                index = {token: i for i, token in enumerate(steps)}
+                ids = [[[-1] * shape.n_expert_used for _ in range(shape.n_layer)] for _ in steps]
+                for r in trace.routes:
+                    if r.decode == decode:
+                        ids[index[(r.turn, r.step)]][r.layer] = list(r.experts)
+                tracer.replay(1 if decode else 0, ids)
+            logger.info(
+                "routing replayed from %s (%d prompt and %d decode steps): lossy, for benchmarks",
+                settings.route_trace,
+                len(trace.steps(False)),
+                len(trace.steps(True)),
+            )
+        if settings.record_route_trace is not None:
+            tracer.record(True)
+    except BaseException:
+        tracer.close()
+        raise
+    return tracer, shape
+
+
+def recorded_routes(llama: MeasuredLlama) -> list[Route]:
+    """The routes `llama`'s tracer recorded and not yet taken, one per token and layer in the
+    order they ran (empty when it records nothing)."""
+    if llama.tracer is None:
+        return []
+    routes: list[Route] = []
+    rows: dict[tuple[int, int, int, int], list[tuple[int, float]]] = {}
+    for r in llama.tracer.take_records():
+        rows.setdefault((r.turn, r.phase, r.step, r.layer), []).append((r.expert, r.weight))
+    for (turn, phase, step, layer), picks in rows.items():
+        routes.append(
+            Route(phase == 1, layer, tuple(e for e, _ in picks), turn, step, tuple(w for _, w in picks))
+        )
+    return routes

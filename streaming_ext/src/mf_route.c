@@ -1,0 +1,253 @@
+// Route traces: replaying recorded routing into a model, and recording the routing it runs.
+//
+// mf_route_trace_eval_cb runs on every ffn_moe_topk-<il> node, after the node is computed and
+// before anything reads it (the expert weights are gathered from it, the expert matmuls route by
+// it). Replaying, it overwrites each token's selected-expert ids with the trace's ids for that
+// token and layer; recording, it appends the ids the layer now routes by. It then hands the node
+// to the chained callback (the streamer's, for a streamed model), so a streamed and a resident
+// model compute with the same routing. A token's step is its index in the phase: the batches
+// announced since mf_route_trace_begin_phase count the tokens. A layer that computes fewer rows
+// than its batch has (the last layer of a prompt computes only the tokens whose logits are asked
+// for) holds the batch's last tokens, as in llama.cpp. A phase longer than the trace's wraps
+// around to the trace's first step.
+// Nothing aborts: a node that does not match the trace records an error and stops the graph.
+#include "mf_internal.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MF_TOPK_PREFIX     "ffn_moe_topk-"
+#define MF_TOPK_PREFIX_LEN 13
+
+struct mf_route_trace {
+    int32_t n_layer, n_expert, k;
+    int32_t * replay[2];   // per phase: [n_steps][n_layer][k] expert ids (-1: the model's own), or NULL
+    int64_t   n_steps[2];
+    int32_t   turn, phase;
+    int64_t   batch_start;   // step of the current batch's first token
+    int64_t   batch_tokens;  // tokens of the current batch
+    int64_t   node_first, node_rows;  // steps of the last topk node's rows (mf_route_trace_predict)
+    bool      recording;
+    mf_route_record * rec;
+    int64_t           head, n_rec, cap_rec;  // records [head, n_rec) not yet taken
+    ggml_backend_sched_eval_callback next;
+    void *                           next_user_data;
+    int  err_code;
+    char err_msg[MF_ERR_LEN];
+};
+
+int mf_route_trace_new(int32_t n_layer, int32_t n_expert, int32_t k, mf_route_trace ** out) {
+    *out = NULL;
+    if (n_layer <= 0 || n_expert <= 0 || k <= 0 || k > n_expert) {
+        return -EINVAL;
+    }
+    mf_route_trace * rt = calloc(1, sizeof *rt);
+    if (!rt) {
+        return -ENOMEM;
+    }
+    rt->n_layer = n_layer;
+    rt->n_expert = n_expert;
+    rt->k = k;
+    rt->turn = -1;  // the first begin_phase(0) starts turn 0
+    *out = rt;
+    return 0;
+}
+
+void mf_route_trace_free(mf_route_trace * rt) {
+    if (!rt) {
+        return;
+    }
+    free(rt->replay[0]);
+    free(rt->replay[1]);
+    free(rt->rec);
+    free(rt);
+}
+
+int mf_route_trace_set_replay(mf_route_trace * rt, int32_t phase, int64_t n_steps, const int32_t * ids) {
+    if (phase < 0 || phase > 1 || n_steps <= 0 || !ids) {
+        return -EINVAL;
+    }
+    const size_t n = (size_t) n_steps * (size_t) rt->n_layer * (size_t) rt->k;
+    for (size_t i = 0; i < n; i++) {
+        if (ids[i] < -1 || ids[i] >= rt->n_expert) {
+            return -ERANGE;
+        }
+    }
+    int32_t * copy = malloc(n * sizeof *copy);
+    if (!copy) {
+        return -ENOMEM;
+    }
+    memcpy(copy, ids, n * sizeof *copy);
+    free(rt->replay[phase]);
+    rt->replay[phase] = copy;
+    rt->n_steps[phase] = n_steps;
+    return 0;
+}
+
+void mf_route_trace_set_recording(mf_route_trace * rt, int32_t on) {
+    rt->recording = on != 0;
+}
+
+void mf_route_trace_chain(mf_route_trace * rt, ggml_backend_sched_eval_callback next, void * next_user_data) {
+    rt->next = next;
+    rt->next_user_data = next_user_data;
+}
+
+void mf_route_trace_begin_phase(mf_route_trace * rt, int32_t phase) {
+    if (phase == 0 || rt->turn < 0) {
+        rt->turn++;
+    }
+    rt->phase = phase == 0 ? 0 : 1;
+    rt->batch_start = 0;
+    rt->batch_tokens = 0;
+    rt->node_rows = 0;
+}
+
+void mf_route_trace_begin_batch(mf_route_trace * rt, int64_t n_tokens) {
+    rt->batch_start += rt->batch_tokens;
+    rt->batch_tokens = n_tokens;
+}
+
+int64_t mf_route_trace_n_recorded(const mf_route_trace * rt) {
+    return rt->n_rec - rt->head;
+}
+
+int64_t mf_route_trace_take_recorded(mf_route_trace * rt, mf_route_record * out, int64_t max) {
+    const int64_t left = rt->n_rec - rt->head;
+    const int64_t n    = left < max ? left : max;
+    if (n <= 0) {
+        return 0;
+    }
+    memcpy(out, rt->rec + rt->head, (size_t) n * sizeof *out);
+    rt->head += n;
+    if (rt->head == rt->n_rec) {
+        rt->head = rt->n_rec = 0;  // all taken: record from the start again
+    }
+    return n;
+}
+
+int mf_route_trace_take_error(mf_route_trace * rt, char * msg, size_t msg_size) {
+    const int code = rt->err_code;
+    if (msg && msg_size) {
+        snprintf(msg, msg_size, "%s", code ? rt->err_msg : "");
+    }
+    rt->err_code = 0;
+    rt->err_msg[0] = '\0';
+    return code;
+}
+
+__attribute__((format(printf, 3, 4))) static bool fail(mf_route_trace * rt, int code, const char * fmt, ...) {
+    if (rt->err_code == 0) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(rt->err_msg, sizeof rt->err_msg, fmt, ap);
+        va_end(ap);
+        rt->err_code = code;
+    }
+    return false;  // stops the graph
+}
+
+// the router's probability of expert e for token row i1 (the sorted selection scores, the topk
+// view's source's source), 0 when the graph does not have them as F32 [n_expert, n_tokens]
+static float selection_score(const struct ggml_tensor * topk, int64_t i1, int32_t e) {
+    const struct ggml_tensor * argsort = topk->view_src ? topk->view_src : topk->src[0];
+    const struct ggml_tensor * scores  = argsort ? argsort->src[0] : NULL;
+    if (!scores || scores->type != GGML_TYPE_F32 || !scores->data || e >= scores->ne[0] || i1 >= scores->ne[1]) {
+        return 0.0f;
+    }
+    return *(const float *) ((const char *) scores->data + i1 * scores->nb[1] + e * scores->nb[0]);
+}
+
+static int record(mf_route_trace * rt, int64_t step, int32_t layer, int32_t slot, int32_t expert, float weight) {
+    if (rt->n_rec == rt->cap_rec) {
+        const int64_t     cap = rt->cap_rec ? 2 * rt->cap_rec : 4096;
+        mf_route_record * rec = realloc(rt->rec, (size_t) cap * sizeof *rec);
+        if (!rec) {
+            return -ENOMEM;
+        }
+        rt->rec = rec;
+        rt->cap_rec = cap;
+    }
+    rt->rec[rt->n_rec++] = (mf_route_record) {
+        .turn = rt->turn, .phase = rt->phase, .step = (int32_t) step, .layer = layer,
+        .slot = slot, .expert = expert, .weight = weight,
+    };
+    return 0;
+}
+
+// one ffn_moe_topk-<il> node, computed: replace and/or record its ids. False stops the graph
+static bool route_node(mf_route_trace * rt, struct ggml_tensor * ids) {
+    char *        end = NULL;
+    const long    il  = strtol(ids->name + MF_TOPK_PREFIX_LEN, &end, 10);
+    const int64_t n_tokens = ids->ne[1];
+    if (end == ids->name + MF_TOPK_PREFIX_LEN || il < 0 || il >= rt->n_layer) {
+        return fail(rt, -EINVAL, "%s: the route trace has %d layers", ids->name, (int) rt->n_layer);
+    }
+    if (ids->type != GGML_TYPE_I32 || ids->ne[0] != rt->k || ids->ne[2] != 1 || ids->ne[3] != 1) {
+        return fail(rt, -EINVAL, "layer %ld selects %lld experts per token, the route trace %d", il,
+                    (long long) ids->ne[0], (int) rt->k);
+    }
+    if (n_tokens > rt->batch_tokens) {
+        rt->batch_tokens = n_tokens;  // a batch nobody announced: its rows are its tokens
+    }
+    const int64_t   first = rt->batch_start + rt->batch_tokens - n_tokens;
+    rt->node_first = first;
+    rt->node_rows  = n_tokens;
+    const int32_t * table = rt->replay[rt->phase];
+    const int64_t   steps = rt->n_steps[rt->phase];
+    for (int64_t i1 = 0; i1 < n_tokens; i1++) {
+        const int64_t step = first + i1;
+        int32_t *     row  = (int32_t *) ((char *) ids->data + i1 * ids->nb[1]);
+        if (table) {
+            const int32_t * want = table + ((size_t) (step % steps) * (size_t) rt->n_layer + (size_t) il) * (size_t) rt->k;
+            if (want[0] >= 0) {
+                memcpy(row, want, (size_t) rt->k * sizeof *row);
+            }
+        }
+        for (int32_t slot = 0; rt->recording && slot < rt->k; slot++) {
+            if (record(rt, step, (int32_t) il, slot, row[slot], selection_score(ids, i1, row[slot])) != 0) {
+                return fail(rt, -ENOMEM, "no memory to record the routing of layer %ld", il);
+            }
+        }
+    }
+    return true;
+}
+
+int32_t mf_route_trace_predict(void * user_data, int32_t il, uint8_t * want) {
+    const mf_route_trace * rt    = user_data;
+    const int32_t *        table = rt->replay[rt->phase];
+    const int64_t          steps = rt->n_steps[rt->phase];
+    if (!table || il < 0 || il >= rt->n_layer) {
+        return 0;
+    }
+    int32_t n = 0;
+    for (int64_t i = 0; i < rt->node_rows; i++) {
+        const int64_t   step = rt->node_first + i;
+        const int32_t * ids  = table + ((size_t) (step % steps) * (size_t) rt->n_layer + (size_t) il) * (size_t) rt->k;
+        for (int32_t slot = 0; ids[0] >= 0 && slot < rt->k; slot++) {
+            n += !want[ids[slot]];
+            want[ids[slot]] = 1;
+        }
+    }
+    return n;
+}
+
+bool mf_route_trace_eval_cb(struct ggml_tensor * t, bool ask, void * user_data) {
+    mf_route_trace * rt   = user_data;
+    const bool       topk = strncmp(t->name, MF_TOPK_PREFIX, MF_TOPK_PREFIX_LEN) == 0;
+    if (ask) {
+        // the chained callback is asked about every node (it checks expert matmuls at ask time)
+        const bool next_wants = rt->next && rt->next(t, true, rt->next_user_data);
+        return topk || next_wants;
+    }
+    if (rt->err_code != 0) {
+        return false;
+    }
+    if (topk && !route_node(rt, t)) {
+        return false;
+    }
+    return rt->next ? rt->next(t, false, rt->next_user_data) : true;
+}

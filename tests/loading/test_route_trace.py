@@ -1,0 +1,210 @@
+"""Trace-routed runs (--route-trace, --record-route-trace) through the one loader and token loop.
+
+Recording a run gives the model's own routing (checked against an independent recorder) and
+changes nothing; replaying a trace makes every layer route each token as the trace says (the
+recording of a replayed run is the trace, wrapped where the run is longer), on a resident and a
+streamed model alike; and the identity gate of trace routing: a streamed model whose budget
+evicts on every route gives the resident model's tokens and logits, byte for byte, under the
+same trace. A trace that does not fit the model is refused before it loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+
+from server.engine.token_loop import GenerationRequest, GenerationStats, SamplingParams, generate
+from server.errors import ConfigError
+from server.loading.loader import load_model
+from server.loading.route_trace import ModelShape, Route, load_trace, recorded_routes, write_trace
+from server.settings import Budget, ModelSettings, RouteTraceSettings
+from tests.models import RouteRecorder, expert_layer_bytes, last_logits, load_llama
+
+PROMPT = tuple((7 * i + 40) % 300 for i in range(24))
+N_TOKENS = 10
+# the trace is shorter than the run in both phases: replay wraps around
+TRACE_PROMPT_STEPS, TRACE_DECODE_STEPS = 16, 6
+
+
+class Run(NamedTuple):
+    tokens: list[int]
+    digest: str  # sha256 of every logits row sampled from
+    routes: list[Route]  # the routing the run used, as recorded
+    evictions: int  # the expert cache's (0 for a resident model)
+    prefetched: int  # over the decode steps: entries read ahead of their layer's routing
+    prefetch_hits: int  # of them, routed by their layer
+
+
+def run(
+    path: Path,
+    mode: str,
+    budget: Budget = "auto",
+    replay: Path | None = None,
+    prefetch_from_trace: bool = False,
+) -> Run:
+    """Greedy decoding on the engine's token loop, its routing recorded."""
+    settings = ModelSettings(model=path, mode=mode, budget=budget, ctx_size=512, threads=2, flash_attn="off")
+    record = path.with_suffix(".recorded.csv")
+    routing = RouteTraceSettings(
+        route_trace=replay, record_route_trace=record, prefetch_from_trace=prefetch_from_trace
+    )
+    loaded = load_model(settings, routing)
+    digest = hashlib.sha256()
+    tokens: list[int] = []
+
+    def on_token(token: int, _step: object) -> None:
+        digest.update(last_logits(loaded.llama).tobytes())
+        tokens.append(token)
+
+    try:
+        params = SamplingParams(max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True)
+        generate(
+            loaded.llama,
+            GenerationRequest(PROMPT, params),
+            GenerationStats(),
+            lambda _d: None,
+            lambda: False,
+            on_token,
+        )
+        routes = recorded_routes(loaded.llama)
+        streamer = loaded.llama.totals().streamer
+        decode = [step.streamer for step in loaded.llama.steps if step.n_tokens == 1 and step.streamer]
+    finally:
+        loaded.close()
+    return Run(
+        tokens,
+        digest.hexdigest(),
+        routes,
+        streamer.evictions if streamer else 0,
+        sum(s.prefetched for s in decode),
+        sum(s.prefetch_hits for s in decode),
+    )
+
+
+def random_trace(path: Path, out: Path, seed: int = 1) -> Path:
+    """A trace of the model's shape with routing drawn at random (nothing like the model's own)."""
+    shape = ModelShape.of(path)
+    rng = random.Random(seed)
+    routes = [
+        Route(phase == 1, layer, tuple(rng.sample(range(shape.n_expert), shape.n_expert_used)), 0, step)
+        for phase, n_steps in ((0, TRACE_PROMPT_STEPS), (1, TRACE_DECODE_STEPS))
+        for step in range(n_steps)
+        for layer in range(shape.n_layer)
+    ]
+    write_trace(out, shape, routes)
+    return out
+
+
+def assert_steps(routes: list[Route], n_layer: int) -> None:
+    """Every layer routed each decode step once, and the prompt's last tokens in order: all of
+    them, or (a last layer that computes only the tokens whose logits are asked for) the last."""
+    for layer in range(n_layer):
+        prompt = [r.step for r in routes if r.layer == layer and not r.decode]
+        assert prompt in (list(range(len(PROMPT))), [len(PROMPT) - 1]), (
+            f"layer {layer}: prompt steps {prompt}"
+        )
+        decode = [r.step for r in routes if r.layer == layer and r.decode]
+        assert decode == list(range(N_TOKENS - 1)), f"layer {layer}: decode steps {decode}"
+
+
+def by_token(routes: list[Route]) -> dict[tuple[bool, int, int], tuple[int, ...]]:
+    return {(r.decode, r.step, r.layer): r.experts for r in routes}
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3moe", "tiny-gemma4"])
+def test_recorded_routing_is_the_models_own(tiny_model: Callable[..., Path], preset: str) -> None:
+    path = tiny_model(preset)
+    tokens, _, routes, *_ = run(path, "resident")
+    # an independent recorder (Python, ggml's accessors) on a plain Llama, no moeflash callback
+    k = ModelShape.of(path).n_expert_used
+    recorder = RouteRecorder(k)
+    llm = load_llama(path, cb_eval=recorder.callback)
+    try:
+        llm.eval(list(PROMPT))
+        plain: list[int] = []
+        for _ in range(N_TOKENS):
+            plain.append(int(last_logits(llm).argmax()))
+            if len(plain) < N_TOKENS:
+                llm.eval([plain[-1]])
+    finally:
+        llm.close()
+    assert tokens == plain, "recording changed the output"
+    for layer, rows in recorder.routes.items():
+        ours = [r.experts for r in routes if r.layer == layer]
+        assert ours == rows, f"layer {layer}: the recorded routing is not the model's"
+    assert_steps(routes, ModelShape.of(path).n_layer)
+    assert all(len(r.weights) == k and all(0.0 < w <= 1.0 for w in r.weights) for r in routes)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3moe", "tiny-gemma4"])
+def test_trace_routed_streaming_matches_resident(
+    tiny_model: Callable[..., Path], tmp_path: Path, preset: str
+) -> None:
+    path = tiny_model(preset)
+    trace_file = random_trace(path, tmp_path / f"{preset}.route.csv")
+    trace = by_token(load_trace(trace_file).routes)
+    own = run(path, "resident")
+    resident = run(path, "resident", replay=trace_file)
+    # one layer's experts: every route evicts
+    streamed = run(path, "streaming", budget=expert_layer_bytes(path), replay=trace_file)
+    assert streamed.evictions > 0, "the budget must evict for the gate to mean something"
+    assert (streamed.tokens, streamed.digest) == (resident.tokens, resident.digest), (
+        "trace-routed streaming differs from trace-routed resident"
+    )
+    assert resident.digest != own.digest, "the trace did not change the routing"
+    for routes in (resident.routes, streamed.routes):
+        assert_steps(routes, ModelShape.of(path).n_layer)
+        for r in routes:
+            steps = TRACE_DECODE_STEPS if r.decode else TRACE_PROMPT_STEPS
+            assert r.experts == trace[(r.decode, r.step % steps, r.layer)], f"{r} is not the trace's"
+
+
+def test_prefetch_from_the_trace_reads_what_the_trace_routes(
+    tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    path = tiny_model("tiny-qwen3moe")
+    trace_file = random_trace(path, tmp_path / "trace.route.csv")
+    resident = run(path, "resident", replay=trace_file)
+    # two layers' experts: room to read the next layer's beside the running one's, and evictions
+    budget = 2 * expert_layer_bytes(path)
+    oracle = run(path, "streaming", budget=budget, replay=trace_file, prefetch_from_trace=True)
+    router = run(path, "streaming", budget=budget, replay=trace_file)
+    assert oracle.evictions > 0
+    assert (oracle.tokens, oracle.digest) == (resident.tokens, resident.digest), (
+        "prefetch from the trace changed the output"
+    )
+    # a decode step routes one token: the trace's next layer is exactly what gets routed
+    assert oracle.prefetched > 0 and oracle.prefetch_hits == oracle.prefetched
+    # the model's router predicts the model's routing, not the trace's
+    assert router.prefetched > 0 and router.prefetch_hits < router.prefetched
+    with pytest.raises(ConfigError, match="--prefetch-from-trace needs --route-trace"):
+        run(path, "streaming", budget=budget, prefetch_from_trace=True)
+
+
+def test_a_trace_that_does_not_fit_is_refused(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    path = tiny_model("tiny-qwen3moe")
+    shape = ModelShape.of(path)
+    good = load_trace(random_trace(path, tmp_path / "good.route.csv")).routes
+    cases: dict[str, tuple[Any, list[Route]]] = {
+        "layers": (
+            ModelShape(**{**vars(shape), "n_layer": shape.n_layer - 1}),
+            [r for r in good if r.layer < shape.n_layer - 1],
+        ),
+        "experts per layer": (ModelShape(**{**vars(shape), "n_expert": shape.n_expert * 2}), good),
+        "experts per token": (
+            ModelShape(**{**vars(shape), "n_expert_used": shape.n_expert_used - 1}),
+            [Route(r.decode, r.layer, r.experts[:-1], r.turn, r.step) for r in good],
+        ),
+        "no decode steps": (shape, [r for r in good if not r.decode]),
+    }
+    for what, (trace_shape, routes) in cases.items():
+        bad = tmp_path / f"bad-{what.replace(' ', '-')}.route.csv"
+        write_trace(bad, trace_shape, routes)
+        settings = ModelSettings(model=path, mode="resident", ctx_size=512)
+        with pytest.raises(ConfigError, match=f"cannot route {path.name}: .*{what}"):
+            load_model(settings, RouteTraceSettings(route_trace=bad))
