@@ -194,10 +194,10 @@ class ModelSettings(BaseSettings):
         description="let the matmuls of experts already read run while the rest are read (off by default: "
         "no faster on 2 cores, bench/reports/qwen30b-shape.md)",
     )
-    prefetch: bool = Field(
-        True,
-        description="read the next layer's predicted experts (its router on this layer's input) while "
-        "this layer computes",
+    prefetch: Literal["router", "history", "off"] = Field(
+        "router",
+        description="read the next layer's predicted experts while this layer computes, predicted by its "
+        "router on this layer's input, or by which experts followed this layer's in past tokens (history)",
     )
     cache_policy: Literal["layer", "lru", "none"] = Field("layer", description="expert cache eviction policy")
     chat_template_file: Path | None = Field(
@@ -228,14 +228,14 @@ class ModelSettings(BaseSettings):
 
     def streamer_config(self) -> StreamerConfig:
         """The expert streamer's levers, as the streamer takes them (built once, here)."""
-        from streaming_ext import Policy, Reader, StreamerConfig
+        from streaming_ext import Policy, Prefetch, Reader, StreamerConfig
 
         return StreamerConfig(
             lanes=self.lanes,
             reader=Reader[self.reader.upper()],
             overlap=self.overlap,
             policy=Policy[self.cache_policy.upper()],
-            prefetch=self.prefetch,
+            prefetch=Prefetch[self.prefetch.upper()],
         )
 
 

@@ -9,6 +9,7 @@ from streaming_ext.routes import RouteRecord, RouteTracer
 from streaming_ext.streamer import (
     CachePolicy,
     Policy,
+    Prefetch,
     Reader,
     Streamer,
     StreamerConfig,
@@ -19,6 +20,7 @@ from streaming_ext.streamer import (
 __all__ = [
     "CachePolicy",
     "Policy",
+    "Prefetch",
     "Reader",
     "RouteRecord",
     "RouteTracer",

@@ -31,6 +31,14 @@ class Policy(IntEnum):
     NONE = 2  # no cache: only the running layer's experts stay
 
 
+class Prefetch(IntEnum):
+    """enum mf_prefetch: what predicts the next layer's experts for prefetch."""
+
+    OFF = 0
+    ROUTER = 1  # the next layer's router on this layer's input (default)
+    HISTORY = 2  # which experts followed this layer's in past tokens (routing alone)
+
+
 class Reader(IntEnum):
     """enum mf_reader: how expert bytes are read."""
 
@@ -64,8 +72,8 @@ class StreamerConfig:
     fault_after_bytes: int = 0
     # negative control for tests: never read expert (skip_expert - 1), leave its memory as it was
     skip_expert: int = 0
-    # read the next layer's predicted experts while this layer computes
-    prefetch: bool = True
+    # read the next layer's predicted experts while this layer computes, predicted by
+    prefetch: Prefetch = Prefetch.ROUTER
 
 
 @dataclass(frozen=True)
@@ -282,6 +290,17 @@ class CachePolicy:
         if rc < 0:
             raise StreamerError(f"route of layer {layer} failed: {os.strerror(-rc)}", -rc)
         return rc
+
+    def prefetch(self, layer: int, experts: list[int]) -> list[int]:
+        """Admit predicted experts of `layer` ahead of its routing, as the streamer's prefetch does
+        (nothing pinned, counted or learned); returns those it would read."""
+        ctypes.memset(self._want, 0, self.n_expert)
+        for e in experts:
+            self._want[e] = 1
+        n = int(self.lib.cdll.mf_cache_prefetch(self._handle, layer, self._want))
+        out = (ctypes.c_int32 * max(n, 1))()
+        self.lib.cdll.mf_cache_loads(self._handle, out, n)
+        return list(out[:n])
 
     def counts(self) -> tuple[int, int, int]:
         """(hits, misses, evictions) so far."""

@@ -289,6 +289,7 @@ def _prefetch_figures(run: Run | None) -> dict[str, Any] | None:
 def _trace_figures(result: BenchResult, cap: int, sd: dict[str, Any] | None) -> dict[str, Any]:
     """A trace-routed cap: the prefetch's bounds (the model's router, a lower bound since it
     predicts the model's routing, not the trace's; the trace itself, the upper bound; none), the
+    prefetch from past routing between them, the
     cache's hit rate without prefetch against the replay of the same routes at the same budget,
     and the default policy's share of Belady's optimum there."""
     from server.bench.replay import replay_run
@@ -299,6 +300,7 @@ def _trace_figures(result: BenchResult, cap: int, sd: dict[str, Any] | None) -> 
     off_run = _by_name(result, "lever-no-prefetch", cap)
     out: dict[str, Any] = {
         "prefetch_router": _prefetch_figures(_median_run(_runs_of(result, "streaming", cap))),
+        "prefetch_history": _prefetch_figures(_by_name(result, "streaming-prefetch-history", cap)),
         "prefetch_trace": _prefetch_figures(_by_name(result, "streaming-prefetch-from-trace", cap)),
         "prefetch_off": _prefetch_figures(off_run),
         "cache_share": sd["cache_s"] / sd["seconds"] if sd and sd["seconds"] else None,

@@ -238,3 +238,104 @@ def replay_run(
     ours = _streamer(framed, budget_bytes, policy).result("run", 0)
     best = _belady(framed, budget_bytes).result("belady", 0)
     return RunReplay(ours.hit_pct_decode, best.hit_pct_decode)
+
+
+# next-layer predictors of prefetch that use only past routing, and the trace itself (an oracle)
+PREDICTORS = ("none", "previous token", "co-occurrence", "trace")
+
+
+class _CoOccurrence:
+    """Which experts of layer l + 1 follow which of layer l in the same token, counted over the
+    tokens routed so far: P(b at l + 1 | a at l) summed over the token's experts a at layer l."""
+
+    def __init__(self, n_layer: int, n_expert: int) -> None:
+        self.n_expert = n_expert
+        self.pairs = [[[0] * n_expert for _ in range(n_expert)] for _ in range(n_layer)]
+        self.seen = [[0] * n_expert for _ in range(n_layer)]
+
+    def learn(self, layer: int, experts: tuple[int, ...], after: tuple[int, ...]) -> None:
+        """One token routed `experts` at layer and `after` at layer + 1."""
+        for a in experts:
+            self.seen[layer][a] += 1
+            row = self.pairs[layer][a]
+            for b in after:
+                row[b] += 1
+
+    def predict(self, layer: int, experts: tuple[int, ...], k: int) -> list[int]:
+        """The k likeliest experts of layer + 1 given layer's (fewer when little is known)."""
+        score = [0.0] * self.n_expert
+        for a in experts:
+            n = self.seen[layer][a]
+            if n:
+                for b, c in enumerate(self.pairs[layer][a]):
+                    score[b] += c / n
+        ranked = sorted(range(self.n_expert), key=lambda b: -score[b])
+        return [b for b in ranked[:k] if score[b] > 0]
+
+
+@dataclass(frozen=True)
+class PrefetchResult:
+    """One predictor at one budget, over the decode tokens of a trace (the prompt warms the cache
+    and teaches the predictors, without prefetch)."""
+
+    predictor: str
+    budget_mib: int
+    hit_pct_decode: float  # routed entries resident at their routing, prefetched ones included
+    slot_pct: float  # of the routed entries, the share the predictor named (cached or not)
+    useful_pct: float  # of the entries prefetch read, the share their layer then routed
+    read_mib_per_token: float  # demand misses plus prefetch reads
+
+
+def replay_prefetch(
+    trace: Trace, budget_mib: int, predictor: str, policy: Policy = Policy.LAYER
+) -> PrefetchResult:
+    """The streamer's cache policy and its prefetch admission (mf_cache_prefetch) on the trace in
+    its order, each decode layer's successor predicted as the layer routes, as the streamer does.
+    Co-occurrence learns a pair once both layers of a token have routed (past routing only)."""
+    if predictor not in PREDICTORS:
+        raise ValueError(f"predictor must be one of {PREDICTORS}")
+    cache = CachePolicy(trace.n_layer, trace.n_expert, trace.entry_bytes, budget_mib * _MIB, policy)
+    cooc = _CoOccurrence(trace.n_layer, trace.n_expert)
+    by_token = {(r.decode, r.turn, r.step, r.layer): r.experts for r in trace.routes}
+    routed = hits = named = loaded = useful = read_bytes = 0
+    latest: dict[int, tuple[int, ...]] = {}  # per layer: the experts of its last route
+    guessed: dict[int, set[int]] = {}  # per layer: the last prediction for it, and what it read
+    pending: dict[int, set[int]] = {}
+    try:
+        for r in trace.routes:
+            token = (r.decode, r.turn, r.step)
+            misses = cache.route(r.layer, list(r.experts))
+            before = by_token.get((*token, r.layer - 1))
+            if before is not None:
+                cooc.learn(r.layer - 1, before, r.experts)
+            if r.decode:
+                want = set(r.experts)
+                routed += len(want)
+                hits += len(want) - misses
+                named += len(want & guessed.pop(r.layer, set()))
+                useful += len(want & pending.pop(r.layer, set()))
+                read_bytes += misses * trace.entry_bytes[r.layer]
+            following = by_token.get((*token, r.layer + 1))
+            if r.decode and predictor != "none" and following is not None:
+                if predictor == "trace":
+                    guess = list(following)
+                elif predictor == "previous token":
+                    guess = list(latest.get(r.layer + 1, ()))
+                else:
+                    guess = cooc.predict(r.layer, r.experts, trace.k)
+                read = cache.prefetch(r.layer + 1, guess)
+                guessed[r.layer + 1], pending[r.layer + 1] = set(guess), set(read)
+                loaded += len(read)
+                read_bytes += len(read) * trace.entry_bytes[r.layer + 1]
+            latest[r.layer] = r.experts
+    finally:
+        cache.close()
+    n_decode = len(trace.steps(decode=True))
+    return PrefetchResult(
+        predictor,
+        budget_mib,
+        100.0 * hits / routed if routed else 0.0,
+        100.0 * named / routed if routed else 0.0,
+        100.0 * useful / loaded if loaded else 0.0,
+        read_bytes / _MIB / n_decode if n_decode else 0.0,
+    )

@@ -219,7 +219,9 @@ def _traced(ra: dict[str, Any]) -> list[str]:
         "",
         "Prefetch predicts the next layer's experts. The model's router (the default) predicts the"
         " model's own routing, not the trace's: a lower bound. Reading what the trace routes next"
-        " (`--prefetch-from-trace`) is the upper bound; prefetch off, the floor. Hit rate = cached +"
+        " (`--prefetch-from-trace`) is the upper bound; prefetch off, the floor. Past routing"
+        " (`--prefetch history`) predicts which experts follow the layer's from earlier tokens, as"
+        " honest under a trace as on the model's own routing. Hit rate = cached +"
         " prefetched; accuracy = the share of prefetched experts their layer routed. Without"
         " prefetch the hit rate is the cache policy's alone: the replay runs the same routes (the"
         " prompt's batch unions, then each decode token) through the same policy code at the run's"
@@ -232,6 +234,7 @@ def _traced(ra: dict[str, Any]) -> list[str]:
     for cap in caps:
         for key, label in (
             ("prefetch_router", "model's router"),
+            ("prefetch_history", "past routing"),
             ("prefetch_trace", "trace (oracle)"),
             ("prefetch_off", "off"),
         ):

@@ -89,21 +89,28 @@ class SystemSet:
 
 
 # under trace routing the model's router predicts the wrong routing: the default's prefetch is the
-# lower bound of prefetch, this one (mf_route_trace_predict) the upper; prefetch off is the floor
-# and the run whose hit rate is the cache policy's alone (ratios.py checks it against the replay)
+# lower bound of prefetch, this one (mf_route_trace_predict) the upper; history prefetch predicts
+# from past routing alone, honestly under a trace too; prefetch off is the floor and the run whose
+# hit rate is the cache policy's alone (ratios.py checks it against the replay)
 PREFETCH_FROM_TRACE = System(
     "streaming-prefetch-from-trace",
     True,
     ("--prefetch-from-trace",),
     description="moeflash, prefetch reading the next layer's experts as the trace routes them (oracle)",
 )
-NO_PREFETCH = System("lever-no-prefetch", True, ("--no-prefetch",), lever="prefetch off")
+PREFETCH_HISTORY = System(
+    "streaming-prefetch-history",
+    True,
+    ("--prefetch", "history"),
+    description="moeflash, prefetch predicting from past routing alone (which experts followed which)",
+)
+NO_PREFETCH = System("lever-no-prefetch", True, ("--prefetch", "off"), lever="prefetch off")
 
 
 def default_systems(mmap_tokens: int, levers: bool = True, traced: bool = False) -> SystemSet:
     """resident + all-cached streaming (uncapped); stock mmap, streaming best and levers (capped);
-    `traced` (routing replayed from a trace): prefetch from the trace and prefetch off, levers or
-    not."""
+    `traced` (routing replayed from a trace): prefetch from past routing, from the trace and off,
+    levers or not."""
     uncapped = [
         System(
             "resident",
@@ -188,5 +195,5 @@ def default_systems(mmap_tokens: int, levers: bool = True, traced: bool = False)
     if levers or traced:
         capped.append(NO_PREFETCH)
     if traced:
-        capped.append(PREFETCH_FROM_TRACE)
+        capped += [PREFETCH_HISTORY, PREFETCH_FROM_TRACE]
     return SystemSet(uncapped, capped)

@@ -139,10 +139,10 @@ def load_model(settings: ModelSettings, routing: RouteTraceSettings | None = Non
     from server.loading.route_trace import build_tracer
 
     if routing is not None and routing.prefetch_from_trace:
-        if routing.route_trace is None or mode != "streaming" or not settings.prefetch:
+        if routing.route_trace is None or mode != "streaming" or settings.prefetch == "off":
             raise ConfigError(
                 f"--prefetch-from-trace needs --route-trace, streaming and prefetch on (mode {mode}, "
-                f"prefetch {'on' if settings.prefetch else 'off'})"
+                f"prefetch {settings.prefetch})"
             )
     traced = build_tracer(routing, path) if routing is not None else None
     if traced is not None:

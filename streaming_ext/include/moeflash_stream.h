@@ -51,6 +51,12 @@ enum mf_policy {
     MF_POLICY_NONE   = 2,  // no cache: only the running layer's experts are kept
 };
 
+enum mf_prefetch {
+    MF_PREFETCH_OFF     = 0,
+    MF_PREFETCH_ROUTER  = 1,  // the next layer's router on this layer's input (the default)
+    MF_PREFETCH_HISTORY = 2,  // which experts followed this layer's in past tokens (routing alone)
+};
+
 enum mf_reader {
     MF_READER_DIRECT   = 0,  // O_DIRECT (page-aligned reads straight into place); buffered if refused
     MF_READER_BUFFERED = 1,  // plain pread through the page cache
@@ -65,7 +71,7 @@ typedef struct mf_config {
     int32_t      reader;             // enum mf_reader
     int32_t      overlap;            // non-zero: reads overlap compute through the mul_mat_id ready hook
     int32_t      policy;             // enum mf_policy
-    int32_t      prefetch;           // non-zero: read the next layer's predicted experts ahead of its routing
+    int32_t      prefetch;           // enum mf_prefetch: read the next layer's predicted experts ahead of its routing
     // fault injection for tests: after fault_after_bytes expert bytes have been read, reads fail
     // with fault_errno (0 = off)
     int32_t      fault_errno;
@@ -217,6 +223,14 @@ MF_API void mf_cache_free(mf_cache * c);
 // per the policy), pins the layer until the next call. Returns the number of misses (>= 0) or
 // -ENOSPC when the routed set alone exceeds the budget.
 MF_API int mf_cache_route(mf_cache * c, int32_t layer, const uint8_t * want);
+
+// Admits predicted experts of `layer` ahead of its routing, as the streamer's prefetch does: like
+// mf_cache_route, but nothing is pinned, counted or learned, and it stops rather than evict the
+// running layer's routed entries or its own admissions. Returns the number of entries to load.
+MF_API int32_t mf_cache_prefetch(mf_cache * c, int32_t layer, const uint8_t * want);
+// The experts (of the layer) that the last mf_cache_route or mf_cache_prefetch admitted, to be
+// read: up to max of them into out; returns how many there are.
+MF_API int32_t mf_cache_loads(const mf_cache * c, int32_t * out, int32_t max);
 
 // Counters of a stand-alone cache: hits, misses, evictions.
 MF_API void mf_cache_counts(const mf_cache * c, uint64_t * hits, uint64_t * misses, uint64_t * evictions);

@@ -529,3 +529,10 @@ int32_t mf_cache_evict_all(mf_cache * c) {
     c->pinned_layer = -1;
     return c->n_evict;
 }
+
+int32_t mf_cache_loads(const mf_cache * c, int32_t * out, int32_t max) {
+    for (int32_t i = 0; i < c->n_load && i < max; i++) {
+        out[i] = c->load[i];
+    }
+    return c->n_load;
+}

@@ -6,6 +6,7 @@
 //   mf_buft.c      the three buffer types; registers expert tensors while the model loads
 //   mf_lanes.c     reader lanes and the memory of slices: carries out a route's loads and evictions
 //   mf_predict.c   the next layer's experts, from its router
+//   mf_history.c   the next layer's experts, from past routing
 //   mf_cache.c     the cache policy (mf_affinity.c: its routing affinity model)
 //   mf_frames.c    the arena of frames that resident entries live in
 //   mf_error.c     the streamer's error record
@@ -215,10 +216,7 @@ struct mf_cache {
     uint64_t   evictions;
 };
 
-// admits predicted entries of `layer` ahead of its routing: like mf_cache_route (same lists), but
-// nothing is pinned, counted or learned, and it stops rather than evict the running layer's
-// routed entries or its own admissions. Returns the number of entries to load.
-int32_t mf_cache_prefetch(mf_cache * c, int32_t layer, const uint8_t * want);
+// mf_cache_prefetch (moeflash_stream.h) fills the same load / evict lists as mf_cache_route
 // whether every expert of `layer` is resident (then there is nothing to predict or prefetch)
 bool mf_cache_layer_resident(const mf_cache * c, int32_t layer);
 // forgets a resident entry whose read failed (it is not resident after all)
@@ -333,6 +331,13 @@ struct mf_streamer {
     int32_t                     pf_layer;
     mf_predictor                predictor;       // NULL: predict from the routers
     void *                      predictor_data;
+    // routing history (mf_history.c): per layer l, counts of (expert a at l, expert b at l + 1)
+    // in one token, of a at l, and the last routed layer's ids
+    float *   hist_pairs;  // [n_layers][n_expert][n_expert]
+    float *   hist_seen;   // [n_layers][n_expert]
+    int32_t * hist_prev;   // [hist_rows][hist_k]
+    int64_t   hist_cap, hist_rows, hist_k;
+    int32_t   hist_layer;
 
     mf_frames     frames;  // the memory of resident entries (not under hold_all)
     char          memory_note[200];
@@ -390,6 +395,11 @@ int     mf_predict_note(mf_streamer * s, const struct ggml_tensor * t);  // whil
 void    mf_predict_resolve(mf_streamer * s);                             // once layers exist
 // marks in want[] the experts layer il + 1 is predicted to route; returns how many (0: no guess)
 int32_t mf_predict_next(mf_streamer * s, int32_t il, const struct ggml_tensor * topk, uint8_t * want);
+// ---------------------------------------------------------------- routing history (mf_history.c)
+int     mf_history_init(mf_streamer * s);  // once layers exist: 0 or -ENOMEM
+void    mf_history_free(mf_streamer * s);
+int     mf_history_learn(mf_streamer * s, int32_t il, const struct ggml_tensor * ids);  // 0 or -ENOMEM
+int32_t mf_history_predict(mf_streamer * s, int32_t il, const struct ggml_tensor * ids, uint8_t * want);
 
 // ---------------------------------------------------------------- lanes and slice memory (mf_lanes.c)
 int      mf_lanes_start(mf_streamer * s, int32_t n);  // 0 or -errno (the lanes started stay counted)

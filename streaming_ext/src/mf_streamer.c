@@ -55,6 +55,8 @@ static void prefetch_next(mf_streamer * s, int32_t il, const struct ggml_tensor 
     if (s->predictor) {
         memset(s->want_next, 0, (size_t) s->n_expert);
         n = s->predictor(s->predictor_data, il + 1, s->want_next);
+    } else if (s->cfg.prefetch == MF_PREFETCH_HISTORY) {
+        n = mf_history_predict(s, il, ids, s->want_next);
     } else {
         n = mf_predict_next(s, il, ids, s->want_next);
     }
@@ -127,6 +129,10 @@ static bool route_layer(mf_streamer * s, int32_t il, const struct ggml_tensor * 
             }
             s->want[e] = 1;
         }
+    }
+    if (s->cfg.prefetch == MF_PREFETCH_HISTORY && mf_history_learn(s, il, ids) != 0) {
+        mf_streamer_fail(s, -ENOMEM, "no memory to learn the routing of layer %d", (int) il);
+        return false;
     }
     const int rc = mf_cache_route(s->cache, il, s->want);
     if (rc < 0) {
@@ -438,6 +444,9 @@ static int build_prediction(mf_streamer * s) {
     s->want_next   = calloc((size_t) s->n_expert, 1);
     s->pf_mark     = calloc((size_t) s->n_expert, 1);
     s->pf_layer    = -1;
+    if (s->cfg.prefetch == MF_PREFETCH_HISTORY && mf_history_init(s) != 0) {
+        return -ENOMEM;
+    }
     return s->pred_v && s->pred_scores && s->want_next && s->pf_mark ? 0 : -ENOMEM;
 }
 
@@ -535,9 +544,9 @@ int mf_streamer_new(const mf_config * cfg, mf_streamer ** out, char * last_error
     s->page_size = mf_page_size();
     if (!cfg->model_path || cfg->n_lanes < 1 || cfg->n_lanes > MF_MAX_LANES || cfg->reader < MF_READER_DIRECT ||
         cfg->reader > MF_READER_BUFFERED || cfg->policy < MF_POLICY_LRU || cfg->policy > MF_POLICY_NONE ||
-        cfg->fault_errno < 0) {
+        cfg->prefetch < MF_PREFETCH_OFF || cfg->prefetch > MF_PREFETCH_HISTORY || cfg->fault_errno < 0) {
         snprintf(s->last_error, sizeof s->last_error,
-                 "invalid streamer configuration (lanes 1..%d, reader, policy, model path)", MF_MAX_LANES);
+                 "invalid streamer configuration (lanes 1..%d, reader, policy, prefetch, model path)", MF_MAX_LANES);
         return fail_new(s, -EINVAL, last_error, last_error_size);
     }
     if (s->page_size == 0 || (s->page_size & (s->page_size - 1)) != 0 || MF_BOUNCE_SIZE % s->page_size != 0) {
@@ -597,6 +606,7 @@ void mf_streamer_free(mf_streamer * s) {
     free(s->pred_v);
     free(s->pred_scores);
     free(s->want_next);
+    mf_history_free(s);
     free(s->pf_mark);
     free(s->bounce);
     mf_cache_free(s->cache);

@@ -188,6 +188,17 @@ def test_replay_reproduces_the_published_lru_and_belady_curves(tmp_path: Path) -
         assert summary["never_below_lru"] is True and summary["no_zero_cliff"] is True
         policies = {r["policy"] for r in data["traces"][name]["results"]}
         assert policies == {"layer", "lru", "lfu", "random", "belady"}
+        # prefetch by predictor: without one, the default policy's own figure; with the trace's
+        # next layer, every prefetched expert routed and the same bytes read, far more hits
+        layer = {r["budget_mib"]: r for r in data["traces"][name]["results"] if r["policy"] == "layer"}
+        prefetch = {(r["budget_mib"], r["predictor"]): r for r in data["traces"][name]["prefetch"]}
+        for budget in (1000, 2000, 3000):
+            off, oracle = prefetch[(budget, "none")], prefetch[(budget, "trace")]
+            assert off["hit_pct_decode"] == pytest.approx(layer[budget]["hit_pct_decode"])
+            assert oracle["useful_pct"] == 100.0 and oracle["hit_pct_decode"] > off["hit_pct_decode"] + 15
+            assert oracle["read_mib_per_token"] == pytest.approx(off["read_mib_per_token"], rel=0.05)
+            # past routing alone names more than half the routed experts (bench/reports/trace-replay.md)
+            assert prefetch[(budget, "co-occurrence")]["slot_pct"] > 50.0
     # regression guards at the measured level (bench/reports/trace-replay.md: 0.824 / 0.851 of
     # Belady under the byte budget)
     assert data["traces"]["qwen"]["summary"]["share_of_belady_at_2000"] >= 0.821

@@ -39,13 +39,15 @@ def test_server_settings_are_flags_of_serve_only() -> None:
 
 def test_generate_reads_the_same_settings_as_serve() -> None:
     argv = ["--model", "m.gguf", "--budget", "all", "--cache-policy", "lru", "--reader", "buffered"]
-    argv += ["--no-prefetch", "--preload", "-c", "2048", "--n-batch", "64", "--mode", "streaming"]
+    argv += ["--prefetch", "history", "--preload", "-c", "2048", "--n-batch", "64", "--mode", "streaming"]
     _, served = settings_from_args(_subcommand("serve").parse_args(argv))
     _, generated = settings_from_args(_subcommand("generate").parse_args(argv), (ModelSettings,))
     assert served.model_dump() == generated.model_dump()
-    assert generated.budget == "all" and generated.preload and not generated.prefetch
+    assert generated.budget == "all" and generated.preload and generated.prefetch == "history"
     config = generated.streamer_config()
-    assert config.policy.name == "LRU" and config.reader.name == "BUFFERED" and not config.prefetch
+    assert (
+        config.policy.name == "LRU" and config.reader.name == "BUFFERED" and config.prefetch.name == "HISTORY"
+    )
 
 
 def test_bench_passes_the_model_flags_it_was_given_to_generate() -> None:

@@ -96,7 +96,12 @@ def test_bench_routes_every_system_by_the_trace(tiny_model: Callable[..., Path],
         assert run["report"]["route_trace"] == str(trace.resolve()), run["system"]
         if "512" not in run["system"] and "full-context" not in run["system"]:
             assert run["report"]["prompt_tokens"] == 12, run["system"]
-        if run["system"] in ("streaming", "streaming-prefetch-from-trace", "lever-no-prefetch"):
+        if run["system"] in (
+            "streaming",
+            "streaming-prefetch-history",
+            "streaming-prefetch-from-trace",
+            "lever-no-prefetch",
+        ):
             # without --tokens, the trace's whole decode
             assert len(run["report"]["per_token"]) == decode_steps, run["system"]
     report = out.with_suffix(".md").read_text()
@@ -106,6 +111,7 @@ def test_bench_routes_every_system_by_the_trace(tiny_model: Callable[..., Path],
     # routing, may be
     assert traced["prefetch_trace"]["prefetch_accuracy"] == 1.0
     assert traced["prefetch_router"]["prefetch_accuracy"] is not None
+    assert traced["prefetch_history"]["prefetch_accuracy"] is not None
     # the streamer's cache, prefetch off, hits exactly what the replay of its routes through the
     # same policy code at the same budget hits: the replay models the run
     assert traced["replay_disagreement_points"] == pytest.approx(0.0, abs=1e-9), traced

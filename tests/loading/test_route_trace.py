@@ -14,7 +14,7 @@ import hashlib
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import pytest
 
@@ -46,9 +46,12 @@ def run(
     budget: Budget = "auto",
     replay: Path | None = None,
     prefetch_from_trace: bool = False,
+    prefetch: Literal["router", "history", "off"] = "router",
 ) -> Run:
     """Greedy decoding on the engine's token loop, its routing recorded."""
-    settings = ModelSettings(model=path, mode=mode, budget=budget, ctx_size=512, threads=2, flash_attn="off")
+    settings = ModelSettings(
+        model=path, mode=mode, budget=budget, ctx_size=512, threads=2, flash_attn="off", prefetch=prefetch
+    )
     record = path.with_suffix(".recorded.csv")
     routing = RouteTraceSettings(
         route_trace=replay, record_route_trace=record, prefetch_from_trace=prefetch_from_trace
@@ -86,16 +89,28 @@ def run(
     )
 
 
-def random_trace(path: Path, out: Path, seed: int = 1) -> Path:
-    """A trace of the model's shape with routing drawn at random (nothing like the model's own)."""
+def random_trace(
+    path: Path,
+    out: Path,
+    seed: int = 1,
+    chained: bool = False,
+    steps: tuple[int, int] = (TRACE_PROMPT_STEPS, TRACE_DECODE_STEPS),
+) -> Path:
+    """A trace of the model's shape with routing drawn at random (nothing like the model's own);
+    `chained`: only layer 0 at random, each next layer's experts those of the layer before shifted
+    by one (what follows what is then learnable from past tokens)."""
     shape = ModelShape.of(path)
     rng = random.Random(seed)
-    routes = [
-        Route(phase == 1, layer, tuple(rng.sample(range(shape.n_expert), shape.n_expert_used)), 0, step)
-        for phase, n_steps in ((0, TRACE_PROMPT_STEPS), (1, TRACE_DECODE_STEPS))
-        for step in range(n_steps)
-        for layer in range(shape.n_layer)
-    ]
+    routes = []
+    for phase, n_steps in enumerate(steps):
+        for step in range(n_steps):
+            experts = tuple(rng.sample(range(shape.n_expert), shape.n_expert_used))
+            for layer in range(shape.n_layer):
+                if chained and layer > 0:
+                    experts = tuple((e + 1) % shape.n_expert for e in experts)
+                elif layer > 0:
+                    experts = tuple(rng.sample(range(shape.n_expert), shape.n_expert_used))
+                routes.append(Route(phase == 1, layer, experts, 0, step))
     write_trace(out, shape, routes)
     return out
 
@@ -184,6 +199,30 @@ def test_prefetch_from_the_trace_reads_what_the_trace_routes(
     assert router.prefetched > 0 and router.prefetch_hits < router.prefetched
     with pytest.raises(ConfigError, match="--prefetch-from-trace needs --route-trace"):
         run(path, "streaming", budget=budget, prefetch_from_trace=True)
+
+
+def test_history_prefetch_learns_what_follows_what(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    path = tiny_model("tiny-qwen3moe")
+    # as long as the run, so that no token repeats one the predictor has seen
+    steps = (len(PROMPT), N_TOKENS - 1)
+    chained = random_trace(path, tmp_path / "chained.route.csv", chained=True, steps=steps)
+    resident = run(path, "resident", replay=chained)
+    budget = 2 * expert_layer_bytes(path)
+    history = run(path, "streaming", budget=budget, replay=chained, prefetch="history")
+    assert history.evictions > 0
+    assert (history.tokens, history.digest) == (resident.tokens, resident.digest), (
+        "history prefetch changed the output"
+    )
+    # the prompt's 24 tokens taught it the shift from each layer to the next: most of its decode
+    # guesses are routed (73% here; a guess of k of 16 experts at random is right 25% of the time)
+    assert history.prefetched > 0
+    learned = history.prefetch_hits / history.prefetched
+    # where the layers are drawn independently, the past says nothing
+    independent = random_trace(path, tmp_path / "independent.route.csv", steps=steps)
+    noise = run(path, "streaming", budget=budget, replay=independent, prefetch="history")
+    assert noise.prefetched > 0
+    guessed = noise.prefetch_hits / noise.prefetched
+    assert learned > 0.5 and learned > 2 * guessed, (learned, guessed)
 
 
 def test_a_trace_that_does_not_fit_is_refused(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
