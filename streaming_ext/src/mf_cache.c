@@ -504,6 +504,11 @@ bool mf_cache_layer_resident(const mf_cache * c, int32_t layer) {
     return memchr(c->resident + (size_t) layer * (size_t) c->n_expert, 0, (size_t) c->n_expert) == NULL;
 }
 
+bool mf_cache_is_resident(const mf_cache * c, int32_t layer, int32_t e) {
+    return layer >= 0 && layer < c->n_layer && e >= 0 && e < c->n_expert &&
+           c->resident[(size_t) layer * (size_t) c->n_expert + (size_t) e];
+}
+
 void mf_cache_counts(const mf_cache * c, uint64_t * hits, uint64_t * misses, uint64_t * evictions) {
     *hits      = c->hits;
     *misses    = c->misses;

@@ -219,6 +219,8 @@ struct mf_cache {
 // mf_cache_prefetch (moeflash_stream.h) fills the same load / evict lists as mf_cache_route
 // whether every expert of `layer` is resident (then there is nothing to predict or prefetch)
 bool mf_cache_layer_resident(const mf_cache * c, int32_t layer);
+// whether expert e of `layer` is resident
+bool mf_cache_is_resident(const mf_cache * c, int32_t layer, int32_t e);
 // forgets a resident entry whose read failed (it is not resident after all)
 void mf_cache_forget(mf_cache * c, int32_t layer, int32_t expert);
 // evicts every entry (the list is left in c->evict); returns how many
@@ -329,6 +331,12 @@ struct mf_streamer {
     uint8_t *                   want_next;    // [n_expert] the prediction
     uint8_t *                   pf_mark;      // [n_expert] experts prefetched for layer pf_layer
     int32_t                     pf_layer;
+    // the prefetch gate (mf_streamer.c, prefetch_next): per layer, decayed counts of predicted
+    // experts that were not resident when predicted, and of those the layer then routed
+    float *                     pf_guessed;   // [n_layers]
+    float *                     pf_routed;    // [n_layers]
+    uint8_t *                   pf_cand;      // [n_expert] the last prediction's non-resident experts
+    int32_t                     pf_cand_layer;
     mf_predictor                predictor;       // NULL: predict from the routers
     void *                      predictor_data;
     // routing history (mf_history.c): per layer l, counts of (expert a at l, expert b at l + 1)

@@ -19,6 +19,7 @@
 #include "mf_internal.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,8 +41,41 @@ const char * mf_streamer_last_error(const mf_streamer * s) {
 }
 
 // ---------------------------------------------------------------- routing
+// The prefetch gate. A prefetched expert that its layer then routes was read early (its wait
+// hidden behind compute); one it does not route was read for nothing (its bytes added to the
+// token, its frame taken from the cache). With the disk the bound, reading pays only while more
+// of a layer's guesses are routed than not. So every prediction is scored, read or not: of the
+// experts it names that are not resident, how many the layer routes. A layer whose recent
+// guesses (counts decayed with a half-life of MF_GATE_HALF_LIFE of its routes) were routed less
+// than half the time is predicted but not read, until they are again. A layer starts open. The
+// model's router guessing a replayed trace's routing (2% routed) is closed after a few tokens;
+// guessing its own routing, it stays open.
+#define MF_GATE_HALF_LIFE 16.0f
+#define MF_GATE_EVIDENCE  8.0f  // decayed guesses before the gate judges
+
+static bool gate_open(const mf_streamer * s, int32_t layer) {
+    const float guessed = s->pf_guessed[layer];
+    return guessed < MF_GATE_EVIDENCE || 2.0f * s->pf_routed[layer] >= guessed;
+}
+
+// layer il routes: score the prediction made for it
+static void score_prediction(mf_streamer * s, int32_t il) {
+    if (s->pf_cand_layer != il) {
+        return;
+    }
+    const float decay = exp2f(-1.0f / MF_GATE_HALF_LIFE);
+    int32_t     guessed = 0, routed = 0;
+    for (int32_t e = 0; e < s->n_expert; e++) {
+        guessed += s->pf_cand[e];
+        routed += s->pf_cand[e] && s->want[e];
+    }
+    s->pf_guessed[il]  = s->pf_guessed[il] * decay + (float) guessed;
+    s->pf_routed[il]   = s->pf_routed[il] * decay + (float) routed;
+    s->pf_cand_layer   = -1;
+}
+
 // reads layer il + 1's predicted experts behind layer il's own reads (see mf_predict.c); a route
-// that cannot be predicted or admitted is simply not prefetched
+// that cannot be predicted or admitted, or whose layer's gate is closed, is not prefetched
 static void prefetch_next(mf_streamer * s, int32_t il, const struct ggml_tensor * ids) {
     // with the next layer all cached (a budget that holds the model) the prediction's router
     // matmul would be the whole of a cached token's cache time, for nothing
@@ -60,7 +94,16 @@ static void prefetch_next(mf_streamer * s, int32_t il, const struct ggml_tensor 
     } else {
         n = mf_predict_next(s, il, ids, s->want_next);
     }
-    if (n <= 0 || mf_cache_prefetch(s->cache, il + 1, s->want_next) < 0) {
+    if (n <= 0) {
+        return;
+    }
+    int32_t fresh = 0;
+    for (int32_t e = 0; e < s->n_expert; e++) {
+        s->pf_cand[e] = s->want_next[e] && !mf_cache_is_resident(s->cache, il + 1, e);
+        fresh += s->pf_cand[e];
+    }
+    s->pf_cand_layer = fresh > 0 ? il + 1 : -1;
+    if (fresh == 0 || !gate_open(s, il + 1) || mf_cache_prefetch(s->cache, il + 1, s->want_next) < 0) {
         return;
     }
     if (s->cache->n_load == 0 && s->cache->n_evict == 0) {
@@ -145,6 +188,7 @@ static bool route_layer(mf_streamer * s, int32_t il, const struct ggml_tensor * 
         mf_streamer_fail(s, qrc, "cannot queue the reads of layer %d: %s", (int) il, strerror(-qrc));
         return false;
     }
+    score_prediction(s, il);
     int32_t k = 0, prefetch_hits = 0;
     for (int32_t e = 0; e < s->n_expert; e++) {
         k += s->want[e];
@@ -444,6 +488,16 @@ static int build_prediction(mf_streamer * s) {
     s->want_next   = calloc((size_t) s->n_expert, 1);
     s->pf_mark     = calloc((size_t) s->n_expert, 1);
     s->pf_layer    = -1;
+    free(s->pf_cand);
+    free(s->pf_guessed);
+    free(s->pf_routed);
+    s->pf_cand       = calloc((size_t) s->n_expert, 1);
+    s->pf_guessed    = calloc((size_t) s->n_layers, sizeof *s->pf_guessed);
+    s->pf_routed     = calloc((size_t) s->n_layers, sizeof *s->pf_routed);
+    s->pf_cand_layer = -1;
+    if (!s->pf_cand || !s->pf_guessed || !s->pf_routed) {
+        return -ENOMEM;
+    }
     if (s->cfg.prefetch == MF_PREFETCH_HISTORY && mf_history_init(s) != 0) {
         return -ENOMEM;
     }
@@ -608,6 +662,9 @@ void mf_streamer_free(mf_streamer * s) {
     free(s->want_next);
     mf_history_free(s);
     free(s->pf_mark);
+    free(s->pf_cand);
+    free(s->pf_guessed);
+    free(s->pf_routed);
     free(s->bounce);
     mf_cache_free(s->cache);
     mf_frames_free(&s->frames);

@@ -225,6 +225,45 @@ def test_history_prefetch_learns_what_follows_what(tiny_model: Callable[..., Pat
     assert learned > 0.5 and learned > 2 * guessed, (learned, guessed)
 
 
+def late_prefetches(path: Path, trace: Path, prefetch: Literal["router", "history"], n_tokens: int) -> int:
+    """Experts prefetched over the last 16 decode steps of a trace-routed run that evicts."""
+    settings = ModelSettings(
+        model=path,
+        mode="streaming",
+        budget=2 * expert_layer_bytes(path),
+        ctx_size=512,
+        threads=2,
+        flash_attn="off",
+        prefetch=prefetch,
+    )
+    loaded = load_model(settings, RouteTraceSettings(route_trace=trace))
+    try:
+        params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
+        generate(
+            loaded.llama, GenerationRequest(PROMPT, params), GenerationStats(), lambda _d: None, lambda: False
+        )
+        decode = [step.streamer for step in loaded.llama.steps if step.n_tokens == 1 and step.streamer]
+    finally:
+        loaded.close()
+    assert len(decode) == n_tokens - 1
+    return sum(s.prefetched for s in decode[-16:])
+
+
+def test_the_prefetch_gate_closes_on_wrong_guesses_and_stays_open_on_right_ones(
+    tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    path = tiny_model("tiny-qwen3moe")
+    n_tokens = 60
+    steps = (len(PROMPT), n_tokens - 1)
+    # the model's router guesses the model's routing, not the trace's: a quarter of its guesses
+    # are routed (k of 16 experts), so its prefetch stops reading
+    independent = random_trace(path, tmp_path / "independent.route.csv", steps=steps)
+    assert late_prefetches(path, independent, "router", n_tokens) == 0
+    # learned from past routing, most guesses are routed: prefetch keeps reading
+    chained = random_trace(path, tmp_path / "chained.route.csv", chained=True, steps=steps)
+    assert late_prefetches(path, chained, "history", n_tokens) > 0
+
+
 def test_a_trace_that_does_not_fit_is_refused(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
     path = tiny_model("tiny-qwen3moe")
     shape = ModelShape.of(path)
