@@ -220,6 +220,16 @@ class ModelSettings(BaseSettings):
                 raise ValueError(f"an alias must be 1 to 256 characters, got {name!r}")
         return value
 
+    @field_validator("prefetch", mode="before")
+    @classmethod
+    def _prefetch_on_off(cls, value: Any) -> Any:
+        # configs and env vars written when prefetch was on/off: true is the router, false off
+        if isinstance(value, bool):
+            return "router" if value else "off"
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return "router" if value.lower() == "true" else "off"
+        return value
+
     @field_validator("budget", mode="before")
     @classmethod
     def _parse_budget(cls, value: Any) -> Any:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from server.errors import ConfigError
-from server.settings import load_settings, parse_size
+from server.settings import ModelSettings, load_settings, parse_size
 
 
 @pytest.mark.parametrize(
@@ -38,6 +39,16 @@ def test_shipped_config_file_is_valid() -> None:
     default_server, default_model = load_settings({})
     assert server.model_dump() == default_server.model_dump()
     assert model.model_dump() == default_model.model_dump()
+
+
+def test_prefetch_written_as_on_or_off_still_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    # configs and env vars from before --prefetch router|history|off said true or false
+    assert ModelSettings(prefetch=True).prefetch == "router"
+    assert ModelSettings(prefetch=False).prefetch == "off"
+    monkeypatch.setenv("MOEFLASH_PREFETCH", "false")
+    assert ModelSettings().prefetch == "off"
+    with pytest.raises(ValidationError):
+        ModelSettings(prefetch="sometimes")
 
 
 @pytest.mark.parametrize(
