@@ -276,7 +276,7 @@ class RouteTraceSettings(BaseSettings):
         try:
             return cls(**given)
         except ValidationError as exc:
-            raise ConfigError(f"invalid settings: {exc}") from exc
+            raise _invalid(exc) from exc
 
 
 S = TypeVar("S", bound=BaseSettings)
@@ -407,6 +407,11 @@ def load_settings(
             **{k: v for k, v in given.items() if k in ModelSettings.model_fields}
         )
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors())
-        raise ConfigError(f"invalid settings: {problems}") from exc
+        raise _invalid(exc) from exc
     return server, model
+
+
+def _invalid(exc: ValidationError) -> ConfigError:
+    """A ConfigError naming each invalid setting and why."""
+    problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors())
+    return ConfigError(f"invalid settings: {problems}")

@@ -96,7 +96,8 @@ def describe_model(path: Path) -> dict[str, Any]:
     n_moe_layers = len({t.name.split(".")[1] for t in experts})
     per_layer: dict[str, int] = {}
     for t in experts:
-        per_layer[t.name.split(".")[1]] = per_layer.get(t.name.split(".")[1], 0) + t.n_bytes // n_expert
+        layer = t.name.split(".")[1]
+        per_layer[layer] = per_layer.get(layer, 0) + t.n_bytes // n_expert
     per_expert = expert_bytes // (n_expert * n_moe_layers) if n_moe_layers else 0
     return {
         "name": str(meta.get("general.name", path.stem)),

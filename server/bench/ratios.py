@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from server.bench.targets import check_targets
+from server.loading.route_trace import load_trace
 
 if TYPE_CHECKING:
     from server.bench.results import BenchResult, Run
+    from server.loading.route_trace import Trace
 
 
 def decode_figures(run: Run) -> dict[str, float] | None:
@@ -152,6 +154,8 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
     prefill_resident = _prompt_tok_s(_by_name(result, "resident-prefill-512", None))
     cached_runs = _runs_of(result, "streaming-all-cached", None)
     rounds = _round_ratios(cached_runs, _runs_of(result, "resident", None))
+    # a trace-routed bench: the trace its runs' routes are replayed from (read once)
+    trace = load_trace(Path(result.model["route_trace"]["path"])) if result.model.get("route_trace") else None
     out: dict[str, Any] = {
         # the best probe of the whole run; each cap has its own (per_cap.disk_ceiling_bytes_per_s)
         "disk_ceiling_bytes_per_s": ceiling_all,
@@ -260,8 +264,8 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
             # what the kernel read for stock mmap per decoded token (its page faults)
             "mmap_bytes_read_per_token": md["bytes_read"] if md else None,
         }
-        if result.model.get("route_trace"):
-            out["per_cap"][str(cap)]["trace"] = _trace_figures(result, cap, sd)
+        if trace is not None:
+            out["per_cap"][str(cap)]["trace"] = _trace_figures(result, trace, cap, sd)
     out["targets"] = [t.to_json() for t in check_targets(out, int(result.model["file_bytes"]))]
     return out
 
@@ -286,14 +290,13 @@ def _prefetch_figures(run: Run | None) -> dict[str, Any] | None:
     }
 
 
-def _trace_figures(result: BenchResult, cap: int, sd: dict[str, Any] | None) -> dict[str, Any]:
+def _trace_figures(result: BenchResult, trace: Trace, cap: int, sd: dict[str, Any] | None) -> dict[str, Any]:
     """A trace-routed cap: the prefetch's bounds (the model's router, a lower bound since it
     predicts the model's routing, not the trace's; the trace itself, the upper bound; none), the
     prefetch from past routing between them, the
     cache's hit rate without prefetch against the replay of the same routes at the same budget,
     and the default policy's share of Belady's optimum there."""
     from server.bench.replay import replay_run
-    from server.loading.route_trace import load_trace
     from streaming_ext import Policy
 
     info = result.model["route_trace"]
@@ -312,7 +315,6 @@ def _trace_figures(result: BenchResult, cap: int, sd: dict[str, Any] | None) -> 
     off = out["prefetch_off"]
     if off is None or off_run is None or not off_run.report.get("budget_bytes"):
         return out
-    trace = load_trace(Path(info["path"]))
     replay = replay_run(
         trace,
         decode_steps=len(off_run.report["per_token"]),

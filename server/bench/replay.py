@@ -196,7 +196,7 @@ def run_routes(trace: Trace, decode_steps: int, n_batch: int) -> list[Route]:
     batch's experts once (the last layer only in the last batch, for the last token: the only
     one whose logits are asked for), then decode_steps decode tokens, wrapping around the trace's
     decode steps as mf_route.c does."""
-    by_token = {(r.decode, r.turn, r.step, r.layer): r.experts for r in trace.routes}
+    by_token = trace.by_token()
     prompt, decode = trace.steps(decode=False), trace.steps(decode=True)
     last = trace.n_layer - 1
     out: list[Route] = []
@@ -296,7 +296,7 @@ def replay_prefetch(
         raise ValueError(f"predictor must be one of {PREDICTORS}")
     cache = CachePolicy(trace.n_layer, trace.n_expert, trace.entry_bytes, budget_mib * _MIB, policy)
     cooc = _CoOccurrence(trace.n_layer, trace.n_expert)
-    by_token = {(r.decode, r.turn, r.step, r.layer): r.experts for r in trace.routes}
+    by_token = trace.by_token()
     routed = hits = named = loaded = useful = read_bytes = 0
     latest: dict[int, tuple[int, ...]] = {}  # per layer: the experts of its last route
     guessed: dict[int, set[int]] = {}  # per layer: the last prediction for it, and what it read

@@ -18,6 +18,7 @@ a run used in the same format.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import logging
 import re
 from dataclasses import dataclass, field
@@ -76,6 +77,10 @@ class Trace:
         """The (turn, step) tokens of one phase, in order."""
         return sorted({(r.turn, r.step) for r in self.routes if r.decode == decode})
 
+    def by_token(self) -> dict[tuple[bool, int, int, int], tuple[int, ...]]:
+        """(decode, turn, step, layer) -> the experts that layer routed for that token."""
+        return {(r.decode, r.turn, r.step, r.layer): r.experts for r in self.routes}
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -113,31 +118,40 @@ class ModelShape:
         return cls(path, arch, n_layer, n_expert, k, per_expert, dense)
 
 
-def _header(path: Path, lines: list[str]) -> dict[str, object]:
-    out: dict[str, object] = {"entry": {}, "dense": {}}
+def _header(path: Path, name: str, lines: list[str]) -> Trace:
+    """The trace the `#` lines describe, without its routes."""
+    n_layer = n_expert = k = 0
+    model = arch = ""
     entry: dict[int, int] = {}
     dense: dict[int, int] = {}
     for line in lines:
         fields = dict(kv.split("=", 1) for kv in line[1:].split() if "=" in kv)
         try:
             if "n_layer" in fields:
-                out["n_layer"], out["n_expert"] = int(fields["n_layer"]), int(fields["n_expert"])
-                out["k"] = int(fields.get("n_expert_used", 0))
-                out["model"], out["arch"] = fields.get("model", ""), fields.get("arch", "")
+                n_layer, n_expert = int(fields["n_layer"]), int(fields["n_expert"])
+                k = int(fields.get("n_expert_used", 0))
+                model, arch = fields.get("model", ""), fields.get("arch", "")
             if "layer" in fields and "expert_bytes" in fields:
                 entry[int(fields["layer"])] = int(fields["expert_bytes"])
                 dense[int(fields["layer"])] = int(fields.get("dense_bytes", 0))
         except (KeyError, ValueError) as exc:
             raise ConfigError(f"{path}: bad header line {line.strip()!r}") from exc
-    n_layer, n_expert = int(str(out.get("n_layer", 0))), int(str(out.get("n_expert", 0)))
     if n_layer <= 0 or n_expert <= 0:
         raise ConfigError(f"{path}: no '# ... n_layer=... n_expert=...' header")
     missing = [layer for layer in range(n_layer) if layer not in entry]
     if missing:
         raise ConfigError(f"{path}: no '# layer=N expert_bytes=...' header for layers {missing[:8]}")
-    out["entry"] = [entry[layer] for layer in range(n_layer)]
-    out["dense"] = [dense[layer] for layer in range(n_layer)]
-    return out
+    return Trace(
+        name,
+        n_layer,
+        n_expert,
+        [entry[layer] for layer in range(n_layer)],
+        [],
+        n_expert_used=k,
+        dense_bytes=[dense[layer] for layer in range(n_layer)],
+        model=model,
+        arch=arch,
+    )
 
 
 def load_trace(path: Path) -> Trace:
@@ -148,8 +162,8 @@ def load_trace(path: Path) -> Trace:
             lines = fh.readlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read route trace {path}: {exc}") from exc
-    head = _header(path, [ln for ln in lines if ln.startswith("#")])
-    n_layer, n_expert, k = int(str(head["n_layer"])), int(str(head["n_expert"])), int(str(head["k"]))
+    head = _header(path, path.name.split(".")[0], [ln for ln in lines if ln.startswith("#")])
+    n_layer, n_expert, k = head.n_layer, head.n_expert, head.n_expert_used
     reader = csv.DictReader(ln for ln in lines if not ln.startswith("#"))
     if not set(_NEEDED) <= set(reader.fieldnames or ()):
         raise ConfigError(f"{path}: the column header must name {', '.join(_NEEDED)}")
@@ -190,17 +204,7 @@ def load_trace(path: Path) -> Trace:
     if key is None:
         raise ConfigError(f"{path}: no routes")
     close_route()
-    return Trace(
-        path.name.split(".")[0],
-        n_layer,
-        n_expert,
-        list(head["entry"]),  # type: ignore[call-overload]
-        routes,
-        n_expert_used=k,
-        dense_bytes=list(head["dense"]),  # type: ignore[call-overload]
-        model=str(head["model"]),
-        arch=str(head["arch"]),
-    )
+    return dataclasses.replace(head, routes=routes)
 
 
 def write_trace(path: Path, shape: ModelShape, routes: list[Route]) -> None:
@@ -275,13 +279,13 @@ def build_tracer(settings: RouteTraceSettings, model_path: Path) -> tuple[RouteT
         if settings.route_trace is not None:
             trace = load_trace(settings.route_trace)
             check_fits(trace, shape, settings.route_trace)
+            routed = trace.by_token()
+            unrouted = (-1,) * shape.n_expert_used  # a layer the trace leaves to the model
             for decode in (False, True):
-                steps = trace.steps(decode)
-                index = {token: i for i, token in enumerate(steps)}
-                ids = [[[-1] * shape.n_expert_used for _ in range(shape.n_layer)] for _ in steps]
-                for r in trace.routes:
-                    if r.decode == decode:
-                        ids[index[(r.turn, r.step)]][r.layer] = list(r.experts)
+                ids = [
+                    [routed.get((decode, turn, step, layer), unrouted) for layer in range(shape.n_layer)]
+                    for turn, step in trace.steps(decode)
+                ]
                 tracer.replay(1 if decode else 0, ids)
             logger.info(
                 "routing replayed from %s (%d prompt and %d decode steps): lossy, for benchmarks",
