@@ -4,7 +4,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
-# CPU code generation for the llama.cpp build: native | portable | armv8.2 (see vendor/llama.cpp/build.sh)
+# CPU code generation for the llama.cpp build: native | portable | armv8.2 (vendor/llama.cpp/cmake-args.sh)
 MOEFLASH_CPU ?= native
 export MOEFLASH_CPU
 HOST ?= 127.0.0.1
@@ -21,13 +21,29 @@ EXT_SRC := $(wildcard streaming_ext/src/*.c)
 EXT_HDR := $(wildcard streaming_ext/include/*.h)
 EXT_CFLAGS := -std=c11 -O2 -g -fPIC -fvisibility=hidden -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes \
 	-D_GNU_SOURCE -Istreaming_ext/include -I$(LLAMA_SRC)/ggml/include -I$(LLAMA_SRC)/ggml/src -I$(LLAMA_SRC)/include
-EXT_LDFLAGS = -shared -L$(SITE)/llama_cpp/lib -Wl,-rpath,$(SITE)/llama_cpp/lib -lllama -lggml -lggml-base -lggml-cpu -lpthread -lm
+# links against the llama.cpp libraries in directory $(1)
+LLAMA_LINK = -L$(1) -Wl,-rpath,$(1) -lllama -lggml -lggml-base -lggml-cpu -lpthread -lm
+EXT_LDFLAGS = -shared $(call LLAMA_LINK,$(SITE)/llama_cpp/lib)
+CTEST_CFLAGS := -std=c11 -O1 -g -Wall -Wextra -Werror -Wshadow -D_GNU_SOURCE -Istreaming_ext/include \
+	-I$(LLAMA_SRC)/ggml/include -I$(LLAMA_SRC)/include
 EXT_LIB := streaming_ext/lib/libmoeflash_stream.so
 EXT_ASAN_LIB := streaming_ext/lib/libmoeflash_stream_asan.so
 CTEST_BIN := tests/c/build/test_ready_hook
 CTEST_FRAMES := tests/c/build/test_frames
+CTEST_IDENTITY := tests/c/build/test_stream_identity
 
-.PHONY: setup setup-dev chromium llama ext serve serve-container require-api-key demo-model test lint bench-small bench replay clean distclean
+# aarch64 (the phones): llama.cpp (MOEFLASH_CPU=armv8.2, Debian's cross gcc), streaming_ext and
+# the C tests (clang, Termux's compiler; test_frames with gcc, whose UBSan runtime the cross
+# toolchain has) cross-built, run under qemu-user by tests/build/test_aarch64.py
+ARM_CC := clang --target=aarch64-linux-gnu -march=armv8.2-a+dotprod+fp16
+ARM_GCC := aarch64-linux-gnu-gcc
+ARM_LLAMA := vendor/llama.cpp/build/aarch64-armv8.2
+ARM_LLAMA_LIB := $(abspath $(ARM_LLAMA))/bin
+ARM_STAMP := $(ARM_LLAMA)/.moeflash-stamp
+ARM_EXT_LIB := streaming_ext/lib/aarch64/libmoeflash_stream.so
+ARM_CTEST := tests/c/build/aarch64
+
+.PHONY: setup setup-dev chromium arm-toolchain arm llama ext serve serve-container require-api-key demo-model test lint bench-small bench replay clean distclean
 
 setup: $(VENV)/.deps-stamp llama ext $(VENV)/.install-stamp
 
@@ -77,7 +93,7 @@ $(VENV)/.install-stamp: pyproject.toml $(VENV)/.deps-stamp
 llama: $(VENV)/.deps-stamp
 	vendor/llama.cpp/build.sh $(VPY)
 
-ext: $(EXT_LIB) $(EXT_ASAN_LIB) $(CTEST_BIN) $(CTEST_FRAMES)
+ext: $(EXT_LIB) $(EXT_ASAN_LIB) $(CTEST_BIN) $(CTEST_FRAMES) $(CTEST_IDENTITY)
 
 $(EXT_LIB): $(EXT_SRC) $(EXT_HDR) $(LLAMA_STAMP) Makefile
 	@mkdir -p $(dir $@)
@@ -92,14 +108,62 @@ $(EXT_ASAN_LIB): $(EXT_SRC) $(EXT_HDR) $(LLAMA_STAMP) Makefile
 # C test of the mul_mat_id ready-hook patch, against the installed libraries
 $(CTEST_BIN): tests/c/test_ready_hook.c $(LLAMA_STAMP) Makefile
 	@mkdir -p $(dir $@)
-	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -D_GNU_SOURCE -I$(LLAMA_SRC)/ggml/include -I$(LLAMA_SRC)/include \
-		$< -o $@ -L$(SITE)/llama_cpp/lib -Wl,-rpath,$(SITE)/llama_cpp/lib -lllama -lggml -lggml-base -lggml-cpu -lpthread -lm
+	$(CC) $(CTEST_CFLAGS) $< -o $@ $(call LLAMA_LINK,$(SITE)/llama_cpp/lib)
+
+# C byte-identity gate of the streamer (no Python): streamed against resident
+$(CTEST_IDENTITY): tests/c/test_stream_identity.c $(EXT_LIB) Makefile
+	@mkdir -p $(dir $@)
+	$(CC) $(CTEST_CFLAGS) $< -o $@ -L$(dir $(EXT_LIB)) -Wl,-rpath,$(abspath $(dir $(EXT_LIB))) -lmoeflash_stream \
+		$(call LLAMA_LINK,$(SITE)/llama_cpp/lib)
 
 # C test of the expert frames (mf_frames.c), built with the sanitizers
 $(CTEST_FRAMES): tests/c/test_frames.c streaming_ext/src/mf_frames.c $(EXT_HDR) streaming_ext/src/mf_internal.h $(LLAMA_STAMP) Makefile
 	@mkdir -p $(dir $@)
 	$(CC) $(filter-out -fPIC -fvisibility=hidden -O2,$(EXT_CFLAGS)) -Istreaming_ext/src -O1 -fno-omit-frame-pointer \
 		-fsanitize=address,undefined -fno-sanitize-recover=undefined tests/c/test_frames.c streaming_ext/src/mf_frames.c \
+		-o $@ -lpthread
+
+# Debian's aarch64 cross compilers, clang and qemu-user, installed when run as root
+ARM_PACKAGES := gcc-aarch64-linux-gnu g++-aarch64-linux-gnu clang qemu-user
+arm-toolchain:
+	@if ! command -v aarch64-linux-gnu-g++ > /dev/null || ! command -v clang > /dev/null \
+		|| ! command -v qemu-aarch64 > /dev/null; then \
+		if [ "$$(id -u)" = 0 ]; then \
+			apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(ARM_PACKAGES); \
+		else \
+			echo "arm: 'sudo apt-get install $(ARM_PACKAGES)' for the aarch64 tests" >&2; \
+			exit 1; \
+		fi; \
+	fi
+
+arm: arm-toolchain llama
+	@$(MAKE) --no-print-directory $(ARM_EXT_LIB) $(ARM_CTEST)/test_ready_hook $(ARM_CTEST)/test_frames \
+		$(ARM_CTEST)/test_stream_identity
+
+$(ARM_STAMP): $(LLAMA_STAMP) vendor/llama.cpp/cross-build.sh vendor/llama.cpp/cmake-args.sh \
+		vendor/llama.cpp/aarch64-linux-gnu.cmake
+	MOEFLASH_CPU=armv8.2 vendor/llama.cpp/cross-build.sh $(ARM_LLAMA)
+	touch $@
+
+$(ARM_EXT_LIB): $(EXT_SRC) $(EXT_HDR) $(ARM_STAMP) Makefile
+	@mkdir -p $(dir $@)
+	$(ARM_CC) $(EXT_CFLAGS) $(EXT_SRC) -o $@ -shared $(call LLAMA_LINK,$(ARM_LLAMA_LIB))
+
+$(ARM_CTEST)/test_ready_hook: tests/c/test_ready_hook.c $(ARM_STAMP) Makefile
+	@mkdir -p $(dir $@)
+	$(ARM_CC) $(CTEST_CFLAGS) $< -o $@ $(call LLAMA_LINK,$(ARM_LLAMA_LIB))
+
+$(ARM_CTEST)/test_stream_identity: tests/c/test_stream_identity.c $(ARM_EXT_LIB) Makefile
+	@mkdir -p $(dir $@)
+	$(ARM_CC) $(CTEST_CFLAGS) $< -o $@ -L$(dir $(ARM_EXT_LIB)) -Wl,-rpath,$(abspath $(dir $(ARM_EXT_LIB))) \
+		-lmoeflash_stream $(call LLAMA_LINK,$(ARM_LLAMA_LIB))
+
+# UBSan alone: ASan's shadow memory does not map under qemu-user
+$(ARM_CTEST)/test_frames: tests/c/test_frames.c streaming_ext/src/mf_frames.c $(EXT_HDR) streaming_ext/src/mf_internal.h \
+		$(ARM_STAMP) Makefile
+	@mkdir -p $(dir $@)
+	$(ARM_GCC) $(filter-out -fPIC -fvisibility=hidden -O2,$(EXT_CFLAGS)) -Istreaming_ext/src -O1 -fno-omit-frame-pointer \
+		-fsanitize=undefined -fno-sanitize-recover=undefined tests/c/test_frames.c streaming_ext/src/mf_frames.c \
 		-o $@ -lpthread
 
 $(DEMO_MODEL): | setup
@@ -125,7 +189,7 @@ require-api-key:
 		exit 1; \
 	fi
 
-test: setup-dev
+test: setup-dev arm
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
 # A smaller version of bench/reports/qwen30b-shape.*: a 3 GB model (generated once into models/),

@@ -62,6 +62,7 @@ class MfStats(ctypes.Structure):
             "routing_off",
             "expert_memory_bytes",
             "frames_released",
+            "budget_bytes",
         )
     ]
 

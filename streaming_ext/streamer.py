@@ -104,6 +104,7 @@ class StreamerStats:
     routing_off: int  # 1: all of them resident, routing is no longer observed (hits stop counting)
     expert_memory_bytes: int  # expert memory with pages now: frames in use and free ones kept warm
     frames_released: int  # free frames whose pages went back to the kernel
+    budget_bytes: int  # the expert budget now (it follows memory pressure)
 
     def __sub__(self, other: StreamerStats) -> StreamerStats:
         a, b = asdict(self), asdict(other)
@@ -113,6 +114,7 @@ class StreamerStats:
             "direct_io",
             "dense_bytes",
             "expert_memory_bytes",
+            "budget_bytes",
             "mapped_bytes",
             "hold_all",
             "routing_off",
@@ -186,7 +188,10 @@ class Streamer:
         return value
 
     def set_budget(self, budget_bytes: int) -> None:
-        """Set the expert budget (at least `layer_bytes`); required, before check_loaded."""
+        """Set the expert budget (at least `layer_bytes`); required, before check_loaded. After
+        it, move it between the floor and the budget check_loaded built the memory for (a smaller
+        one evicts and gives pages back), between decode calls on the decode thread; StreamerError
+        (code EBUSY) when the budget holds every expert."""
         rc = self.lib.cdll.mf_streamer_set_budget(self.handle, budget_bytes)
         if rc != 0:
             raise StreamerError(self.last_error() or os.strerror(-rc), -rc)

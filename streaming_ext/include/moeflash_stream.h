@@ -115,8 +115,10 @@ typedef struct mf_stats {
     // bytes of expert memory with pages: frames of resident entries and free frames kept for the
     // next loads (0 under hold_all)
     uint64_t expert_memory_bytes;
-    // free frames whose pages were given back to the kernel (by mf_streamer_drop_cache)
+    // free frames whose pages were given back to the kernel (by mf_streamer_drop_cache, or a
+    // budget moved down)
     uint64_t frames_released;
+    uint64_t budget_bytes;   // the expert budget now (mf_streamer_set_budget)
 } mf_stats;
 
 // Thread contract of the calls below: one thread at a time per streamer (the thread that loads
@@ -127,9 +129,13 @@ typedef struct mf_stats {
 // last_error (which may be NULL). Call before loading the model.
 MF_API int mf_streamer_new(const mf_config * cfg, mf_streamer ** out, char * last_error, size_t last_error_size);
 
-// Sets the expert budget (bytes, at least mf_streamer_layer_bytes). Required, before
-// mf_streamer_check_loaded (before or after the model loads). Returns 0, -EINVAL below the floor,
-// -EBUSY once the cache exists.
+// Sets the expert budget (bytes, at least mf_streamer_layer_bytes). Required before
+// mf_streamer_check_loaded (before or after the model loads), which builds the expert memory for
+// it. Afterwards it moves the budget, down to the floor or back up to the budget the memory was
+// built for: a smaller one evicts (in the policy's order) until the resident experts fit and gives
+// the free frames' pages back to the kernel. Decode thread, between llama_decode calls. Returns 0,
+// -EINVAL below the floor, -ERANGE above the built-for budget, -EBUSY when the budget holds every
+// expert (they live in the tensors' own memory: mf_stats.hold_all).
 MF_API int mf_streamer_set_budget(mf_streamer * s, uint64_t budget_bytes);
 
 // Stops the lanes and frees the streamer. NULL is a no-op. Call after the llama model (whose

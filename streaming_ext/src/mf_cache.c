@@ -535,6 +535,27 @@ int32_t mf_cache_evict_all(mf_cache * c) {
     return c->n_evict;
 }
 
+int32_t mf_cache_set_budget(mf_cache * c, uint64_t budget_bytes) {
+    c->n_load  = 0;
+    c->n_evict = 0;
+    c->budget  = budget_bytes;
+    // between routes nothing runs, so nothing is pinned; distances count from the layer routed
+    // last, as the next route's would
+    const int32_t cur = c->pinned_layer >= 0 ? c->pinned_layer : 0;
+    c->pinned_layer   = -1;
+    if (c->used > budget_bytes && c->policy == MF_POLICY_LAYER) {
+        score_residents(c, cur);
+    }
+    while (c->used > budget_bytes) {
+        const int64_t v = pick_victim(c);
+        if (v < 0) {
+            break;
+        }
+        evict_entry(c, (size_t) v);
+    }
+    return c->n_evict;
+}
+
 int32_t mf_cache_loads(const mf_cache * c, int32_t * out, int32_t max) {
     for (int32_t i = 0; i < c->n_load && i < max; i++) {
         out[i] = c->load[i];

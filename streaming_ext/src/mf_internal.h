@@ -225,6 +225,9 @@ bool mf_cache_is_resident(const mf_cache * c, int32_t layer, int32_t e);
 void mf_cache_forget(mf_cache * c, int32_t layer, int32_t expert);
 // evicts every entry (the list is left in c->evict); returns how many
 int32_t mf_cache_evict_all(mf_cache * c);
+// moves the budget, evicting (in the policy's order) until the resident entries fit; between
+// routes only. The evicted entries are left in c->evict; returns how many
+int32_t mf_cache_set_budget(mf_cache * c, uint64_t budget_bytes);
 
 // ---------------------------------------------------------------- expert tensors (mf_buft.c)
 enum mf_slice_state { MF_SLICE_ABSENT = 0, MF_SLICE_LOADING = 1, MF_SLICE_READY = 2, MF_SLICE_FAILED = 3 };
@@ -287,7 +290,7 @@ typedef struct mf_job {
 // the counters of mf_stats that are counted (relaxed atomics: read without locks), same names
 typedef struct mf_counters {
     atomic_uint_fast64_t routes, hits, misses, evictions, bytes_read, reads, flash_wait_ns, cache_ns, read_ns,
-        dense_bytes, resident_bytes, violations, errors, prefetched, prefetch_hits, mapped_bytes;
+        dense_bytes, resident_bytes, violations, errors, prefetched, prefetch_hits, mapped_bytes, budget_bytes;
 } mf_counters;
 
 #define ADD(counter, v) atomic_fetch_add_explicit(&(counter), (uint64_t) (v), memory_order_relaxed)
@@ -296,6 +299,7 @@ struct mf_streamer {
     mf_config  cfg;
     char *     model_path;
     uint64_t   budget_bytes;  // expert budget (mf_streamer_set_budget); 0 until it is set
+    uint64_t   budget_max;    // the budget the expert memory was built for (mf_streamer_check_loaded)
     size_t     page_size;     // sysconf(_SC_PAGESIZE)
     mf_index   ix;
     bool       direct;  // O_DIRECT reads in use

@@ -534,7 +534,8 @@ int mf_streamer_check_loaded(mf_streamer * s) {
     if (!entry_bytes) {
         return -ENOMEM;
     }
-    rc = build_expert_memory(s, entry_bytes);
+    s->budget_max = s->budget_bytes;
+    rc            = build_expert_memory(s, entry_bytes);
     if (rc == 0) {
         rc = build_cache(s, entry_bytes);
     }
@@ -677,17 +678,40 @@ void mf_streamer_free(mf_streamer * s) {
 }
 
 int mf_streamer_set_budget(mf_streamer * s, uint64_t budget_bytes) {
-    if (s->cache) {
-        snprintf(s->last_error, sizeof s->last_error, "the budget is fixed once the model has loaded");
-        return -EBUSY;
-    }
     if (budget_bytes < s->layer_bytes_max) {
         snprintf(s->last_error, sizeof s->last_error,
                  "budget of %llu bytes is smaller than one layer's experts (%llu bytes), which a prompt can route to",
                  (unsigned long long) budget_bytes, (unsigned long long) s->layer_bytes_max);
         return -EINVAL;
     }
+    if (!s->cache) {
+        s->budget_bytes = budget_bytes;
+        atomic_store_explicit(&s->st.budget_bytes, budget_bytes, memory_order_relaxed);
+        return 0;
+    }
+    if (s->hold_all) {
+        snprintf(s->last_error, sizeof s->last_error,
+                 "a budget holding every expert keeps them in the tensors' own memory: it cannot move");
+        return -EBUSY;
+    }
+    if (budget_bytes > s->budget_max) {
+        snprintf(s->last_error, sizeof s->last_error,
+                 "budget of %llu bytes is over the %llu bytes the expert memory was built for",
+                 (unsigned long long) budget_bytes, (unsigned long long) s->budget_max);
+        return -ERANGE;
+    }
+    // reads still in flight (a stopped graph's prefetches) land before their frames move
+    mf_lanes_wait_all(s);
+    mf_lanes_reap_failures(s);
+    if (mf_cache_set_budget(s->cache, budget_bytes) > 0) {
+        mf_lanes_apply_evictions(s);
+        s->pf_layer = -1;
+    }
+    if (budget_bytes < s->budget_bytes) {
+        mf_frames_trim(&s->frames);  // the free frames' pages go back to the kernel
+    }
     s->budget_bytes = budget_bytes;
+    atomic_store_explicit(&s->st.budget_bytes, budget_bytes, memory_order_relaxed);
     return 0;
 }
 
@@ -726,6 +750,7 @@ void mf_streamer_get_stats(const mf_streamer * s, mf_stats * out) {
     out->routing_off         = atomic_load_explicit(&s->routing_off, memory_order_relaxed) ? 1 : 0;
     out->expert_memory_bytes = atomic_load_explicit(&s->frames.populated, memory_order_relaxed);
     out->frames_released     = atomic_load_explicit(&s->frames.released, memory_order_relaxed);
+    out->budget_bytes        = LOAD(budget_bytes);
 #undef LOAD
 }
 

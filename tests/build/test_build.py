@@ -37,7 +37,7 @@ def test_a_patch_that_no_longer_applies_stops_the_build(tmp_path: Path) -> None:
         pytest.skip("the pinned sdist is not cached (vendor/llama.cpp/.cache)")
     vendor = tmp_path / "llama.cpp"
     vendor.mkdir()
-    for name in ("build.sh", "pin.env"):
+    for name in ("build.sh", "cmake-args.sh", "pin.env"):
         shutil.copy2(VENDOR / name, vendor / name)
     shutil.copytree(VENDOR / "patches", vendor / "patches")
     shutil.copytree(cached, vendor / ".cache")

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from streaming_ext import StreamLibError, load_library
+from tests.c_programs import run_host
 
 REPO = Path(__file__).resolve().parents[2]
 ASAN_LIB = REPO / "streaming_ext" / "lib" / "libmoeflash_stream_asan.so"
@@ -115,3 +117,15 @@ def test_frames_reuse_warm_and_trim() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     verdicts = [line.split()[0] for line in proc.stdout.splitlines()]
     assert verdicts == ["ok"] * 6, proc.stdout
+
+
+@pytest.mark.parametrize(
+    "preset", [pytest.param("tiny-qwen3moe", id="qwen3moe"), pytest.param("tiny-gemma4", id="gemma4")]
+)
+def test_c_gate_streamed_equals_resident(tiny_model: Callable[..., Path], preset: str) -> None:
+    """tests/c/test_stream_identity.c on this machine, the same program tests/build/test_aarch64.py
+    runs under emulation: streamed under the budget floor with three lever sets, the tokens and
+    every logits row equal the resident model's; a never-read expert changes them."""
+    run = run_host("test_stream_identity", str(tiny_model(preset)), "2")
+    assert run.returncode == 0, run.report()
+    assert run.verdicts() == ["ok"] * 6, run.report()

@@ -9,11 +9,8 @@
 # pip-install the patched tree into PYTHON's environment. A stamp over the pin, the patches,
 # this script and the CPU profile skips all of it when nothing changed.
 #
-# MOEFLASH_CPU selects the CPU code generation:
-#   native    (default) -march=native: fastest on the machine that builds it
-#   portable  baseline ISA of the target (x86-64: SSE only; aarch64: armv8-a); for Docker images
-#             and wheels run elsewhere
-#   armv8.2   aarch64 phones with dot-product instructions (armv8.2-a+dotprod+fp16), e.g. Termux
+# MOEFLASH_CPU selects the CPU code generation: native (the default), portable or armv8.2, as
+# cmake-args.sh describes.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -22,19 +19,13 @@ cpu=${MOEFLASH_CPU:-native}
 # shellcheck source=/dev/null
 . "$here/pin.env"
 
-case "$cpu" in
-  native)   cmake_cpu="-DGGML_NATIVE=ON" ;;
-  portable) cmake_cpu="-DGGML_NATIVE=OFF" ;;
-  armv8.2)  cmake_cpu="-DGGML_NATIVE=OFF -DGGML_CPU_ARM_ARCH=armv8.2-a+dotprod+fp16" ;;
-  *) echo "build.sh: MOEFLASH_CPU must be native, portable or armv8.2 (got '$cpu')" >&2; exit 2 ;;
-esac
-# only the shared libraries llama-cpp-python loads: no tests, tools, examples or mtmd
-cmake_args="$cmake_cpu -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
--DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=ON"
+# shellcheck source=cmake-args.sh
+. "$here/cmake-args.sh"
+cmake_args=$(llama_cmake_args "$cpu" 2>&1) || { echo "build.sh: $cmake_args" >&2; exit 2; }
 
 src="$here/llama-cpp-python"
 stamp_file="$($py -c 'import sys; print(sys.prefix)')/.moeflash-llama-stamp"
-stamp=$(cd "$here" && { cat pin.env build.sh patches/series; while read -r p; do cat "patches/$p"; done < patches/series; echo "$cmake_args"; } | sha256sum | cut -d' ' -f1)
+stamp=$(cd "$here" && { cat pin.env build.sh cmake-args.sh patches/series; while read -r p; do cat "patches/$p"; done < patches/series; echo "$cmake_args"; } | sha256sum | cut -d' ' -f1)
 
 if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ] && [ -d "$src" ] \
    && "$py" -c 'import llama_cpp' 2>/dev/null; then

@@ -1,0 +1,76 @@
+"""aarch64, the phones' CPU: the patched llama.cpp (MOEFLASH_CPU=armv8.2), streaming_ext and the
+C tests cross-built by `make arm`, run under qemu-user as a Cortex-A76 (armv8.2-a, dot product,
+fp16) with 4 KiB and 16 KiB pages.
+
+- tests/c/test_ready_hook.c: patch 0002's hook on ggml's NEON matmuls (vec_dot and tiled);
+- tests/c/test_frames.c: the expert frames, with UBSan (ASan does not run under qemu-user);
+- tests/c/test_stream_identity.c: streamed against resident under a budget that evicts, tokens
+  and a hash of every logits row, three lever sets and a negative control.
+
+Emulation checks the instructions, the kernels and the memory layout an ARM build meets. Its
+16 KiB pages are what sysconf reports to the program while the host kernel still maps 4 KiB ones:
+a page size taken as a constant fails the frames test there (its page accounting), not the
+mmap or O_DIRECT calls. It says nothing of a phone's speed, its memory pressure or its file
+system.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from server.modelgen import QType
+from tests.c_programs import run_aarch64
+
+PAGES = [pytest.param(4096, id="4k-pages"), pytest.param(16384, id="16k-pages")]
+
+
+@pytest.mark.parametrize(
+    "kquant",
+    [pytest.param(False, id="vec-dot"), pytest.param(True, id="tiled")],
+)
+def test_ready_hook_on_aarch64(tiny_model: Callable[..., Path], kquant: bool) -> None:
+    """The hook is told of every routed expert, can refuse it and says where its slice is, on
+    ggml's aarch64 kernels: Q4_0 experts through the vec_dot matmul, Q4_K ones, forced, through
+    the tiled one."""
+    if kquant:
+        model = tiny_model("tiny-qwen3moe", expert_qtype=QType.Q4_K, n_ff_exp=256)
+        env = {"GGML_CPU_TILED_MM_FORCE": "1"}
+    else:
+        model, env = tiny_model("tiny-qwen3moe"), {}
+    run = run_aarch64("test_ready_hook", str(model), "2", env=env)
+    assert run.returncode == 0, run.report()
+    assert run.verdicts() == ["ok"] * 5, run.report()
+
+
+@pytest.mark.parametrize("page_size", PAGES)
+def test_frames_on_aarch64(page_size: int) -> None:
+    """The frames' checks (sizes in whole pages, reuse, warm frames first, exhaustion, 200000
+    random takes and gives, trim) hold at the page size the emulated kernel reports."""
+    run = run_aarch64("test_frames", page_size=page_size)
+    assert run.returncode == 0, run.report()
+    assert run.verdicts() == ["ok"] * 6, run.report()
+
+
+@pytest.mark.parametrize("page_size", PAGES)
+@pytest.mark.parametrize(
+    ("preset", "overrides"),
+    [
+        pytest.param("tiny-qwen3moe", {}, id="qwen3moe-q4_0"),
+        pytest.param("tiny-qwen3moe", {"expert_qtype": QType.Q4_K, "n_ff_exp": 256}, id="qwen3moe-q4_k"),
+        pytest.param("tiny-gemma4", {}, id="gemma4"),
+    ],
+)
+def test_streamed_equals_resident_on_aarch64(
+    tiny_model: Callable[..., Path], preset: str, overrides: dict[str, object], page_size: int
+) -> None:
+    """Streamed under the budget floor, with every lever set, the aarch64 build gives the
+    resident model's tokens and logits bit for bit; a never-read expert changes them."""
+    run = run_aarch64("test_stream_identity", str(tiny_model(preset, **overrides)), "2", page_size=page_size)
+    assert run.returncode == 0, run.report()
+    assert run.verdicts() == ["ok"] * 6, run.report()
+    assert int(run.value("page")) == page_size, "the emulated kernel did not use the page size asked for"
+    features = run.value("system")
+    assert "NEON = 1" in features and "DOTPROD = 1" in features, f"not the armv8.2 build: {features}"

@@ -1,0 +1,23 @@
+# shellcheck shell=bash
+# The CMake options of every llama.cpp build here, sourced by build.sh (the Python package, for
+# this machine) and cross-build.sh (the libraries alone, for aarch64).
+#
+#   llama_cmake_args CPU   prints the options for MOEFLASH_CPU=CPU; exit status 2 for an unknown CPU
+#
+# CPU:
+#   native    -march=native: fastest on the machine that builds it
+#   portable  baseline ISA of the target (x86-64: SSE only; aarch64: armv8-a); for Docker images
+#             and wheels run elsewhere
+#   armv8.2   aarch64 phones with dot-product instructions (armv8.2-a+dotprod+fp16), e.g. Termux
+llama_cmake_args() {
+  local cpu
+  case "$1" in
+    native)   cpu="-DGGML_NATIVE=ON" ;;
+    portable) cpu="-DGGML_NATIVE=OFF" ;;
+    armv8.2)  cpu="-DGGML_NATIVE=OFF -DGGML_CPU_ARM_ARCH=armv8.2-a+dotprod+fp16" ;;
+    *) echo "MOEFLASH_CPU must be native, portable or armv8.2 (got '$1')" >&2; return 2 ;;
+  esac
+  # only the shared libraries llama-cpp-python loads: no tests, tools, examples or mtmd
+  echo "$cpu -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=ON"
+}
