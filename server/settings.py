@@ -184,6 +184,11 @@ class ModelSettings(BaseSettings):
         False,
         description="read every expert at load (needs --budget all): then it runs like a resident model",
     )
+    follow_memory: bool = Field(
+        True,
+        description="streaming: shrink the expert budget when free memory runs short (cgroup, MemAvailable, "
+        "PSI) and grow it back, up to the budget chosen at load, when it returns",
+    )
     # --- the expert streamer's options (streaming mode) ---------------------------------
     lanes: int = Field(4, ge=1, le=16, description="parallel read lanes of the expert streamer")
     reader: Literal["direct", "buffered"] = Field(

@@ -248,6 +248,18 @@ class Streamer:
         value: int = self.lib.cdll.mf_streamer_expert_bytes(self.handle)
         return value
 
+    @property
+    def n_moe_layers(self) -> int:
+        """Layers with experts."""
+        value: int = self.lib.cdll.mf_streamer_n_moe_layers(self.handle)
+        return value
+
+    @property
+    def n_expert(self) -> int:
+        """Experts per layer."""
+        value: int = self.lib.cdll.mf_streamer_n_expert(self.handle)
+        return value
+
     def tensor_bytes(self, name: str) -> int:
         """Bytes of the named tensor in the model file, 0 when it has none."""
         value: int = self.lib.cdll.mf_streamer_tensor_bytes(self.handle, name.encode())

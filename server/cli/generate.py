@@ -49,6 +49,7 @@ class TokenRecord:
     prefetched: int | None = None
     prefetch_hits: int | None = None
     expert_memory_bytes: int | None = None
+    budget_bytes: int | None = None  # the expert budget during the step (it follows memory pressure)
 
 
 @dataclass
@@ -180,6 +181,7 @@ def _record(token: int, step: DecodeStep, storage_read: int) -> TokenRecord:
         prefetched=s.prefetched,
         prefetch_hits=s.prefetch_hits if step.routed else None,
         expert_memory_bytes=s.expert_memory_bytes,
+        budget_bytes=s.budget_bytes,
     )
 
 
@@ -195,6 +197,7 @@ def _telemetry_line(i: int, r: TokenRecord) -> str:
                 if r.hits is not None
                 else " | every expert resident"
             )
+            + f" | budget {(r.budget_bytes or 0) / _MB:7.1f} MB"
         )
     return line
 

@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 # finished jobs remembered for /metrics and for tests that inspect what the worker did
 _HISTORY = 256
+# how often an idle engine applies the memory watch's budget proposals (server/loading/pressure.py)
+_IDLE_POLL_S = 0.5
 
 
 class EngineState(enum.Enum):
@@ -250,12 +252,16 @@ class Engine:
         try:
             while True:
                 with self._cond:
-                    while not self._waiting and self._state is EngineState.READY:
-                        self._cond.wait()
+                    # idle, the memory watch's proposals still apply (below, outside the lock)
+                    if not self._waiting and self._state is EngineState.READY:
+                        self._cond.wait(timeout=_IDLE_POLL_S)
                     if self._state is not EngineState.READY:
                         break
-                    job = self._waiting.popleft()
+                    job = self._waiting.popleft() if self._waiting else None
                     self._running = job
+                if job is None:
+                    model.llama.follow_memory()
+                    continue
                 last: Event = Failed(RuntimeError("generation did not finish"))
                 try:
                     last = self._serve(model, job)

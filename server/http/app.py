@@ -68,6 +68,9 @@ def _validation_message(exc: RequestValidationError, request: Request) -> Invali
 
 def _card(ctx: ServeContext, name: str) -> ModelCard:
     info = ctx.ready_model().info
+    # the budget now: it follows memory pressure from the one chosen at load
+    totals = ctx.engine.totals()
+    budget = totals.streamer.budget_bytes if totals is not None and totals.streamer is not None else None
     return ModelCard(
         id=name,
         created=info.created,
@@ -75,7 +78,7 @@ def _card(ctx: ServeContext, name: str) -> ModelCard:
         architecture=info.architecture,
         file_size=info.file_size,
         mode=info.mode,
-        budget_bytes=info.budget_bytes,
+        budget_bytes=budget if budget is not None else info.budget_bytes,
     )
 
 

@@ -401,7 +401,8 @@ class ChoiceLogprobs(OutModel):
 
 class Timings(BaseModel):
     """moeflash extension: where the time of one response went. Streamed chunks carry the same
-    for the token(s) they hold (prompt_ms null), plus prefetch_hits and expert_memory_bytes."""
+    for the token(s) they hold (prompt_ms null), plus prefetch_hits, expert_memory_bytes and
+    budget_bytes."""
 
     prompt_ms: float
     decode_ms: float

@@ -51,7 +51,8 @@ def timings_of(stats: GenerationStats, telemetry: DecodeStep | None) -> dict[str
 def token_timings(step: DecodeStep) -> dict[str, Any]:
     """The timings of one streamed token's decode step, in the shape of the final timings (no
     prompt_ms: the prompt is the first token's step), plus prefetch_hits (routed experts that a
-    read-ahead had brought in) and expert_memory_bytes (the expert cache's memory in use)."""
+    read-ahead had brought in), expert_memory_bytes (the expert cache's memory in use) and
+    budget_bytes (its budget, which follows memory pressure)."""
     s = step.streamer
     return {
         "prompt_ms": None,
@@ -60,4 +61,5 @@ def token_timings(step: DecodeStep) -> dict[str, Any]:
         **_streamer_ms(step),
         "prefetch_hits": s.prefetch_hits if s is not None and step.routed else None,
         "expert_memory_bytes": s.expert_memory_bytes if s is not None else None,
+        "budget_bytes": s.budget_bytes if s is not None else None,
     }

@@ -167,6 +167,7 @@ def _load(settings: ModelSettings, path: Path, mode: str, kwargs: dict[str, Any]
             settings.streamer_config(),
             budget=settings.budget,
             preload=settings.preload,
+            follow_memory=settings.follow_memory,
             n_ctx=settings.ctx_size,
             flash_attn=settings.flash_attn,
             **kwargs,

@@ -20,6 +20,7 @@ from server.errors import ConfigError, ExpertReadError
 
 if TYPE_CHECKING:
     from server.loading.budget import MemoryTerms
+    from server.loading.pressure import MemoryWatch
     from streaming_ext import RouteTracer, Streamer, StreamerStats
 
 # decode steps kept: the server reads the latest, `generate` one per token of a run
@@ -60,11 +61,13 @@ class MeasuredLlama(llama_cpp.Llama):
     cb_eval, the streamer's chained behind it).
 
     `memory` is what the process holds beside the weights or the expert cache (server/loading/
-    budget.py), set by the loader once the context exists."""
+    budget.py), set by the loader once the context exists; `memory_watch`, when the loader set
+    one, moves the expert budget with memory pressure (server/loading/pressure.py)."""
 
     streamer: Streamer | None
     tracer: RouteTracer | None
     memory: MemoryTerms | None
+    memory_watch: MemoryWatch | None
     steps: deque[DecodeStep]
 
     def __init__(
@@ -82,6 +85,7 @@ class MeasuredLlama(llama_cpp.Llama):
                 tracer.chain(kwargs["cb_eval"], kwargs["cb_eval_user_data"])
             kwargs = {**kwargs, "cb_eval": tracer.eval_callback, "cb_eval_user_data": tracer.handle}
         self.memory = None
+        self.memory_watch = None
         self.steps = deque(maxlen=_STEPS_KEPT)
         self._tokens_total = 0
         self._wall_total_ns = 0
@@ -96,6 +100,7 @@ class MeasuredLlama(llama_cpp.Llama):
         original = ctx.decode
 
         def decode(batch: Any) -> None:
+            self.follow_memory()
             streamer = self.streamer
             before = streamer.stats() if streamer is not None else None
             if self.tracer is not None:
@@ -125,6 +130,12 @@ class MeasuredLlama(llama_cpp.Llama):
 
         ctx.decode = decode  # type: ignore[method-assign]
 
+    def follow_memory(self) -> None:
+        """Move the expert budget as the memory watch proposes (nothing without one). The decode
+        thread calls it before each decode call, and between requests while idle."""
+        if self.memory_watch is not None:
+            self.memory_watch.apply()
+
     def begin_phase(self, phase: int) -> None:
         """The decode calls from now on are a prompt's (0) or its decode steps (1): a route
         trace replays and records them as that phase (nothing to do without one)."""
@@ -139,7 +150,10 @@ class MeasuredLlama(llama_cpp.Llama):
 
     def close(self) -> None:
         """Free the model first (its buffers belong to the streamer's buffer types, its context
-        calls the tracer), then the streamer and the tracer (idempotent)."""
+        calls the tracer), then the streamer and the tracer (idempotent); the memory watch,
+        which reads the streamer, stops first."""
+        if self.memory_watch is not None:
+            self.memory_watch.close()
         super().close()
         if self.streamer is not None:
             self.streamer.close()

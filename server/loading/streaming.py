@@ -32,6 +32,7 @@ from server.loading.budget import (
 from server.loading.context import ContextBytes, check_flash_attn, fit_context
 from server.loading.gguf_header import read_metadata
 from server.loading.measured import MeasuredLlama
+from server.loading.pressure import BudgetBand, MemoryWatch
 from server.settings import Budget
 from streaming_ext import Streamer, StreamerConfig, StreamerError, StreamerStats
 
@@ -67,18 +68,21 @@ def load_streaming_llama(
     *,
     budget: Budget = "auto",
     preload: bool = False,
+    follow_memory: bool = True,
     n_ctx: int = 4096,
     flash_attn: str = "auto",
     **llama_kwargs: Any,
 ) -> StreamingLlama:
     """Load `model_path` (a GGUF or the first file of a split set) with its experts streamed.
 
-    `budget`: the expert cache's bytes, "all" or "auto"; `preload` reads every expert at load
-    (the budget must hold them all). `flash_attn`: "on", "off", or "auto" (on when the context's
-    attention buffers would keep the cache from holding the budget asked for, or every expert for
-    an automatic one). The budget counts what the context holds, measured
-    (server/loading/budget.py). Raises ConfigError for bad
-    options (lanes, budget below one layer's experts, a context the memory cannot hold, ...) and
+    `budget`: the expert cache's bytes, "all" or "auto"; `preload` reads every expert at load (the
+    budget must hold them all); `follow_memory` moves the budget with memory pressure, between one
+    layer's experts and the budget chosen here (server/loading/pressure.py; not when the budget
+    holds every expert, which then lives in the tensors). `flash_attn`: "on", "off", or "auto" (on
+    when the context's attention buffers would keep the cache from holding the budget asked for, or
+    every expert for an automatic one). The budget counts what the context holds, measured
+    (server/loading/budget.py). Raises ConfigError for bad options (lanes, budget below one layer's
+    experts, a context the memory cannot hold, ...) and
     ModelLoadError for a file that cannot be streamed (missing, truncated, not MoE, ...), in both
     cases before any generation.
     """
@@ -160,6 +164,14 @@ def load_streaming_llama(
         llm.budget = choice
         llm.memory = terms
         logger.info("expert budget %.1f MiB: %s", choice.bytes / 2**20, choice.reason)
+        if follow_memory and not streamer.stats().hold_all:
+            entry = streamer.expert_bytes // max(1, streamer.n_moe_layers * streamer.n_expert)
+            band = BudgetBand(floor=streamer.layer_bytes, ceiling=choice.bytes, step=entry)
+            llm.memory_watch = MemoryWatch(streamer, band)
+            llm.memory_watch.start()
+            logger.info(
+                "the expert budget follows memory pressure, down to %.1f MiB", streamer.layer_bytes / 2**20
+            )
         logger.info("expert memory: %s", streamer.memory_note())
         if mapped:
             logger.info("%s (%.1f MiB) mapped from the file, not read into RAM", EMBEDDINGS, mapped / 2**20)

@@ -504,5 +504,5 @@ def test_streamed_chunks_carry_their_tokens_timings(tiny_model: Any, endpoint: s
         assert timing["prompt_ms"] is None and timing["decode_ms"] > 0
         assert timing["compute_ms"] is not None and timing["flash_wait_ms"] is not None
         assert timing["bytes_read"] is not None and timing["prefetch_hits"] is not None
-        assert timing["expert_memory_bytes"] > 0
+        assert timing["expert_memory_bytes"] > 0 and timing["budget_bytes"] == int(budget)
     assert per_token[-1]["prompt_ms"] is not None  # the final chunk's totals
