@@ -25,7 +25,7 @@ from typing import Any
 
 from server.errors import ConfigError
 from server.loading.context import ContextBytes
-from server.loading.memcg import own_memory_cgroup
+from server.loading.memcg import OwnMemoryCgroup, own_memory_cgroup
 from server.loading.model_files import split_files
 
 logger = logging.getLogger(__name__)
@@ -95,8 +95,9 @@ def streamer_dense_bytes(path: Path, expert_bytes: int) -> int:
     return max(0, total - expert_bytes)
 
 
-def _cgroup_limit() -> tuple[int, str] | None:
-    cg = own_memory_cgroup()
+def cgroup_limit(cg: OwnMemoryCgroup | None) -> tuple[int, str] | None:
+    """The limit of the memory cgroup `cg` (own_memory_cgroup()) and where it was read, or None
+    when there is no cgroup or it sets no limit."""
     if cg is None:
         return None
     try:
@@ -108,7 +109,8 @@ def _cgroup_limit() -> tuple[int, str] | None:
     return None
 
 
-def _meminfo_bytes(path: str, key: str) -> int | None:
+def meminfo_bytes(path: str, key: str) -> int | None:
+    """A "Key: N kB" field of /proc/meminfo or /proc/self/status, in bytes (None if absent)."""
     try:
         for line in Path(path).read_text().splitlines():
             if line.startswith(key + ":"):
@@ -121,10 +123,10 @@ def _meminfo_bytes(path: str, key: str) -> int | None:
 def memory_limit() -> MemoryLimit:
     """What this process may use now: its cgroup's limit (minus nothing yet: `in_use` says what
     the process holds of it), else MemAvailable, which already leaves the process out."""
-    cg = _cgroup_limit()
+    cg = cgroup_limit(own_memory_cgroup())
     if cg is not None:
-        return MemoryLimit(cg[0], cg[1], _meminfo_bytes("/proc/self/status", "VmRSS") or 0)
-    available = _meminfo_bytes("/proc/meminfo", "MemAvailable")
+        return MemoryLimit(cg[0], cg[1], meminfo_bytes("/proc/self/status", "VmRSS") or 0)
+    available = meminfo_bytes("/proc/meminfo", "MemAvailable")
     if available is None:
         raise ConfigError("cannot read MemAvailable from /proc/meminfo; give an explicit --budget")
     return MemoryLimit(available, "MemAvailable (/proc/meminfo)")

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from server.loading.budget import margin_bytes
+from server.loading.budget import cgroup_limit, margin_bytes, meminfo_bytes
 from server.loading.memcg import own_memory_cgroup
 from streaming_ext import Streamer, StreamerError
 
@@ -38,8 +38,6 @@ logger = logging.getLogger(__name__)
 
 STALL_SHARE = 10.0  # percent of the last 10 s ("some avg10") that counts as a shortage
 _PSI = Path("/proc/pressure/memory")
-_MEMINFO = Path("/proc/meminfo")
-_UNLIMITED = 1 << 60  # cgroup v1's "no limit" is near 2**63
 
 
 @dataclass(frozen=True)
@@ -89,23 +87,15 @@ def read_headroom() -> Headroom:
     """The headroom from the process's cgroup when it has a limit, else from MemAvailable."""
     stalled = _stalled()
     cg = own_memory_cgroup()
-    if cg is not None:
-        v1 = cg.version == 1
-        limit = _read_int(cg.limit_file)
-        usage = _read_int(cg.path / ("memory.usage_in_bytes" if v1 else "memory.current"))
-        if limit is not None and limit < _UNLIMITED and usage is not None:
+    limited = cgroup_limit(cg)
+    if cg is not None and limited is not None:
+        usage = _read_int(cg.path / ("memory.usage_in_bytes" if cg.version == 1 else "memory.current"))
+        if usage is not None:
             inactive = _stat_value(cg.path / "memory.stat", ("total_inactive_file", "inactive_file"))
-            working = max(0, usage - inactive)
-            return Headroom(limit - working, limit, f"cgroup v{cg.version} {cg.path}", stalled)
-    fields: dict[str, int] = {}
-    try:
-        for line in _MEMINFO.read_text().splitlines():
-            key, _, rest = line.partition(":")
-            if rest.split() and rest.split()[0].isdigit():
-                fields[key] = int(rest.split()[0]) * 1024
-    except OSError:
-        pass
-    available, total = fields.get("MemAvailable"), fields.get("MemTotal")
+            limit, source = limited
+            return Headroom(limit - max(0, usage - inactive), limit, source, stalled)
+    available = meminfo_bytes("/proc/meminfo", "MemAvailable")
+    total = meminfo_bytes("/proc/meminfo", "MemTotal")
     if available is None or total is None:
         raise OSError("cannot read MemAvailable and MemTotal from /proc/meminfo")
     return Headroom(available, total, "MemAvailable (/proc/meminfo)", stalled)
