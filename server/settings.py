@@ -60,6 +60,14 @@ def parse_budget(text: str | int) -> Budget:
     return parse_size(text)
 
 
+def _default_state_dir() -> Path:
+    """$XDG_STATE_HOME/moeflash, else ~/.local/state/moeflash (the XDG base directory rule)."""
+    import os
+
+    base = os.environ.get("XDG_STATE_HOME")
+    return (Path(base) if base else Path.home() / ".local" / "state") / "moeflash"
+
+
 class ServerSettings(BaseSettings):
     """HTTP-side settings: binding, security, limits, queueing."""
 
@@ -106,6 +114,19 @@ class ServerSettings(BaseSettings):
     )
     retry_after_s: int = Field(1, ge=0, le=3600, description="Retry-After seconds on 429/503")
     keepalive_s: float = Field(10.0, gt=0, le=600, description="SSE ': ping' keep-alive interval in seconds")
+    warm_start: bool = Field(
+        True,
+        description="streaming: keep the expert cache's hot set in the state directory (saved on shutdown "
+        "and every hot_set_save_s) and read it back between requests after a restart",
+    )
+    state_dir: Path = Field(
+        default_factory=_default_state_dir,
+        description="where the server keeps what outlives a run, the hot sets of warm start "
+        "(default: $XDG_STATE_HOME/moeflash, else ~/.local/state/moeflash)",
+    )
+    hot_set_save_s: float = Field(
+        60.0, ge=1, le=86400, description="seconds between saves of the hot set while the cache changes"
+    )
 
     @field_validator("cors_origins", "allowed_hosts", mode="before")
     @classmethod
@@ -114,6 +135,12 @@ class ServerSettings(BaseSettings):
         if isinstance(value, str):
             return [item.strip() for item in value.split(",") if item.strip()]
         return value
+
+    @field_validator("state_dir")
+    @classmethod
+    def _expand_home(cls, value: Path) -> Path:
+        # TOML and env values may say ~/...
+        return value.expanduser()
 
     @field_validator("queue_full_status", mode="before")
     @classmethod

@@ -105,6 +105,7 @@ class StreamerStats:
     expert_memory_bytes: int  # expert memory with pages now: frames in use and free ones kept warm
     frames_released: int  # free frames whose pages went back to the kernel
     budget_bytes: int  # the expert budget now (it follows memory pressure)
+    restored: int  # entries read back by warm start (Streamer.restore)
 
     def __sub__(self, other: StreamerStats) -> StreamerStats:
         a, b = asdict(self), asdict(other)
@@ -235,6 +236,32 @@ class Streamer:
     def drop_cache(self) -> None:
         """Evict every expert (a cold cache for tests and benchmarks)."""
         self.lib.cdll.mf_streamer_drop_cache(self.handle)
+
+    def hot_set(self) -> list[tuple[int, int]]:
+        """The resident experts as (layer, expert), hottest first (most routed, then most recently
+        used); on the decode thread, between decode calls."""
+        n_expert = self.n_expert
+        # entries live in MoE layers only: at most n_moe_layers * n_expert of them
+        cap = max(1, self.n_moe_layers * n_expert)
+        out = (ctypes.c_int32 * cap)()
+        n = int(self.lib.cdll.mf_streamer_hot_set(self.handle, out, cap))
+        if n < 0:
+            raise StreamerError(self.last_error() or os.strerror(-n), -n)
+        return [divmod(int(i), n_expert) for i in out[: min(n, cap)]]
+
+    def restore(self, layer: int, experts: list[int]) -> int:
+        """Read these experts of `layer` into the budget's free room (evicting nothing) and wait for
+        them; returns how many were read. StreamerError for a layer without streamed experts or a
+        failed read (taken: it fails no request). Decode thread, between decode calls."""
+        want = (ctypes.c_uint8 * self.n_expert)()
+        for e in experts:
+            if not 0 <= e < self.n_expert:
+                raise StreamerError(f"expert {e} is out of range 0..{self.n_expert - 1}", errno.EINVAL)
+            want[e] = 1
+        n = int(self.lib.cdll.mf_streamer_restore(self.handle, layer, want))
+        if n < 0:
+            raise StreamerError(self.last_error() or os.strerror(-n), -n)
+        return n
 
     @property
     def layer_bytes(self) -> int:

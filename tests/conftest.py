@@ -9,12 +9,19 @@
   when the test ends.
 - `chromium`: Debian's chromium driven by Playwright (a Browser), skipped with the reason where
   it is not installed (`make setup-dev` installs it when run as root, as on CI).
+
+Servers the tests start keep their state (warm start's hot sets) in a directory of the session,
+MOEFLASH_STATE_DIR, never in the home directory; tests.servers gives each in-process server a
+fresh one of its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,6 +33,17 @@ from server.modelgen import generate_model, preset
 from tests.models import load_llama
 
 CHROMIUM = Path("/usr/bin/chromium")
+_STATE_DIR = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_STATE_DIR] = tempfile.mkdtemp(prefix="moeflash-test-state-")
+    os.environ["MOEFLASH_STATE_DIR"] = config.stash[_STATE_DIR]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _STATE_DIR in config.stash:
+        shutil.rmtree(config.stash[_STATE_DIR], ignore_errors=True)
 
 
 class TinyModelFactory(Protocol):

@@ -8,7 +8,9 @@ happened to a cancelled job) instead of on time.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,10 +20,11 @@ from typing import Any
 
 import uvicorn
 
+from server.cli.serve import load_served_model
 from server.engine.token_loop import GenerationStats
 from server.engine.worker import Engine
 from server.http.app import create_app
-from server.loading.loader import LoadedModel, load_model
+from server.loading.loader import LoadedModel
 from server.settings import load_settings
 
 # bounded polling for state changes on the server (no test asserts on how long they take)
@@ -87,14 +90,16 @@ def running_server(
     wait_ready: bool = True,
     **overrides: Any,
 ) -> Iterator[RunningServer]:
-    """Serve `model_path` with settings `overrides` (field names of ServerSettings/ModelSettings)."""
+    """Serve `model_path` with settings `overrides` (field names of ServerSettings/ModelSettings),
+    loaded as `moeflash serve` loads it; its state directory is a fresh one unless given."""
     host = overrides.pop("host", "127.0.0.1")
     port = free_port("127.0.0.1" if host == "127.0.0.1" else "0.0.0.0")
+    own_state = None if "state_dir" in overrides else tempfile.mkdtemp(prefix="moeflash-state-")
     server_settings, model_settings = load_settings(
-        {"model": model_path, "host": host, "port": port, **overrides}
+        {"model": model_path, "host": host, "port": port, "state_dir": own_state, **overrides}
     )
     engine = Engine(
-        loader or (lambda: load_model(model_settings)),
+        loader or (lambda: load_served_model(server_settings, model_settings)),
         max_queue=server_settings.max_queue,
         queue_full_status=server_settings.queue_full_status,
         retry_after_s=server_settings.retry_after_s,
@@ -121,3 +126,5 @@ def running_server(
         server.should_exit = True
         thread.join(WAIT_S)
         engine.close()
+        if own_state is not None:
+            shutil.rmtree(own_state, ignore_errors=True)

@@ -11,7 +11,7 @@ from typing import Any
 from server.errors import ConfigError, ModelLoadError, MoeflashError
 from server.loading.loader import LoadedModel, load_model
 from server.loading.model_files import split_files
-from server.settings import ModelSettings, add_arguments, settings_from_args
+from server.settings import ModelSettings, ServerSettings, add_arguments, settings_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +33,22 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def _loader(settings: ModelSettings) -> LoadedModel:
+def load_served_model(server_settings: ServerSettings, settings: ModelSettings) -> LoadedModel:
+    """The engine's loader in `serve`: the model, warm-started when streamed (and asked for)."""
     model = load_model(settings)
     info = model.info
+    streamer = model.llama.streamer
+    if server_settings.warm_start and streamer is not None:
+        from server.loading.hot_set import WarmStart
+
+        try:
+            model.warm_start = WarmStart(
+                streamer, info.path, server_settings.state_dir, save_every_s=server_settings.hot_set_save_s
+            )
+        except BaseException:
+            model.close()
+            raise
+        logger.info("warm start: the hot set is kept in %s", model.warm_start.path)
     budget = "no budget (resident)" if info.budget_bytes is None else f"budget {_size(info.budget_bytes)}"
     logger.info(
         "model ready: %s (architecture %s, file %s, %s, mode %s, context %d tokens)",
@@ -74,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     size = sum(p.stat().st_size for p in split_files(path) if p.is_file())
     logger.info("loading %s (%s) in mode %s", path, _size(size), model_settings.mode)
     engine = Engine(
-        lambda: _loader(model_settings),
+        lambda: load_served_model(server_settings, model_settings),
         max_queue=server_settings.max_queue,
         queue_full_status=server_settings.queue_full_status,
         retry_after_s=server_settings.retry_after_s,

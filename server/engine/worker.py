@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 # finished jobs remembered for /metrics and for tests that inspect what the worker did
 _HISTORY = 256
 # how often an idle engine applies the memory watch's budget proposals (server/loading/pressure.py)
+# and saves the hot set when due (server/loading/hot_set.py)
 _IDLE_POLL_S = 0.5
 
 
@@ -250,17 +251,19 @@ class Engine:
                 self._state = EngineState.READY
             self._cond.notify_all()
         try:
+            idle_work = False
             while True:
                 with self._cond:
-                    # idle, the memory watch's proposals still apply (below, outside the lock)
-                    if not self._waiting and self._state is EngineState.READY:
+                    # idle, the model's idle work goes on (below, outside the lock): at once while
+                    # warm start reads back, else every _IDLE_POLL_S
+                    if not self._waiting and self._state is EngineState.READY and not idle_work:
                         self._cond.wait(timeout=_IDLE_POLL_S)
                     if self._state is not EngineState.READY:
                         break
                     job = self._waiting.popleft() if self._waiting else None
                     self._running = job
                 if job is None:
-                    model.llama.follow_memory()
+                    idle_work = model.idle()
                     continue
                 last: Event = Failed(RuntimeError("generation did not finish"))
                 try:
@@ -272,6 +275,7 @@ class Engine:
                         self.history.append((job.id, replace(job.stats)))
                         self._cond.notify_all()
                     job._post(last)
+                model.after_request()
         finally:
             model.close()
 

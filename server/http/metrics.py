@@ -56,6 +56,11 @@ class _EngineCollector(Collector):
             "expert cache memory in use (frames of resident experts and free ones kept warm)",
             value=s.expert_memory_bytes if s else 0,
         )
+        yield CounterMetricFamily(
+            "moeflash_experts_restored",
+            "experts read back by warm start (the last run's hot set)",
+            value=s.restored if s else 0,
+        )
         yield GaugeMetricFamily(
             "moeflash_expert_budget_bytes",
             "the expert cache's budget now (it follows memory pressure)",

@@ -23,6 +23,7 @@ from server.loading.model_files import split_files
 from server.settings import ModelSettings, RouteTraceSettings
 
 if TYPE_CHECKING:
+    from server.loading.hot_set import WarmStart
     from server.loading.measured import MeasuredLlama
     from server.loading.route_trace import ModelShape
 
@@ -63,13 +64,32 @@ class LoadedModel:
     info: ModelInfo
     # the model's routing shape when its routing is replayed or recorded (a recorded trace's header)
     route_shape: ModelShape | None = None
+    # the server's warm start of a streamed model (server/loading/hot_set.py), None elsewhere
+    warm_start: WarmStart | None = None
     _closed: bool = field(default=False, repr=False)
 
+    def idle(self) -> bool:
+        """Between requests, no request waiting: the budget follows memory, and warm start saves
+        the hot set when due and reads the last one back a chunk at a time. True while read-back
+        remains (the caller comes back at once)."""
+        self.llama.follow_memory()
+        return self.warm_start.idle() if self.warm_start is not None else False
+
+    def after_request(self) -> None:
+        """After each request: warm start saves the hot set when due (a server that is never idle
+        still keeps it)."""
+        if self.warm_start is not None:
+            self.warm_start.save_if_due()
+
     def close(self) -> None:
-        """Free the context and the model (idempotent)."""
+        """Save the hot set, then free the context and the model (idempotent)."""
         if not self._closed:
             self._closed = True
-            self.llama.close()
+            try:
+                if self.warm_start is not None:
+                    self.warm_start.close()
+            finally:
+                self.llama.close()
 
 
 def _model_names(settings: ModelSettings, path: Path) -> tuple[str, ...]:

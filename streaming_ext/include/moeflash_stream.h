@@ -119,6 +119,7 @@ typedef struct mf_stats {
     // budget moved down)
     uint64_t frames_released;
     uint64_t budget_bytes;   // the expert budget now (mf_streamer_set_budget)
+    uint64_t restored;       // entries read back by mf_streamer_restore (warm start)
 } mf_stats;
 
 // Thread contract of the calls below: one thread at a time per streamer (the thread that loads
@@ -185,6 +186,20 @@ MF_API int mf_streamer_preload(mf_streamer * s);
 // Evicts every expert entry and gives the free frames' pages back (tests and benchmarks: a cold
 // cache). Decode thread only.
 MF_API void mf_streamer_drop_cache(mf_streamer * s);
+
+// Warm start: the caller saves the hot set and, after a restart, reads it back with
+// mf_streamer_restore, a chunk at a time between requests (server/loading/hot_set.py).
+// The resident experts, hottest first (most routed, then most recently used), as
+// layer * n_expert + expert: up to max of them into out. Returns how many are resident, or
+// -ENOMEM. Decode thread, between llama_decode calls.
+MF_API int32_t mf_streamer_hot_set(mf_streamer * s, int32_t * out, int32_t max);
+// Reads the experts of `layer` with want[e] != 0 (want has n_expert bytes) into the budget's free
+// room, evicting nothing, and waits for the reads. Returns how many it read (0: resident already,
+// or no room left), or -errno with a message in last_error: -EINVAL (not a streamed layer, or
+// before mf_streamer_check_loaded), or the error of a failed read, taken here so that it fails no
+// request (its entries are forgotten and read again when routed). Decode thread, between
+// llama_decode calls.
+MF_API int32_t mf_streamer_restore(mf_streamer * s, int32_t layer, const uint8_t * want);
 
 // Bytes of the largest layer's experts (all of them): the budget floor.
 MF_API uint64_t mf_streamer_layer_bytes(const mf_streamer * s);

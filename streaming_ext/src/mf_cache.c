@@ -556,6 +556,68 @@ int32_t mf_cache_set_budget(mf_cache * c, uint64_t budget_bytes) {
     return c->n_evict;
 }
 
+int32_t mf_cache_admit_free(mf_cache * c, int32_t layer, const uint8_t * want) {
+    c->n_load  = 0;
+    c->n_evict = 0;
+    if (layer < 0 || layer >= c->n_layer) {
+        return 0;
+    }
+    const size_t   row   = (size_t) layer * (size_t) c->n_expert;
+    const uint64_t bytes = c->entry_bytes[layer];
+    for (int32_t e = 0; e < c->n_expert; e++) {
+        const size_t i = row + (size_t) e;
+        if (!want[e] || c->resident[i]) {
+            continue;
+        }
+        if (c->used + bytes > c->budget) {
+            break;
+        }
+        res_add(c, i);
+        c->last_use[i] = 0;  // not used in this run: older than anything routed
+        c->used += bytes;
+        c->load[c->n_load++] = e;
+    }
+    return c->n_load;
+}
+
+typedef struct hot_key {
+    uint32_t uses;
+    uint64_t last_use;
+    int32_t  id;
+} hot_key;
+
+static int hotter_first(const void * pa, const void * pb) {
+    const hot_key * a = pa;
+    const hot_key * b = pb;
+    if (a->uses != b->uses) {
+        return a->uses > b->uses ? -1 : 1;
+    }
+    if (a->last_use != b->last_use) {
+        return a->last_use > b->last_use ? -1 : 1;
+    }
+    return a->id < b->id ? -1 : a->id > b->id;
+}
+
+int32_t mf_cache_hot_set(const mf_cache * c, int32_t * out, int32_t max) {
+    if (c->n_res == 0) {
+        return 0;
+    }
+    hot_key * keys = malloc((size_t) c->n_res * sizeof *keys);
+    if (!keys) {
+        return -ENOMEM;
+    }
+    for (int32_t p = 0; p < c->n_res; p++) {
+        const int32_t i = c->res_list[p];
+        keys[p]         = (hot_key){ .uses = c->uses[i], .last_use = c->last_use[i], .id = i };
+    }
+    qsort(keys, (size_t) c->n_res, sizeof *keys, hotter_first);
+    for (int32_t p = 0; p < c->n_res && p < max; p++) {
+        out[p] = keys[p].id;
+    }
+    free(keys);
+    return c->n_res;
+}
+
 int32_t mf_cache_loads(const mf_cache * c, int32_t * out, int32_t max) {
     for (int32_t i = 0; i < c->n_load && i < max; i++) {
         out[i] = c->load[i];

@@ -229,6 +229,15 @@ int32_t mf_cache_evict_all(mf_cache * c);
 // routes only. The evicted entries are left in c->evict; returns how many
 int32_t mf_cache_set_budget(mf_cache * c, uint64_t budget_bytes);
 
+// warm start (mf_streamer_restore): admits experts of `layer` into the budget's free room only,
+// stopping at the first that does not fit; nothing is evicted, pinned, counted or learned, and
+// they rank as used before anything routed. Fills the load list; returns how many it admitted
+int32_t mf_cache_admit_free(mf_cache * c, int32_t layer, const uint8_t * want);
+// the resident entries (l * n_expert + e), hottest first: most routed (the LAYER policy's decayed
+// count of routes), then most recently used, then file order; up to max into out. Returns how
+// many are resident, or -ENOMEM
+int32_t mf_cache_hot_set(const mf_cache * c, int32_t * out, int32_t max);
+
 // ---------------------------------------------------------------- expert tensors (mf_buft.c)
 enum mf_slice_state { MF_SLICE_ABSENT = 0, MF_SLICE_LOADING = 1, MF_SLICE_READY = 2, MF_SLICE_FAILED = 3 };
 
@@ -290,7 +299,8 @@ typedef struct mf_job {
 // the counters of mf_stats that are counted (relaxed atomics: read without locks), same names
 typedef struct mf_counters {
     atomic_uint_fast64_t routes, hits, misses, evictions, bytes_read, reads, flash_wait_ns, cache_ns, read_ns,
-        dense_bytes, resident_bytes, violations, errors, prefetched, prefetch_hits, mapped_bytes, budget_bytes;
+        dense_bytes, resident_bytes, violations, errors, prefetched, prefetch_hits, mapped_bytes, budget_bytes,
+        restored;
 } mf_counters;
 
 #define ADD(counter, v) atomic_fetch_add_explicit(&(counter), (uint64_t) (v), memory_order_relaxed)

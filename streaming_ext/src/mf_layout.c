@@ -17,7 +17,8 @@
 #define STATS_FIELDS(X)                                                                                         \
     X(routes) X(hits) X(misses) X(evictions) X(bytes_read) X(reads) X(flash_wait_ns) X(cache_ns) X(read_ns)   \
         X(dense_bytes) X(resident_bytes) X(violations) X(errors) X(direct_io) X(prefetched) X(prefetch_hits) \
-            X(mapped_bytes) X(hold_all) X(routing_off) X(expert_memory_bytes) X(frames_released) X(budget_bytes)
+            X(mapped_bytes) X(hold_all) X(routing_off) X(expert_memory_bytes) X(frames_released) X(budget_bytes) \
+                X(restored)
 
 #define ROUTE_RECORD_FIELDS(X) X(turn) X(phase) X(step) X(layer) X(slot) X(expert) X(weight)
 

@@ -751,6 +751,7 @@ void mf_streamer_get_stats(const mf_streamer * s, mf_stats * out) {
     out->expert_memory_bytes = atomic_load_explicit(&s->frames.populated, memory_order_relaxed);
     out->frames_released     = atomic_load_explicit(&s->frames.released, memory_order_relaxed);
     out->budget_bytes        = LOAD(budget_bytes);
+    out->restored            = LOAD(restored);
 #undef LOAD
 }
 
@@ -804,6 +805,51 @@ void mf_streamer_drop_cache(mf_streamer * s) {
     mf_lanes_apply_evictions(s);
     s->pf_layer = -1;
     mf_frames_trim(&s->frames);  // a cold cache holds no memory
+}
+
+int32_t mf_streamer_hot_set(mf_streamer * s, int32_t * out, int32_t max) {
+    if (!s->cache) {
+        return 0;
+    }
+    const int32_t n = mf_cache_hot_set(s->cache, out, max);
+    if (n < 0) {
+        snprintf(s->last_error, sizeof s->last_error, "no memory to rank the resident experts");
+    }
+    return n;
+}
+
+int32_t mf_streamer_restore(mf_streamer * s, int32_t layer, const uint8_t * want) {
+    if (!s->cache || layer < 0 || layer >= s->n_layers || s->layers[layer].n_xt == 0) {
+        snprintf(s->last_error, sizeof s->last_error, "layer %d has no streamed experts%s", (int) layer,
+                 s->cache ? "" : " (the model is not loaded)");
+        return -EINVAL;
+    }
+    if (atomic_load_explicit(&s->routing_off, memory_order_relaxed)) {
+        return 0;  // every expert is resident
+    }
+    mf_lanes_wait_all(s);
+    mf_lanes_reap_failures(s);
+    if (mf_error_pending(s)) {
+        return 0;  // an error of the last request, which it takes itself
+    }
+    const int32_t n = mf_cache_admit_free(s->cache, layer, want);
+    if (n == 0) {
+        return 0;
+    }
+    int rc = mf_lanes_queue_route(s, layer, false);
+    mf_lanes_wait_all(s);
+    mf_lanes_reap_failures(s);
+    char msg[MF_ERR_LEN];
+    const int failed = mf_error_take(s, msg, sizeof msg);
+    rc               = failed ? failed : rc;
+    if (rc != 0) {
+        snprintf(s->last_error, sizeof s->last_error, "reading back experts of layer %d: %.400s", (int) layer,
+                 failed ? msg : strerror(-rc));
+        return rc;
+    }
+    ADD(s->st.restored, n);
+    stop_routing_if_all_resident(s);
+    return n;
 }
 
 uint64_t mf_streamer_layer_bytes(const mf_streamer * s) {

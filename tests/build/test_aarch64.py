@@ -5,7 +5,8 @@ fp16) with 4 KiB and 16 KiB pages.
 - tests/c/test_ready_hook.c: patch 0002's hook on ggml's NEON matmuls (vec_dot and tiled);
 - tests/c/test_frames.c: the expert frames, with UBSan (ASan does not run under qemu-user);
 - tests/c/test_stream_identity.c: streamed against resident under a budget that evicts, tokens
-  and a hash of every logits row, three lever sets and a negative control.
+  and a hash of every logits row, three lever sets, a budget moved mid-decode, a warm start
+  (experts read back before the first token) and a negative control.
 
 Emulation checks the instructions, the kernels and the memory layout an ARM build meets. Its
 16 KiB pages are what sysconf reports to the program while the host kernel still maps 4 KiB ones:
@@ -70,7 +71,7 @@ def test_streamed_equals_resident_on_aarch64(
     resident model's tokens and logits bit for bit; a never-read expert changes them."""
     run = run_aarch64("test_stream_identity", str(tiny_model(preset, **overrides)), "2", page_size=page_size)
     assert run.returncode == 0, run.report()
-    assert run.verdicts() == ["ok"] * 6, run.report()
+    assert run.verdicts() == ["ok"] * 7, run.report()
     assert int(run.value("page")) == page_size, "the emulated kernel did not use the page size asked for"
     features = run.value("system")
     assert "NEON = 1" in features and "DOTPROD = 1" in features, f"not the armv8.2 build: {features}"

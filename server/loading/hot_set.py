@@ -1,0 +1,227 @@
+"""Warm start: the expert cache's hot set, kept across restarts of the server.
+
+After a restart the first answers would pay for a cold cache: every expert they route is read
+from flash while they wait. So the server keeps the cache's hot set, the resident experts ranked
+by the streamer (most routed, then most recently used: `Streamer.hot_set`), in a small JSON file
+under the state directory, one per model file. It is written atomically on shutdown and, while the
+cache changes, every `save_every_s` seconds (so a kill loses at most that much), and read back
+after the next load:
+
+- The hottest entries the budget holds are read back in file order (layer by layer, experts
+  ascending), a chunk of at most `_CHUNK_BYTES` per call, on the engine's worker thread between
+  requests only: a request that arrives waits for at most the chunk being read, never for the
+  rest. Reads go into the budget's free room and evict nothing, so what requests have routed
+  since the start stays.
+- The file names the model files it belongs to (path, sizes, modification times): a file for
+  another model, or one that cannot be read, is ignored with a warning and replaced at the next
+  save. Read-back never changes output: which experts are resident does not (the byte-identity
+  gates, tests/c/test_stream_identity.c among them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from server.loading.model_files import split_files
+from streaming_ext import Streamer, StreamerError
+
+logger = logging.getLogger(__name__)
+
+# the most a read-back call reads: what a request arriving during it waits for at worst (about
+# 10-20 ms at the 1-2 GB/s of these machines' disks and of phone flash)
+_CHUNK_BYTES = 16 << 20
+# the file's format; another number is not read
+_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """The model a hot set belongs to: its files' names, sizes and modification times."""
+
+    path: Path
+    files: tuple[tuple[str, int, int], ...]
+
+    @classmethod
+    def of(cls, path: Path) -> ModelFiles:
+        stats = [(part, part.stat()) for part in split_files(path)]
+        return cls(path, tuple((part.name, st.st_size, st.st_mtime_ns) for part, st in stats))
+
+    def state_file(self, state_dir: Path) -> Path:
+        """Where this model's hot set lives: its stem and a hash of its files."""
+        digest = hashlib.sha256(json.dumps([str(self.path), self.files]).encode()).hexdigest()[:16]
+        stem = self.path.name.removesuffix(".gguf")
+        return state_dir / "hot-sets" / f"{stem}-{digest}.json"
+
+
+def read_hot_set(path: Path, model: ModelFiles, n_expert: int) -> list[tuple[int, int]]:
+    """The (layer, expert) entries saved for `model`, hottest first; [] when there is none or it
+    cannot be used (a warning says why)."""
+    try:
+        data: Any = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as exc:
+        logger.warning("warm start: ignoring %s, which cannot be read: %s", path, exc)
+        return []
+    problem = _check(data, model, n_expert)
+    if problem:
+        logger.warning("warm start: ignoring %s: %s", path, problem)
+        return []
+    return [(int(layer), int(expert)) for layer, expert in data["experts"]]
+
+
+def _check(data: Any, model: ModelFiles, n_expert: int) -> str | None:
+    if not isinstance(data, dict) or data.get("format") != _FORMAT:
+        return f"not a hot set of format {_FORMAT}"
+    if data.get("files") != [list(f) for f in model.files]:
+        return "it belongs to other model files (names, sizes or times differ)"
+    if data.get("n_expert") != n_expert:
+        return f"it is for {data.get('n_expert')} experts per layer, the model has {n_expert}"
+    experts = data.get("experts")
+    if not isinstance(experts, list):
+        return "no expert list"
+    for entry in experts:
+        if (
+            not isinstance(entry, list)
+            or len(entry) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in entry)
+            or entry[0] < 0
+            or not 0 <= entry[1] < n_expert
+        ):
+            return f"a bad entry {entry!r}"
+    return None
+
+
+def write_hot_set(path: Path, model: ModelFiles, n_expert: int, entries: list[tuple[int, int]]) -> None:
+    """Replace the file atomically (a crash leaves the old one or the new one, never half)."""
+    data = {
+        "format": _FORMAT,
+        "model": str(model.path),
+        "files": [list(f) for f in model.files],
+        "n_expert": n_expert,
+        "saved": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "experts": [list(e) for e in entries],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, separators=(",", ":"))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class WarmStart:
+    """Saves a streamed model's hot set and reads the last one back; owned by the engine's worker
+    thread (the decode thread), which calls `idle` between requests and `close` at shutdown."""
+
+    def __init__(
+        self,
+        streamer: Streamer,
+        model_path: Path,
+        state_dir: Path,
+        *,
+        save_every_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._streamer = streamer
+        self._model = ModelFiles.of(model_path)
+        self.path = self._model.state_file(state_dir)
+        self._n_expert = streamer.n_expert
+        self._save_every_s = save_every_s
+        self._clock = clock
+        self._saved_at = clock()
+        self._saved_mark = self._mark()
+        self._save_failed = False
+        # the cache counts every entry at the largest layer's entry (one frame size)
+        self._entry_bytes = -(-streamer.layer_bytes // self._n_expert)
+        self._pending = self._plan(read_hot_set(self.path, self._model, self._n_expert))
+        self._started = clock()
+        self._read = 0
+
+    def _plan(self, saved: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
+        """The hottest saved entries the budget holds, in file order, as (layer, experts) chunks."""
+        fit = self._streamer.stats().budget_bytes // self._entry_bytes
+        chosen = sorted(dict.fromkeys(saved[:fit]))
+        per_call = max(1, _CHUNK_BYTES // self._entry_bytes)
+        chunks: list[tuple[int, list[int]]] = []
+        for layer, expert in chosen:
+            if chunks and chunks[-1][0] == layer and len(chunks[-1][1]) < per_call:
+                chunks[-1][1].append(expert)
+            else:
+                chunks.append((layer, [expert]))
+        if chosen:
+            logger.info(
+                "warm start: reading back %d experts (%.0f MiB) of the last run's hot set, between requests",
+                len(chosen),
+                len(chosen) * self._entry_bytes / 2**20,
+            )
+        return chunks
+
+    @property
+    def reading(self) -> bool:
+        """Whether entries of the last hot set remain to be read back."""
+        return bool(self._pending)
+
+    def idle(self) -> bool:
+        """Between requests: save the hot set when due, then read back one chunk. True while
+        chunks remain (the engine then comes back at once, unless a request waits)."""
+        self.save_if_due()
+        if not self._pending:
+            return False
+        layer, experts = self._pending.pop(0)
+        try:
+            self._read += self._streamer.restore(layer, experts)
+        except StreamerError as exc:
+            logger.warning("warm start stopped, %d experts read back: %s", self._read, exc)
+            self._pending.clear()
+            return False
+        if not self._pending:
+            logger.info(
+                "warm start: %d experts read back in %.1f s", self._read, self._clock() - self._started
+            )
+        return bool(self._pending)
+
+    def save_if_due(self) -> None:
+        """Save when `save_every_s` has passed and the cache changed since the last save."""
+        if self._clock() - self._saved_at >= self._save_every_s and self._mark() != self._saved_mark:
+            self.save()
+
+    def save(self) -> None:
+        """Write the hot set now: the resident entries, then those of the last hot set not read
+        back yet (a restart during read-back keeps them). A failure is logged once, not raised."""
+        entries = self._streamer.hot_set()
+        resident = set(entries)
+        entries += [(layer, e) for layer, chunk in self._pending for e in chunk if (layer, e) not in resident]
+        self._saved_at = self._clock()
+        self._saved_mark = self._mark()
+        try:
+            write_hot_set(self.path, self._model, self._n_expert, entries)
+        except OSError as exc:
+            if not self._save_failed:
+                logger.warning("warm start: cannot save the hot set to %s: %s", self.path, exc)
+            self._save_failed = True
+            return
+        self._save_failed = False
+
+    def close(self) -> None:
+        """At shutdown, before the model is freed: the last save."""
+        self.save()
+
+    def _mark(self) -> tuple[int, int]:
+        # the cache's contents change with every read: routed misses, prefetches, read-back
+        s = self._streamer.stats()
+        return s.misses + s.prefetched, s.restored
