@@ -72,7 +72,7 @@ def _source_commit() -> str | None:
     return head.stdout.strip() + (" +local changes" if dirty.stdout.strip() else "")
 
 
-def _environment() -> dict[str, Any]:
+def environment() -> dict[str, Any]:
     import llama_cpp
 
     env: dict[str, Any] = {
@@ -227,7 +227,7 @@ def run_bench(
     probe_disk(None, "after the last runs")
     result = BenchResult(
         model=model_info,
-        environment=_environment(),
+        environment=environment(),
         cgroup=support.reason,
         page_cache=(
             "dropped before every run (then the model file read back in for the resident reference)"

@@ -3,6 +3,7 @@
 moeflash bench --shape qwen30b-shape --caps 0.25,0.5          # generates (or reuses) the model
 moeflash bench --model m.gguf --caps 4G,8G --tokens 32
 moeflash bench --replay ../shared/data/route-traces/qwen.route.csv
+moeflash bench --warm-start --shape qwen30b-shape --caps 0.25  # the first answer after a restart
 """
 
 from __future__ import annotations
@@ -45,6 +46,13 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--mmap-tokens", type=int, default=8, help="decode tokens of the stock mmap run (slow)")
     p.add_argument("--no-levers", action="store_true", help="skip the one-lever-at-a-time variants")
+    p.add_argument(
+        "--warm-start",
+        action="store_true",
+        help="measure instead the first answer after a restart of `serve`, warm-started and cold "
+        "(server/bench/warm_start.py)",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="--warm-start: restarts per cap and schedule")
     p.add_argument("--ceiling-seconds", type=float, default=8.0, help="seconds per disk-ceiling pattern")
     p.add_argument("--models-dir", type=Path, default=Path("models"), help="where --shape models live")
     p.add_argument("--delete-model", action="store_true", help="delete a generated model afterwards")
@@ -93,6 +101,30 @@ def _progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def _warm_start(
+    args: argparse.Namespace, path: Path, info: dict[str, Any], flags: list[str], tokens: int, command: str
+) -> int:
+    from server.bench.harness import environment
+    from server.bench.warm_start import run_warm_start, write_warm_report
+
+    if args.rounds < 1:
+        raise ConfigError("--rounds must be >= 1")
+    data = run_warm_start(
+        path,
+        _parse_caps(args.caps, info["file_bytes"]),
+        rounds=args.rounds,
+        tokens=tokens,
+        ctx_size=int(args.ctx_size or BENCH_CTX_SIZE),
+        settings_flags=tuple(flags),
+        progress=_progress,
+    )
+    data = {"model": info, "environment": environment(), **data}
+    out = args.out or Path("bench/reports") / f"warm-start-{info['name']}"
+    for p in write_warm_report(data, out, command):
+        print(p)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """The `bench` subcommand."""
     command = "moeflash " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -129,6 +161,10 @@ def run(args: argparse.Namespace) -> int:
             info["sha256"] = path.with_suffix(".sha256").read_text().strip()
         flags = given_flags(args, ModelSettings, skip=("model", "ctx_size", "config"))
         tokens = args.tokens or 32
+        if args.warm_start:
+            if routing.route_trace is not None:
+                raise ConfigError("--warm-start measures `serve`, which runs the model's own routing")
+            return _warm_start(args, path, info, flags, tokens, command)
         if routing.route_trace is not None:
             flags += _trace_flags(routing.route_trace, path, info)
             # what the replay of each run's routes needs to judge its hit rate (ratios.py)

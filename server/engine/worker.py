@@ -251,7 +251,7 @@ class Engine:
                 self._state = EngineState.READY
             self._cond.notify_all()
         try:
-            idle_work = False
+            idle_work = True  # warm start begins reading back at once
             while True:
                 with self._cond:
                     # idle, the model's idle work goes on (below, outside the lock): at once while

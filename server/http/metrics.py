@@ -61,6 +61,13 @@ class _EngineCollector(Collector):
             "experts read back by warm start (the last run's hot set)",
             value=s.restored if s else 0,
         )
+        model = self._engine.model
+        warm = model.warm_start if model is not None else None
+        yield GaugeMetricFamily(
+            "moeflash_warm_start_pending_experts",
+            "experts of the last run's hot set still to be read back",
+            value=warm.pending_experts if warm is not None else 0,
+        )
         yield GaugeMetricFamily(
             "moeflash_expert_budget_bytes",
             "the expert cache's budget now (it follows memory pressure)",

@@ -176,6 +176,11 @@ class WarmStart:
         """Whether entries of the last hot set remain to be read back."""
         return bool(self._pending)
 
+    @property
+    def pending_experts(self) -> int:
+        """Entries of the last hot set not read back yet (/metrics; read from any thread)."""
+        return sum(len(chunk) for _, chunk in list(self._pending))
+
     def idle(self) -> bool:
         """Between requests: save the hot set when due, then read back one chunk. True while
         chunks remain (the engine then comes back at once, unless a request waits)."""

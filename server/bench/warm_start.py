@@ -1,0 +1,341 @@
+"""The warm-start benchmark: the first answer after a restart, with and without the last run's
+hot set read back (server/loading/hot_set.py).
+
+    moeflash bench --warm-start --shape qwen30b-shape --caps 0.25
+
+Real `moeflash serve` processes under a memory cgroup, a streamed chat conversation over HTTP.
+Each round:
+
+1. A server answers the conversation's first turn (`_FIRST`) and is stopped with SIGTERM, which
+   saves its hot set.
+2. The server restarts twice, in alternating order, once warm-started from a copy of that hot set
+   and once with `--no-warm-start`, and answers the next turn: the first turn, its answer and a
+   new question, as a chat client sends it. Two schedules, each on its own restarts:
+   - "after read-back": the request goes once read-back is done
+     (`moeflash_warm_start_pending_experts` is 0); the cold server gets it once ready, since it has
+     nothing to do meanwhile;
+   - "at once": the request goes the moment /health says ready, during read-back: warm start
+     must not make it slower (read-back yields to it, a chunk at most).
+
+From the client: TTFT (request sent to the first content delta) and the time to the last of
+`tokens` tokens (end-of-generation tokens are biased away); from the response's timings: the
+hit rate and the expert bytes read. Both servers must give the same text (the byte-identity
+promise). The report gives the median of each figure and the warm/cold ratio per schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from server.bench.cgroup import MemoryCgroup, probe
+from server.errors import MoeflashError
+
+_READY_S = 600.0
+_POLL_S = 0.05
+_SYSTEM = "You are a concise assistant running on a phone."
+_FIRST = "Why do mixture-of-experts models route each token to only a few experts?"
+_NEXT = "And what does that mean for running one from flash storage?"
+SCHEDULES = ("after read-back", "at once")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One restarted server's answer to the next turn."""
+
+    schedule: str
+    warm: bool
+    round: int
+    ready_s: float  # server start to /health ready
+    read_back_s: float | None  # ready to read-back done (warm, after read-back)
+    restored: int  # experts read back before the request was sent
+    ttft_s: float
+    total_s: float  # request sent to the last token
+    tokens: int
+    hit_rate: float | None
+    bytes_read: int | None
+    text: str
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class _Server:
+    """A `moeflash serve` process in the cgroup, its log in a file."""
+
+    def __init__(self, cgroup: MemoryCgroup, argv: list[str], log: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = log.open("a")
+        self.started = time.monotonic()
+        self.proc = cgroup.popen(
+            [*argv, "--port", str(self.port)], stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    def wait_ready(self) -> float:
+        deadline = self.started + _READY_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise MoeflashError(f"the server exited ({self.proc.returncode}); see {self._log.name}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return time.monotonic() - self.started
+            except httpx.HTTPError:
+                pass
+            time.sleep(_POLL_S)
+        raise MoeflashError(f"the server was not ready within {_READY_S:.0f} s; see {self._log.name}")
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(f"{self.url}/metrics", timeout=30).text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+        raise MoeflashError(f"{name} is not in /metrics")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+        if self.proc.returncode not in (0, -signal.SIGTERM):
+            raise MoeflashError(f"the server exited with {self.proc.returncode}; see {self._log.name}")
+
+
+def _chat(url: str, messages: list[dict[str, str]], tokens: int, bias: dict[str, float]) -> dict[str, Any]:
+    """A streamed chat completion: TTFT, time to the last token, text, the final timings."""
+    body = {
+        "model": "bench",
+        "messages": messages,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream": True,
+        "timings": True,
+        "logit_bias": bias,
+    }
+    sent = time.monotonic()
+    first: float | None = None
+    text, timings, n = "", None, 0
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
+        if response.status_code != 200:
+            raise MoeflashError(f"chat request failed: {response.status_code} {response.read()!r}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                piece = choice.get("delta", {}).get("content")
+                if piece:
+                    first = first if first is not None else time.monotonic()
+                    text += piece
+                    n += 1
+            timings = chunk.get("timings") or timings
+    done = time.monotonic()
+    if first is None:
+        raise MoeflashError("the answer had no content")
+    return {"ttft_s": first - sent, "total_s": done - sent, "text": text, "timings": timings or {}, "n": n}
+
+
+def _eog_bias(model: Path) -> dict[str, float]:
+    """logit_bias keeping the model's end-of-generation tokens out (every answer runs `tokens`)."""
+    from server.loading.gguf_header import read_metadata
+
+    meta = read_metadata(model)
+    ids = {meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")}
+    return {str(int(i)): -100.0 for i in ids if i is not None}
+
+
+def run_warm_start(
+    model: Path,
+    caps: list[int],
+    *,
+    rounds: int,
+    tokens: int,
+    ctx_size: int,
+    settings_flags: tuple[str, ...],
+    progress: Callable[[str], None],
+) -> dict[str, Any]:
+    """Every round's answers per cap (the module docstring says what is run)."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per poll otherwise
+    support = probe()
+    if support.version is None:
+        raise MoeflashError(f"the warm-start benchmark needs a memory cgroup: {support.reason}")
+    bias = _eog_bias(model)
+    argv = [
+        sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--alias", "bench",
+        "--mode", "streaming", "--ctx-size", str(ctx_size), *settings_flags,
+    ]  # fmt: skip
+    first = [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": _FIRST}]
+    work = Path(tempfile.mkdtemp(prefix="moeflash-warm-bench-"))
+    results: list[dict[str, Any]] = []
+    try:
+        for cap in caps:
+            answers: list[Answer] = []
+            with MemoryCgroup(cap, support) as cgroup:
+                for r in range(rounds):
+                    state = work / f"cap{cap}-round{r}"
+                    server = _Server(cgroup, [*argv, "--state-dir", str(state)], work / "serve.log")
+                    server.wait_ready()
+                    opening = _chat(server.url, first, tokens, bias)
+                    server.stop()
+                    nxt = [
+                        *first,
+                        {"role": "assistant", "content": opening["text"]},
+                        {"role": "user", "content": _NEXT},
+                    ]
+                    for schedule in SCHEDULES:
+                        for warm in (r % 2 == 0, r % 2 != 0):
+                            answers.append(
+                                _restart(cgroup, argv, state, work, schedule, warm, r, nxt, tokens, bias)
+                            )
+                            a = answers[-1]
+                            progress(
+                                f"cap {cap / 2**30:.2f} GiB, round {r + 1}/{rounds}, {schedule}, "
+                                f"{'warm' if warm else 'cold'}: TTFT {a.ttft_s:.2f} s, {tokens} tokens "
+                                f"{a.total_s:.2f} s, {a.restored} restored"
+                            )
+                oom = cgroup.oom_kills()
+            results.append({"cap_bytes": cap, "oom_kills": oom, "answers": [asdict(a) for a in answers]})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"rounds": rounds, "tokens": tokens, "ctx_size": ctx_size, "caps": results}
+
+
+def _restart(
+    cgroup: MemoryCgroup,
+    argv: list[str],
+    state: Path,
+    work: Path,
+    schedule: str,
+    warm: bool,
+    round_: int,
+    messages: list[dict[str, str]],
+    tokens: int,
+    bias: dict[str, float],
+) -> Answer:
+    """One restart on a copy of the round's state (the run's own save must not feed the next)."""
+    copy = work / "restart-state"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(state, copy)
+    flags = ["--state-dir", str(copy), "--hot-set-save-s", "86400"] + ([] if warm else ["--no-warm-start"])
+    server = _Server(cgroup, [*argv, *flags], work / "serve.log")
+    try:
+        ready_s = server.wait_ready()
+        read_back_s = None
+        if schedule == "after read-back" and warm:
+            while server.metric("moeflash_warm_start_pending_experts") > 0:
+                time.sleep(_POLL_S)
+            read_back_s = time.monotonic() - server.started - ready_s
+        restored = int(server.metric("moeflash_experts_restored_total"))
+        got = _chat(server.url, messages, tokens, bias)
+    finally:
+        server.stop()
+    t = got["timings"]
+    return Answer(
+        schedule=schedule,
+        warm=warm,
+        round=round_,
+        ready_s=ready_s,
+        read_back_s=read_back_s,
+        restored=restored,
+        ttft_s=got["ttft_s"],
+        total_s=got["total_s"],
+        tokens=got["n"],
+        hit_rate=t.get("hit_rate"),
+        bytes_read=t.get("bytes_read"),
+        text=got["text"],
+    )
+
+
+def summarize(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per cap and schedule: medians warm and cold, the ratios, whether the texts agree."""
+    rows = []
+    for cap in data["caps"]:
+        for schedule in SCHEDULES:
+            picked = [a for a in cap["answers"] if a["schedule"] == schedule]
+            row: dict[str, Any] = {"cap_bytes": cap["cap_bytes"], "schedule": schedule}
+            for side, warm in (("warm", True), ("cold", False)):
+                mine = [a for a in picked if a["warm"] is warm]
+                for key in ("ttft_s", "total_s", "hit_rate", "bytes_read", "restored"):
+                    values = [a[key] for a in mine if a[key] is not None]
+                    row[f"{side}_{key}"] = statistics.median(values) if values else None
+                backs = [a["read_back_s"] for a in mine if a["read_back_s"] is not None]
+                row[f"{side}_read_back_s"] = statistics.median(backs) if backs else None
+            row["ttft_cold_over_warm"] = row["cold_ttft_s"] / row["warm_ttft_s"]
+            row["total_cold_over_warm"] = row["cold_total_s"] / row["warm_total_s"]
+            row["same_text"] = len({a["text"] for a in picked}) == 1
+            rows.append(row)
+    return rows
+
+
+def markdown(data: dict[str, Any], rows: list[dict[str, Any]], command: str) -> str:
+    """The report's tables."""
+    lines = [
+        f"# Warm start: {data['model']['name']}",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"The first answer after a restart of `moeflash serve` under a memory cgroup, warm-started "
+        f"from the last run's hot set or cold (`--no-warm-start`): a streamed chat turn of "
+        f"{data['tokens']} tokens after a first turn, its answer and a new question; {data['rounds']} "
+        "rounds, warm and cold alternated (server/bench/warm_start.py says how). Medians; a ratio above "
+        "1 is warm start's gain.",
+        "",
+        "| cap | request sent | TTFT warm / cold (s) | cold / warm | "
+        f"{data['tokens']} tokens warm / cold (s) | cold / warm | hit rate warm / cold | "
+        "read per answer warm / cold | experts read back | read-back (s) | same text |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        hit = (
+            f"{r['warm_hit_rate']:.1%} / {r['cold_hit_rate']:.1%}"
+            if r["warm_hit_rate"] is not None and r["cold_hit_rate"] is not None
+            else "n/a"
+        )
+        read = (
+            f"{r['warm_bytes_read'] / 1e9:.2f} / {r['cold_bytes_read'] / 1e9:.2f} GB"
+            if r["warm_bytes_read"] is not None and r["cold_bytes_read"] is not None
+            else "n/a"
+        )
+        back = f"{r['warm_read_back_s']:.1f}" if r["warm_read_back_s"] is not None else "during the answer"
+        lines.append(
+            f"| {r['cap_bytes'] / 2**30:.2f} GiB | {r['schedule']} | {r['warm_ttft_s']:.2f} / "
+            f"{r['cold_ttft_s']:.2f} | {r['ttft_cold_over_warm']:.2f}x | {r['warm_total_s']:.2f} / "
+            f"{r['cold_total_s']:.2f} | {r['total_cold_over_warm']:.2f}x | {hit} | {read} | "
+            f"{r['warm_restored']:.0f} | {back} | {'yes' if r['same_text'] else 'NO'} |"
+        )
+    lines += [
+        "",
+        '"experts read back" counts those read before the request was sent. Hit rate and bytes '
+        "read are the answer's own (its prompt and decode), from the response's timings.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_warm_report(data: dict[str, Any], out: Path, command: str) -> list[Path]:
+    """<out>.json and <out>.md; returns their paths."""
+    rows = summarize(data)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    paths = [out.with_suffix(".json"), out.with_suffix(".md")]
+    paths[0].write_text(json.dumps({"command": command, **data, "summary": rows}, indent=1) + "\n")
+    paths[1].write_text(markdown(data, rows, command))
+    return paths
