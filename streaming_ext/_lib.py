@@ -153,8 +153,11 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "mf_streamer_set_predictor": ([vp, vp, vp], None),
         "mf_streamer_drop_cache": ([vp], None),
         "mf_streamer_preload": ([vp], ctypes.c_int),
-        "mf_streamer_hot_set": ([vp, ctypes.POINTER(i32), i32], i32),
-        "mf_streamer_restore": ([vp, i32, ctypes.POINTER(ctypes.c_uint8)], i32),
+        "mf_streamer_hot_set": ([vp, ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_uint32), i32], i32),
+        "mf_streamer_restore": (
+            [vp, i32, ctypes.POINTER(ctypes.c_uint8), ctypes.POINTER(ctypes.c_uint32)],
+            i32,
+        ),
         "mf_streamer_layer_bytes": ([vp], u64),
         "mf_streamer_expert_bytes": ([vp], u64),
         "mf_streamer_n_moe_layers": ([vp], i32),

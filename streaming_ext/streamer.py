@@ -237,28 +237,32 @@ class Streamer:
         """Evict every expert (a cold cache for tests and benchmarks)."""
         self.lib.cdll.mf_streamer_drop_cache(self.handle)
 
-    def hot_set(self) -> list[tuple[int, int]]:
-        """The resident experts as (layer, expert), hottest first (most routed, then most recently
-        used); on the decode thread, between decode calls."""
+    def hot_set(self) -> list[tuple[int, int, int]]:
+        """The resident experts as (layer, expert, uses), hottest first (most routed, then most
+        recently used; uses: how often it was routed, decayed, 0 under LRU); on the decode
+        thread, between decode calls."""
         n_expert = self.n_expert
         # entries live in MoE layers only: at most n_moe_layers * n_expert of them
         cap = max(1, self.n_moe_layers * n_expert)
-        out = (ctypes.c_int32 * cap)()
-        n = int(self.lib.cdll.mf_streamer_hot_set(self.handle, out, cap))
+        ids, uses = (ctypes.c_int32 * cap)(), (ctypes.c_uint32 * cap)()
+        n = int(self.lib.cdll.mf_streamer_hot_set(self.handle, ids, uses, cap))
         if n < 0:
             raise StreamerError(self.last_error() or os.strerror(-n), -n)
-        return [divmod(int(i), n_expert) for i in out[: min(n, cap)]]
+        return [(*divmod(int(ids[i]), n_expert), int(uses[i])) for i in range(min(n, cap))]
 
-    def restore(self, layer: int, experts: list[int]) -> int:
-        """Read these experts of `layer` into the budget's free room (evicting nothing) and wait for
-        them; returns how many were read. StreamerError for a layer without streamed experts or a
+    def restore(self, layer: int, experts: dict[int, int]) -> int:
+        """Read these experts of `layer` ({expert: uses}) into the budget's free room (evicting
+        nothing), the cache then holding each as routed `uses` times lately; waits for the reads
+        and returns how many were read. StreamerError for a layer without streamed experts or a
         failed read (taken: it fails no request). Decode thread, between decode calls."""
         want = (ctypes.c_uint8 * self.n_expert)()
-        for e in experts:
+        counts = (ctypes.c_uint32 * self.n_expert)()
+        for e, n_uses in experts.items():
             if not 0 <= e < self.n_expert:
                 raise StreamerError(f"expert {e} is out of range 0..{self.n_expert - 1}", errno.EINVAL)
             want[e] = 1
-        n = int(self.lib.cdll.mf_streamer_restore(self.handle, layer, want))
+            counts[e] = min(max(n_uses, 0), 2**32 - 1)
+        n = int(self.lib.cdll.mf_streamer_restore(self.handle, layer, want, counts))
         if n < 0:
             raise StreamerError(self.last_error() or os.strerror(-n), -n)
         return n

@@ -8,14 +8,17 @@ Each round:
 
 1. A server answers the conversation's first turn (`_FIRST`) and is stopped with SIGTERM, which
    saves its hot set.
-2. The server restarts twice, in alternating order, once warm-started from a copy of that hot set
-   and once with `--no-warm-start`, and answers the next turn: the first turn, its answer and a
-   new question, as a chat client sends it. Two schedules, each on its own restarts:
-   - "after read-back": the request goes once read-back is done
-     (`moeflash_warm_start_pending_experts` is 0); the cold server gets it once ready, since it has
-     nothing to do meanwhile;
-   - "at once": the request goes the moment /health says ready, during read-back: warm start
-     must not make it slower (read-back yields to it, a chunk at most).
+2. For each schedule, the server restarts twice, in alternating order, once warm-started from a
+   copy of that hot set and once with `--no-warm-start`, and answers one request:
+   - "next turn, after read-back": the first turn, its answer and a follow-up question, as a chat
+     client sends it, once read-back is done (`moeflash_warm_start_pending_experts` is 0; the cold
+     server gets it once ready, since it has nothing to do meanwhile). Its prompt is long, and a
+     long prompt routes most of every layer's experts, far more than the budget holds: warm start
+     can save at most the budget's share of its reads;
+   - "new question, after read-back": a new conversation's short question, where the answer's
+     tokens, not the prompt, do most of the routing;
+   - "new question, at once": the same, sent the moment /health says ready, during read-back:
+     warm start must not make it slower (read-back yields to it, a chunk at most).
 
 From the client: TTFT (request sent to the first content delta) and the time to the last of
 `tokens` tokens (end-of-generation tokens are biased away); from the response's timings: the
@@ -50,7 +53,13 @@ _POLL_S = 0.05
 _SYSTEM = "You are a concise assistant running on a phone."
 _FIRST = "Why do mixture-of-experts models route each token to only a few experts?"
 _NEXT = "And what does that mean for running one from flash storage?"
-SCHEDULES = ("after read-back", "at once")
+_NEW = "Name three uses of a phone's flash storage."
+# schedule: (the request's conversation, "next" or "new"; whether it waits for read-back)
+SCHEDULES = {
+    "next turn, after read-back": ("next", True),
+    "new question, after read-back": ("new", True),
+    "new question, at once": ("new", False),
+}
 
 
 @dataclass(frozen=True)
@@ -196,15 +205,30 @@ def run_warm_start(
                     server.wait_ready()
                     opening = _chat(server.url, first, tokens, bias)
                     server.stop()
-                    nxt = [
-                        *first,
-                        {"role": "assistant", "content": opening["text"]},
-                        {"role": "user", "content": _NEXT},
-                    ]
-                    for schedule in SCHEDULES:
+                    asked = {
+                        "next": [
+                            *first,
+                            {"role": "assistant", "content": opening["text"]},
+                            {"role": "user", "content": _NEXT},
+                        ],
+                        "new": [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": _NEW}],
+                    }
+                    for schedule, (conversation, after) in SCHEDULES.items():
                         for warm in (r % 2 == 0, r % 2 != 0):
                             answers.append(
-                                _restart(cgroup, argv, state, work, schedule, warm, r, nxt, tokens, bias)
+                                _restart(
+                                    cgroup,
+                                    argv,
+                                    state,
+                                    work,
+                                    schedule,
+                                    after,
+                                    warm,
+                                    r,
+                                    asked[conversation],
+                                    tokens,
+                                    bias,
+                                )
                             )
                             a = answers[-1]
                             progress(
@@ -225,6 +249,7 @@ def _restart(
     state: Path,
     work: Path,
     schedule: str,
+    after_read_back: bool,
     warm: bool,
     round_: int,
     messages: list[dict[str, str]],
@@ -240,7 +265,7 @@ def _restart(
     try:
         ready_s = server.wait_ready()
         read_back_s = None
-        if schedule == "after read-back" and warm:
+        if after_read_back and warm:
             while server.metric("moeflash_warm_start_pending_experts") > 0:
                 time.sleep(_POLL_S)
             read_back_s = time.monotonic() - server.started - ready_s

@@ -2,16 +2,18 @@
 
 After a restart the first answers would pay for a cold cache: every expert they route is read
 from flash while they wait. So the server keeps the cache's hot set, the resident experts ranked
-by the streamer (most routed, then most recently used: `Streamer.hot_set`), in a small JSON file
-under the state directory, one per model file. It is written atomically on shutdown and, while the
-cache changes, every `save_every_s` seconds (so a kill loses at most that much), and read back
-after the next load:
+by the streamer (most routed, then most recently used: `Streamer.hot_set`) with how often each
+was routed lately, in a small JSON file under the state directory, one per model file. It is
+written atomically on shutdown and, while the cache changes, every `save_every_s` seconds (so a
+kill loses at most that much), and read back after the next load:
 
 - The hottest entries the budget holds are read back in file order (layer by layer, experts
   ascending), a chunk of at most `_CHUNK_BYTES` per call, on the engine's worker thread between
   requests only: a request that arrives waits for at most the chunk being read, never for the
   rest. Reads go into the budget's free room and evict nothing, so what requests have routed
-  since the start stays.
+  since the start stays; the cache then holds each entry as routed at its layer's last visit,
+  as often as it was before, so its policy keeps the hot experts as it kept them before the
+  restart (as never-routed entries they would be the first evicted).
 - The file names the model files it belongs to (path, sizes, modification times): a file for
   another model, or one that cannot be read, is ignored with a warning and replaced at the next
   save. Read-back never changes output: which experts are resident does not (the byte-identity
@@ -40,7 +42,10 @@ logger = logging.getLogger(__name__)
 # 10-20 ms at the 1-2 GB/s of these machines' disks and of phone flash)
 _CHUNK_BYTES = 16 << 20
 # the file's format; another number is not read
-_FORMAT = 1
+_FORMAT = 2
+
+# an entry of a hot set: layer, expert, and how often the cache saw it routed lately
+Entry = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
@@ -62,9 +67,9 @@ class ModelFiles:
         return state_dir / "hot-sets" / f"{stem}-{digest}.json"
 
 
-def read_hot_set(path: Path, model: ModelFiles, n_expert: int) -> list[tuple[int, int]]:
-    """The (layer, expert) entries saved for `model`, hottest first; [] when there is none or it
-    cannot be used (a warning says why)."""
+def read_hot_set(path: Path, model: ModelFiles, n_expert: int) -> list[Entry]:
+    """The (layer, expert, uses) entries saved for `model`, hottest first; [] when there is none
+    or it cannot be used (a warning says why)."""
     try:
         data: Any = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -76,7 +81,7 @@ def read_hot_set(path: Path, model: ModelFiles, n_expert: int) -> list[tuple[int
     if problem:
         logger.warning("warm start: ignoring %s: %s", path, problem)
         return []
-    return [(int(layer), int(expert)) for layer, expert in data["experts"]]
+    return [(int(layer), int(expert), int(uses)) for layer, expert, uses in data["experts"]]
 
 
 def _check(data: Any, model: ModelFiles, n_expert: int) -> str | None:
@@ -92,16 +97,17 @@ def _check(data: Any, model: ModelFiles, n_expert: int) -> str | None:
     for entry in experts:
         if (
             not isinstance(entry, list)
-            or len(entry) != 2
+            or len(entry) != 3
             or not all(isinstance(x, int) and not isinstance(x, bool) for x in entry)
             or entry[0] < 0
             or not 0 <= entry[1] < n_expert
+            or not 0 <= entry[2] < 2**32
         ):
             return f"a bad entry {entry!r}"
     return None
 
 
-def write_hot_set(path: Path, model: ModelFiles, n_expert: int, entries: list[tuple[int, int]]) -> None:
+def write_hot_set(path: Path, model: ModelFiles, n_expert: int, entries: list[Entry]) -> None:
     """Replace the file atomically (a crash leaves the old one or the new one, never half)."""
     data = {
         "format": _FORMAT,
@@ -152,17 +158,18 @@ class WarmStart:
         self._started = clock()
         self._read = 0
 
-    def _plan(self, saved: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
-        """The hottest saved entries the budget holds, in file order, as (layer, experts) chunks."""
+    def _plan(self, saved: list[Entry]) -> list[tuple[int, dict[int, int]]]:
+        """The hottest saved entries the budget holds, in file order, as (layer, {expert: uses})
+        chunks."""
         fit = self._streamer.stats().budget_bytes // self._entry_bytes
-        chosen = sorted(dict.fromkeys(saved[:fit]))
+        chosen = sorted({(layer, e): uses for layer, e, uses in reversed(saved[:fit])}.items())
         per_call = max(1, _CHUNK_BYTES // self._entry_bytes)
-        chunks: list[tuple[int, list[int]]] = []
-        for layer, expert in chosen:
+        chunks: list[tuple[int, dict[int, int]]] = []
+        for (layer, expert), uses in chosen:
             if chunks and chunks[-1][0] == layer and len(chunks[-1][1]) < per_call:
-                chunks[-1][1].append(expert)
+                chunks[-1][1][expert] = uses
             else:
-                chunks.append((layer, [expert]))
+                chunks.append((layer, {expert: uses}))
         if chosen:
             logger.info(
                 "warm start: reading back %d experts (%.0f MiB) of the last run's hot set, between requests",
@@ -209,8 +216,13 @@ class WarmStart:
         """Write the hot set now: the resident entries, then those of the last hot set not read
         back yet (a restart during read-back keeps them). A failure is logged once, not raised."""
         entries = self._streamer.hot_set()
-        resident = set(entries)
-        entries += [(layer, e) for layer, chunk in self._pending for e in chunk if (layer, e) not in resident]
+        resident = {(layer, e) for layer, e, _ in entries}
+        entries += [
+            (layer, e, uses)
+            for layer, chunk in self._pending
+            for e, uses in chunk.items()
+            if (layer, e) not in resident
+        ]
         self._saved_at = self._clock()
         self._saved_mark = self._mark()
         try:

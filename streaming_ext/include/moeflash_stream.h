@@ -190,16 +190,19 @@ MF_API void mf_streamer_drop_cache(mf_streamer * s);
 // Warm start: the caller saves the hot set and, after a restart, reads it back with
 // mf_streamer_restore, a chunk at a time between requests (server/loading/hot_set.py).
 // The resident experts, hottest first (most routed, then most recently used), as
-// layer * n_expert + expert: up to max of them into out. Returns how many are resident, or
-// -ENOMEM. Decode thread, between llama_decode calls.
-MF_API int32_t mf_streamer_hot_set(mf_streamer * s, int32_t * out, int32_t max);
+// layer * n_expert + expert, and (uses, when not NULL) how often each was routed (the LAYER
+// policy's count, halved every 256 visits of its layer; 0 under LRU): up to max of them. Returns
+// how many are resident, or -ENOMEM. Decode thread, between llama_decode calls.
+MF_API int32_t mf_streamer_hot_set(mf_streamer * s, int32_t * out, uint32_t * uses, int32_t max);
 // Reads the experts of `layer` with want[e] != 0 (want has n_expert bytes) into the budget's free
-// room, evicting nothing, and waits for the reads. Returns how many it read (0: resident already,
-// or no room left), or -errno with a message in last_error: -EINVAL (not a streamed layer, or
-// before mf_streamer_check_loaded), or the error of a failed read, taken here so that it fails no
+// room, evicting nothing, and waits for the reads. The cache then holds each as used at the last
+// route and, with uses[e] > 0 (uses may be NULL), as routed that often, so that it keeps them as
+// it kept them before. Returns how many it read (0: resident already, or no room left), or
+// -errno with a message in last_error: -EINVAL (not a streamed layer, or before
+// mf_streamer_check_loaded), or the error of a failed read, taken here so that it fails no
 // request (its entries are forgotten and read again when routed). Decode thread, between
 // llama_decode calls.
-MF_API int32_t mf_streamer_restore(mf_streamer * s, int32_t layer, const uint8_t * want);
+MF_API int32_t mf_streamer_restore(mf_streamer * s, int32_t layer, const uint8_t * want, const uint32_t * uses);
 
 // Bytes of the largest layer's experts (all of them): the budget floor.
 MF_API uint64_t mf_streamer_layer_bytes(const mf_streamer * s);

@@ -556,7 +556,7 @@ int32_t mf_cache_set_budget(mf_cache * c, uint64_t budget_bytes) {
     return c->n_evict;
 }
 
-int32_t mf_cache_admit_free(mf_cache * c, int32_t layer, const uint8_t * want) {
+int32_t mf_cache_admit_free(mf_cache * c, int32_t layer, const uint8_t * want, const uint32_t * uses) {
     c->n_load  = 0;
     c->n_evict = 0;
     if (layer < 0 || layer >= c->n_layer) {
@@ -573,9 +573,19 @@ int32_t mf_cache_admit_free(mf_cache * c, int32_t layer, const uint8_t * want) {
             break;
         }
         res_add(c, i);
-        c->last_use[i] = 0;  // not used in this run: older than anything routed
         c->used += bytes;
         c->load[c->n_load++] = e;
+        // as recent as the last route, as frequent as it was: the policy keeps a restored entry
+        // as it kept it before the restart (visit 0 means "never", so a layer not yet routed
+        // counts as visited once)
+        c->last_use[i] = c->clock;
+        if (uses && uses[e] > 0) {
+            if (c->visits[layer] == 0) {
+                c->visits[layer] = 1;
+            }
+            c->uses[i]       = uses[e] > c->uses[i] ? uses[e] : c->uses[i];
+            c->last_visit[i] = c->visits[layer];
+        }
     }
     return c->n_load;
 }
@@ -598,7 +608,7 @@ static int hotter_first(const void * pa, const void * pb) {
     return a->id < b->id ? -1 : a->id > b->id;
 }
 
-int32_t mf_cache_hot_set(const mf_cache * c, int32_t * out, int32_t max) {
+int32_t mf_cache_hot_set(const mf_cache * c, int32_t * out, uint32_t * uses, int32_t max) {
     if (c->n_res == 0) {
         return 0;
     }
@@ -613,6 +623,9 @@ int32_t mf_cache_hot_set(const mf_cache * c, int32_t * out, int32_t max) {
     qsort(keys, (size_t) c->n_res, sizeof *keys, hotter_first);
     for (int32_t p = 0; p < c->n_res && p < max; p++) {
         out[p] = keys[p].id;
+        if (uses) {
+            uses[p] = keys[p].uses;
+        }
     }
     free(keys);
     return c->n_res;

@@ -230,13 +230,14 @@ int32_t mf_cache_evict_all(mf_cache * c);
 int32_t mf_cache_set_budget(mf_cache * c, uint64_t budget_bytes);
 
 // warm start (mf_streamer_restore): admits experts of `layer` into the budget's free room only,
-// stopping at the first that does not fit; nothing is evicted, pinned, counted or learned, and
-// they rank as used before anything routed. Fills the load list; returns how many it admitted
-int32_t mf_cache_admit_free(mf_cache * c, int32_t layer, const uint8_t * want);
+// stopping at the first that does not fit; nothing is evicted, pinned or counted. Each ranks as
+// used at the last route and, with uses (may be NULL) above 0, as routed that often by the
+// layer's last visit. Fills the load list; returns how many it admitted
+int32_t mf_cache_admit_free(mf_cache * c, int32_t layer, const uint8_t * want, const uint32_t * uses);
 // the resident entries (l * n_expert + e), hottest first: most routed (the LAYER policy's decayed
-// count of routes), then most recently used, then file order; up to max into out. Returns how
-// many are resident, or -ENOMEM
-int32_t mf_cache_hot_set(const mf_cache * c, int32_t * out, int32_t max);
+// count of routes, into uses when not NULL), then most recently used, then file order; up to max
+// into out. Returns how many are resident, or -ENOMEM
+int32_t mf_cache_hot_set(const mf_cache * c, int32_t * out, uint32_t * uses, int32_t max);
 
 // ---------------------------------------------------------------- expert tensors (mf_buft.c)
 enum mf_slice_state { MF_SLICE_ABSENT = 0, MF_SLICE_LOADING = 1, MF_SLICE_READY = 2, MF_SLICE_FAILED = 3 };

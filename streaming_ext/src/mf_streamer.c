@@ -807,18 +807,18 @@ void mf_streamer_drop_cache(mf_streamer * s) {
     mf_frames_trim(&s->frames);  // a cold cache holds no memory
 }
 
-int32_t mf_streamer_hot_set(mf_streamer * s, int32_t * out, int32_t max) {
+int32_t mf_streamer_hot_set(mf_streamer * s, int32_t * out, uint32_t * uses, int32_t max) {
     if (!s->cache) {
         return 0;
     }
-    const int32_t n = mf_cache_hot_set(s->cache, out, max);
+    const int32_t n = mf_cache_hot_set(s->cache, out, uses, max);
     if (n < 0) {
         snprintf(s->last_error, sizeof s->last_error, "no memory to rank the resident experts");
     }
     return n;
 }
 
-int32_t mf_streamer_restore(mf_streamer * s, int32_t layer, const uint8_t * want) {
+int32_t mf_streamer_restore(mf_streamer * s, int32_t layer, const uint8_t * want, const uint32_t * uses) {
     if (!s->cache || layer < 0 || layer >= s->n_layers || s->layers[layer].n_xt == 0) {
         snprintf(s->last_error, sizeof s->last_error, "layer %d has no streamed experts%s", (int) layer,
                  s->cache ? "" : " (the model is not loaded)");
@@ -832,7 +832,7 @@ int32_t mf_streamer_restore(mf_streamer * s, int32_t layer, const uint8_t * want
     if (mf_error_pending(s)) {
         return 0;  // an error of the last request, which it takes itself
     }
-    const int32_t n = mf_cache_admit_free(s->cache, layer, want);
+    const int32_t n = mf_cache_admit_free(s->cache, layer, want, uses);
     if (n == 0) {
         return 0;
     }

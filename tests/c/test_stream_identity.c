@@ -69,28 +69,33 @@ static int move_budget(mf_streamer * s, uint64_t bytes) {
     return 0;
 }
 
-// warm start: reads every expert of layer `layer` back, a few at a time; the number read, or -1
-// with a FAIL line when a call fails or evicts
+// warm start: reads every expert of layer `layer` back, a few at a time, as routed RESTORED_USES
+// times; the number read, or -1 with a FAIL line when a call fails or evicts
+#define RESTORED_USES 9u
 static int restore_layer(mf_streamer * s, int32_t layer) {
     const int32_t n_expert = mf_streamer_n_expert(s);
     uint8_t *     want     = calloc((size_t) n_expert, 1);
+    uint32_t *    uses     = calloc((size_t) n_expert, sizeof *uses);
     int           total    = 0;
     mf_stats      before, after;
     mf_streamer_get_stats(s, &before);
-    for (int32_t e0 = 0; want && e0 < n_expert; e0 += 3) {
+    for (int32_t e0 = 0; want && uses && e0 < n_expert; e0 += 3) {
         memset(want, 0, (size_t) n_expert);
         for (int32_t e = e0; e < e0 + 3 && e < n_expert; e++) {
             want[e] = 1;
+            uses[e] = RESTORED_USES;
         }
-        const int32_t n = mf_streamer_restore(s, layer, want);
+        const int32_t n = mf_streamer_restore(s, layer, want, uses);
         if (n < 0) {
             printf("FAIL mf_streamer_restore(layer %d): %s\n", (int) layer, mf_streamer_last_error(s));
             free(want);
+            free(uses);
             return -1;
         }
         total += n;
     }
     free(want);
+    free(uses);
     mf_streamer_get_stats(s, &after);
     if (after.evictions != before.evictions || after.resident_bytes > after.budget_bytes) {
         printf("FAIL restoring layer %d evicted %llu entries, %llu bytes resident\n", (int) layer,
@@ -100,31 +105,35 @@ static int restore_layer(mf_streamer * s, int32_t layer) {
     return total;
 }
 
-// the hot set lists each resident expert once, and nothing else; 0 or -1 with a FAIL line
-static int check_hot_set(mf_streamer * s) {
+// the hot set lists each resident expert once, and nothing else, hottest first; `restored`: every
+// entry was just restored, as routed RESTORED_USES times (the LAYER policy). 0 or -1 with a FAIL line
+static int check_hot_set(mf_streamer * s, bool restored) {
     const int32_t n_expert = mf_streamer_n_expert(s);
     const int32_t cap      = 4096 * n_expert;
     int32_t *     ids      = malloc((size_t) cap * sizeof *ids);
+    uint32_t *    uses     = malloc((size_t) cap * sizeof *uses);
     uint8_t *     seen     = calloc((size_t) cap, 1);
     mf_stats      st;
     mf_streamer_get_stats(s, &st);
-    const int32_t n  = ids && seen ? mf_streamer_hot_set(s, ids, cap) : -1;
-    int           rc = n > 0 ? 0 : -1;
+    const int32_t n     = ids && uses && seen ? mf_streamer_hot_set(s, ids, uses, cap) : -1;
+    int           rc    = n > 0 ? 0 : -1;
     uint64_t      bytes = 0;
     for (int32_t i = 0; rc == 0 && i < n; i++) {
-        if (ids[i] < 0 || ids[i] >= cap || seen[ids[i]]) {
+        if (ids[i] < 0 || ids[i] >= cap || seen[ids[i]] || (i > 0 && uses[i] > uses[i - 1])) {
             rc = -1;
             break;
         }
         seen[ids[i]] = 1;
         bytes += mf_streamer_layer_bytes(s) / (uint64_t) n_expert;
     }
-    if (rc != 0 || bytes > st.resident_bytes + mf_streamer_layer_bytes(s) || st.resident_bytes == 0) {
-        printf("FAIL the hot set (%d entries) is not the %llu resident bytes\n", (int) n,
-               (unsigned long long) st.resident_bytes);
+    if (rc != 0 || bytes > st.resident_bytes + mf_streamer_layer_bytes(s) || st.resident_bytes == 0 ||
+        (restored && uses[n - 1] != RESTORED_USES)) {
+        printf("FAIL the hot set (%d entries, the last routed %u times) is not the %llu resident bytes\n", (int) n,
+               n > 0 ? uses[n - 1] : 0u, (unsigned long long) st.resident_bytes);
         rc = -1;
     }
     free(ids);
+    free(uses);
     free(seen);
     return rc;
 }
@@ -157,7 +166,7 @@ static int decode(struct llama_model * model, int n_threads, ggml_backend_sched_
             return -1;
         }
         const uint8_t none = 0;
-        if (restore && mf_streamer_restore(s, -1, &none) != -EINVAL) {
+        if (restore && mf_streamer_restore(s, -1, &none, NULL) != -EINVAL) {
             printf("FAIL mf_streamer_restore accepted layer -1\n");
             llama_free(ctx);
             return -1;
@@ -169,6 +178,10 @@ static int decode(struct llama_model * model, int n_threads, ggml_backend_sched_
                 llama_free(ctx);
                 return -1;
             }
+        }
+        if (restore && check_hot_set(s, true) != 0) {
+            llama_free(ctx);
+            return -1;
         }
     }
     const int   n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
@@ -186,7 +199,7 @@ static int decode(struct llama_model * model, int n_threads, ggml_backend_sched_
             return -1;
         }
         if (s && restore && step > 0 &&
-            (restore_layer(s, step % mf_streamer_n_moe_layers(s)) < 0 || check_hot_set(s) != 0)) {
+            (restore_layer(s, step % mf_streamer_n_moe_layers(s)) < 0 || check_hot_set(s, false) != 0)) {
             llama_free(ctx);
             return -1;
         }

@@ -100,8 +100,8 @@ def test_a_saved_hot_set_for_other_files_or_broken_is_ignored(
     model = _model(tiny_model)
     files = ModelFiles.of(model)
     path = files.state_file(tmp_path)
-    write_hot_set(path, files, 16, [(0, 3), (1, 15), (0, 2)])
-    assert read_hot_set(path, files, 16) == [(0, 3), (1, 15), (0, 2)]
+    write_hot_set(path, files, 16, [(0, 3, 7), (1, 15, 2), (0, 2, 0)])
+    assert read_hot_set(path, files, 16) == [(0, 3, 7), (1, 15, 2), (0, 2, 0)]
     assert [p.name for p in path.parent.iterdir()] == [path.name], "a temporary file was left"
 
     caplog.set_level(logging.WARNING, logger="server.loading.hot_set")
@@ -109,15 +109,17 @@ def test_a_saved_hot_set_for_other_files_or_broken_is_ignored(
     other = ModelFiles(files.path, ((files.files[0][0], files.files[0][1] + 1, files.files[0][2]),))
     assert read_hot_set(path, other, 16) == []
     assert other.state_file(tmp_path) != path, "another file under the same name shares the hot set"
+    saved = json.loads(path.read_text())
     for broken in (
         "{",
-        json.dumps({"format": 1}),
-        json.dumps({**json.loads(path.read_text()), "experts": [[0, 16]]}),
+        json.dumps({**saved, "format": 1}),
+        json.dumps({**saved, "experts": [[0, 16, 1]]}),  # expert out of range
+        json.dumps({**saved, "experts": [[0, 3]]}),  # no uses
     ):
         path.write_text(broken)
         assert read_hot_set(path, files, 16) == []
     assert read_hot_set(tmp_path / "none.json", files, 16) == []
-    assert len(caplog.records) == 5 and all("ignoring" in r.getMessage() for r in caplog.records)
+    assert len(caplog.records) == 6 and all("ignoring" in r.getMessage() for r in caplog.records)
 
 
 def test_read_back_fills_free_room_only_and_keeps_unread_entries(tiny_model: Any, tmp_path: Path) -> None:
@@ -129,7 +131,7 @@ def test_read_back_fills_free_room_only_and_keeps_unread_entries(tiny_model: Any
         {"model": model_path, "mode": "streaming", "ctx_size": 512, "budget": 2 * _layer_bytes(model_path)}
     )
     files = ModelFiles.of(model_path)
-    every = [(layer, e) for layer in range(6) for e in range(n_expert)]
+    every = [(layer, e, 5) for layer in range(6) for e in range(n_expert)]
     write_hot_set(files.state_file(tmp_path), files, n_expert, every)
     model = load_model(settings)
     try:
@@ -147,6 +149,7 @@ def test_read_back_fills_free_room_only_and_keeps_unread_entries(tiny_model: Any
         stats = s.stats()
         assert stats.restored == 2 * n_expert and stats.evictions == 0
         assert stats.resident_bytes <= stats.budget_bytes
+        # as routed 5 times lately: the LAYER policy's counts hold it
         assert sorted(s.hot_set()) == every[: 2 * n_expert]
     finally:
         model.close()
