@@ -318,23 +318,21 @@ def markdown(data: dict[str, Any], rows: list[dict[str, Any]], command: str) -> 
         "",
         f"Command: `{command}`",
         "",
-        f"The first answer after a restart of `moeflash serve` under a memory cgroup, warm-started "
-        f"from the last run's hot set or cold (`--no-warm-start`): a streamed chat turn of "
-        f"{data['tokens']} tokens after a first turn, its answer and a new question; {data['rounds']} "
-        "rounds, warm and cold alternated (server/bench/warm_start.py says how). Medians; a ratio above "
-        "1 is warm start's gain.",
+        "The first answer after a restart of `moeflash serve` under a memory cgroup, warm-started from "
+        "the last run's hot set or cold (`--no-warm-start`), streamed over HTTP: "
+        f"{data['tokens']} tokens, {data['rounds']} rounds, warm and cold alternated. The hot set is "
+        'what a first server left after the conversation\'s first turn. "next turn" asks the '
+        "conversation's next turn (the first turn, its answer and a follow-up: a long prompt); "
+        '"new question" a new conversation\'s short question; "after read-back" sends it once '
+        'read-back is done, "at once" the moment the server is ready (server/bench/warm_start.py). '
+        "Medians; a ratio above 1 is warm start's gain.",
         "",
-        "| cap | request sent | TTFT warm / cold (s) | cold / warm | "
-        f"{data['tokens']} tokens warm / cold (s) | cold / warm | hit rate warm / cold | "
-        "read per answer warm / cold | experts read back | read-back (s) | same text |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cap | request | TTFT warm / cold (s) | cold / warm | "
+        f"{data['tokens']} tokens warm / cold (s) | cold / warm | "
+        "read per answer warm / cold | experts read back first | read-back (s) | same text |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        hit = (
-            f"{r['warm_hit_rate']:.1%} / {r['cold_hit_rate']:.1%}"
-            if r["warm_hit_rate"] is not None and r["cold_hit_rate"] is not None
-            else "n/a"
-        )
         read = (
             f"{r['warm_bytes_read'] / 1e9:.2f} / {r['cold_bytes_read'] / 1e9:.2f} GB"
             if r["warm_bytes_read"] is not None and r["cold_bytes_read"] is not None
@@ -344,13 +342,16 @@ def markdown(data: dict[str, Any], rows: list[dict[str, Any]], command: str) -> 
         lines.append(
             f"| {r['cap_bytes'] / 2**30:.2f} GiB | {r['schedule']} | {r['warm_ttft_s']:.2f} / "
             f"{r['cold_ttft_s']:.2f} | {r['ttft_cold_over_warm']:.2f}x | {r['warm_total_s']:.2f} / "
-            f"{r['cold_total_s']:.2f} | {r['total_cold_over_warm']:.2f}x | {hit} | {read} | "
+            f"{r['cold_total_s']:.2f} | {r['total_cold_over_warm']:.2f}x | {read} | "
             f"{r['warm_restored']:.0f} | {back} | {'yes' if r['same_text'] else 'NO'} |"
         )
     lines += [
         "",
-        '"experts read back" counts those read before the request was sent. Hit rate and bytes '
-        "read are the answer's own (its prompt and decode), from the response's timings.",
+        '"experts read back first" counts those read back before the request was sent; "read per '
+        'answer" is the expert bytes the answer itself read (prompt, decode and prefetch), from the '
+        "response's timings. OOM kills: "
+        + ", ".join(f"{c['oom_kills']} at {c['cap_bytes'] / 2**30:.2f} GiB" for c in data["caps"])
+        + ".",
         "",
     ]
     return "\n".join(lines)
