@@ -43,7 +43,7 @@ ARM_STAMP := $(ARM_LLAMA)/.moeflash-stamp
 ARM_EXT_LIB := streaming_ext/lib/aarch64/libmoeflash_stream.so
 ARM_CTEST := tests/c/build/aarch64
 
-.PHONY: setup setup-dev chromium arm-toolchain arm llama ext serve serve-container require-api-key demo-model test lint bench-small bench replay clean distclean
+.PHONY: setup setup-dev chromium arm-toolchain arm llama ext serve serve-container require-api-key demo-model test lint bench-small bench bench-warm-start replay clean distclean
 
 setup: $(VENV)/.deps-stamp llama ext $(VENV)/.install-stamp
 
@@ -212,6 +212,11 @@ BENCH_OUT = bench/reports/$(BENCH_SHAPE)$(if $(ROUTE_TRACE),-$(firstword $(subst
 bench: setup-dev
 	$(VENV)/bin/moeflash bench --shape $(BENCH_SHAPE) --caps 0.25,0.5 --mmap-tokens 6 \
 		$(if $(ROUTE_TRACE),--route-trace $(ROUTE_TRACE) --no-levers,--tokens 32) --out $(BENCH_OUT)
+
+# The first answer after a restart, warm-started and cold (~35 minutes): bench/reports/warm-start-<shape>.*
+bench-warm-start: setup-dev
+	$(VENV)/bin/moeflash bench --warm-start --shape $(BENCH_SHAPE) --caps 0.25,0.5 --rounds 3 \
+		--out bench/reports/warm-start-$(BENCH_SHAPE)
 
 replay: setup-dev
 	$(VENV)/bin/moeflash bench --replay ../shared/data/route-traces/qwen.route.csv \
