@@ -14,6 +14,9 @@ kill loses at most that much), and read back after the next load:
   since the start stays; the cache then holds each entry as routed at its layer's last visit,
   as often as it was before, so its policy keeps the hot experts as it kept them before the
   restart (as never-routed entries they would be the first evicted).
+- When memory pressure has shrunk the budget (server/loading/pressure.py) and it grows back, the
+  hot set is read back the same way into the room regained: a save never drops hot entries just
+  because the budget is smaller now.
 - The file names the model files it belongs to (path, sizes, modification times): a file for
   another model, or one that cannot be read, is ignored with a warning and replaced at the next
   save. Read-back never changes output: which experts are resident does not (the byte-identity
@@ -154,15 +157,23 @@ class WarmStart:
         self._save_failed = False
         # the cache counts every entry at the largest layer's entry (one frame size)
         self._entry_bytes = -(-streamer.layer_bytes // self._n_expert)
-        self._pending = self._plan(read_hot_set(self.path, self._model, self._n_expert))
+        # the budget chosen at load: the most the cache holds, and the most a hot set keeps
+        self._budget_seen = streamer.stats().budget_bytes
+        self._most = self._budget_seen // self._entry_bytes
+        # the hot set as last saved or read: what read-back reads, after a restart or once the
+        # memory watch grows the budget back
+        self._known = read_hot_set(self.path, self._model, self._n_expert)[: self._most]
+        self._pending = self._plan("the last run's hot set")
         self._started = clock()
         self._read = 0
 
-    def _plan(self, saved: list[Entry]) -> list[tuple[int, dict[int, int]]]:
-        """The hottest saved entries the budget holds, in file order, as (layer, {expert: uses})
-        chunks."""
+    def _plan(self, why: str) -> list[tuple[int, dict[int, int]]]:
+        """The hottest known entries the budget holds and the cache lacks, in file order, as
+        (layer, {expert: uses}) chunks."""
         fit = self._streamer.stats().budget_bytes // self._entry_bytes
-        chosen = sorted({(layer, e): uses for layer, e, uses in reversed(saved[:fit])}.items())
+        resident = {(layer, e) for layer, e, _ in self._streamer.hot_set()}
+        top = [entry for entry in self._known[:fit] if entry[:2] not in resident]
+        chosen = sorted({(layer, e): uses for layer, e, uses in reversed(top)}.items())
         per_call = max(1, _CHUNK_BYTES // self._entry_bytes)
         chunks: list[tuple[int, dict[int, int]]] = []
         for (layer, expert), uses in chosen:
@@ -172,9 +183,10 @@ class WarmStart:
                 chunks.append((layer, {expert: uses}))
         if chosen:
             logger.info(
-                "warm start: reading back %d experts (%.0f MiB) of the last run's hot set, between requests",
+                "warm start: reading back %d experts (%.0f MiB) of %s, between requests",
                 len(chosen),
                 len(chosen) * self._entry_bytes / 2**20,
+                why,
             )
         return chunks
 
@@ -189,9 +201,16 @@ class WarmStart:
         return sum(len(chunk) for _, chunk in list(self._pending))
 
     def idle(self) -> bool:
-        """Between requests: save the hot set when due, then read back one chunk. True while
-        chunks remain (the engine then comes back at once, unless a request waits)."""
+        """Between requests: save the hot set when due; once the budget has grown back (memory
+        pressure shrank it, server/loading/pressure.py), plan to read back what it holds again;
+        then read back one chunk. True while chunks remain (the engine then comes back at once,
+        unless a request waits)."""
         self.save_if_due()
+        budget = self._streamer.stats().budget_bytes
+        if budget > self._budget_seen and not self._pending:
+            self._started, self._read = self._clock(), 0
+            self._pending = self._plan(f"the hot set, the budget back up to {budget / 2**20:.0f} MiB")
+        self._budget_seen = budget
         if not self._pending:
             return False
         layer, experts = self._pending.pop(0)
@@ -213,16 +232,15 @@ class WarmStart:
             self.save()
 
     def save(self) -> None:
-        """Write the hot set now: the resident entries, then those of the last hot set not read
-        back yet (a restart during read-back keeps them). A failure is logged once, not raised."""
+        """Write the hot set now: the resident entries, then those of the last hot set that are not
+        resident, as many as the budget chosen at load holds. So a restart during read-back keeps
+        what was not read yet, and a budget that memory pressure shrank does not shrink the hot
+        set. A failure is logged once, not raised."""
         entries = self._streamer.hot_set()
         resident = {(layer, e) for layer, e, _ in entries}
-        entries += [
-            (layer, e, uses)
-            for layer, chunk in self._pending
-            for e, uses in chunk.items()
-            if (layer, e) not in resident
-        ]
+        entries += [entry for entry in self._known if entry[:2] not in resident]
+        entries = entries[: self._most]
+        self._known = entries
         self._saved_at = self._clock()
         self._saved_mark = self._mark()
         try:

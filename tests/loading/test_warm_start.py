@@ -213,3 +213,37 @@ def test_a_waiting_request_is_served_before_the_next_chunk(tiny_model: Any) -> N
         assert read_back.waiting[0] == 0 and set(read_back.waiting) == {0}, read_back.waiting
     finally:
         engine.close()
+
+
+def test_a_budget_grown_back_is_refilled_from_the_hot_set(tiny_model: Any, tmp_path: Path) -> None:
+    """Memory pressure shrinks the budget (evicting), a save keeps the hot set whole, and once the
+    budget grows back the room it regains is read back from it."""
+    model_path = _model(tiny_model)
+    floor = _layer_bytes(model_path)
+    _, settings = load_settings(
+        {"model": model_path, "mode": "streaming", "ctx_size": 512, "budget": 4 * floor}
+    )
+    model = load_model(settings)
+    try:
+        s = model.llama.streamer
+        assert s is not None
+        warm = WarmStart(s, model_path, tmp_path, save_every_s=3600)
+        assert not warm.reading  # no hot set saved yet
+        model.llama.eval(model.llama.tokenize(PROMPT.encode(), add_bos=False))
+        warm.save()
+        hot = [(layer, e) for layer, e, _ in s.hot_set()]
+        assert len(hot) > 2 * 16
+        s.set_budget(floor)  # what the memory watch does under pressure
+        assert not warm.idle()
+        warm.save()  # a smaller cache does not shrink the hot set
+        kept = read_hot_set(warm.path, ModelFiles.of(model_path), 16)
+        assert sorted((layer, e) for layer, e, _ in kept) == sorted(hot)
+        s.set_budget(4 * floor)
+        before = s.stats()
+        while warm.idle():
+            pass
+        stats = s.stats()
+        assert stats.restored > before.restored and stats.evictions == before.evictions
+        assert sorted((layer, e) for layer, e, _ in s.hot_set()) == sorted(hot)
+    finally:
+        model.close()
