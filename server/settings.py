@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, get_args, get_origin
@@ -62,8 +63,6 @@ def parse_budget(text: str | int) -> Budget:
 
 def _default_state_dir() -> Path:
     """$XDG_STATE_HOME/moeflash, else ~/.local/state/moeflash (the XDG base directory rule)."""
-    import os
-
     base = os.environ.get("XDG_STATE_HOME")
     return (Path(base) if base else Path.home() / ".local" / "state") / "moeflash"
 
