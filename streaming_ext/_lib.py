@@ -169,7 +169,10 @@ def _declare(cdll: ctypes.CDLL) -> None:
             ctypes.c_int,
         ),
         "mf_cache_free": ([vp], None),
-        "mf_cache_route": ([vp, i32, ctypes.POINTER(ctypes.c_uint8)], ctypes.c_int),
+        "mf_cache_route": (
+            [vp, i32, ctypes.POINTER(ctypes.c_uint8), ctypes.POINTER(i32), i32, i32],
+            ctypes.c_int,
+        ),
         "mf_cache_prefetch": ([vp, i32, ctypes.POINTER(ctypes.c_uint8)], i32),
         "mf_cache_loads": ([vp, ctypes.POINTER(i32), i32], i32),
         "mf_cache_counts": ([vp, ctypes.POINTER(u64), ctypes.POINTER(u64), ctypes.POINTER(u64)], None),

@@ -12,6 +12,7 @@ import ctypes
 import errno
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -329,12 +330,20 @@ class CachePolicy:
         self._handle: int | None = handle.value
         self._want = (ctypes.c_uint8 * n_expert)()
 
-    def route(self, layer: int, experts: list[int]) -> int:
-        """One layer's routed experts; returns the number of misses."""
+    def route(self, layer: int, experts: list[int], tokens: Sequence[Sequence[int]] = ()) -> int:
+        """One layer's routed experts; returns the number of misses. For a micro-batch, `experts`
+        is the union and `tokens` each token's experts (k each), which the policy learns from."""
         ctypes.memset(self._want, 0, self.n_expert)
         for e in experts:
             self._want[e] = 1
-        rc: int = self.lib.cdll.mf_cache_route(self._handle, layer, self._want)
+        if tokens:
+            k = len(tokens[0])
+            if any(len(t) != k for t in tokens):
+                raise ValueError("every token of a micro-batch routes the same number of experts")
+            ids = (ctypes.c_int32 * (k * len(tokens)))(*(e for t in tokens for e in t))
+            rc: int = self.lib.cdll.mf_cache_route(self._handle, layer, self._want, ids, len(tokens), k)
+        else:
+            rc = self.lib.cdll.mf_cache_route(self._handle, layer, self._want, None, 1, 0)
         if rc < 0:
             raise StreamerError(f"route of layer {layer} failed: {os.strerror(-rc)}", -rc)
         return rc

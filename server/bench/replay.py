@@ -14,7 +14,7 @@ import heapq
 import logging
 import random
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from server.loading.route_trace import Route, Trace
 from streaming_ext import CachePolicy, Policy
@@ -67,7 +67,7 @@ def _streamer(trace: Trace, budget_bytes: int, policy: Policy) -> _Counter:
     counter = _Counter()
     try:
         for route in trace.routes:
-            misses = cache.route(route.layer, list(route.experts))
+            misses = cache.route(route.layer, list(route.experts), route.tokens)
             counter.add(route, misses, trace.entry_bytes[route.layer])
     finally:
         cache.close()
@@ -207,9 +207,11 @@ def run_routes(trace: Trace, decode_steps: int, n_batch: int) -> list[Route]:
             tokens = batch[-1:] if layer == last else batch
             if layer == last and not final:
                 continue
-            union = sorted({e for turn, step in tokens for e in by_token.get((False, turn, step, layer), ())})
+            keys = [(False, turn, step, layer) for turn, step in tokens]
+            routed = [by_token[key] for key in keys if key in by_token]
+            union = sorted({e for experts in routed for e in experts})
             if union:
-                out.append(Route(False, layer, tuple(union)))
+                out.append(Route(False, layer, tuple(union), tokens=tuple(routed)))
     for i in range(decode_steps):
         turn, step = decode[i % len(decode)]
         for layer in range(trace.n_layer):
@@ -217,6 +219,32 @@ def run_routes(trace: Trace, decode_steps: int, n_batch: int) -> list[Route]:
             if experts:
                 out.append(Route(True, layer, experts))
     return out
+
+
+# the prompt's micro-batch of a run (the default --n-batch)
+SERVED_N_BATCH = 512
+
+
+def served(trace: Trace, n_batch: int = SERVED_N_BATCH) -> Trace:
+    """The trace as a run routes it (`run_routes`, every decode step once): what the cache of a
+    server sees, each prompt micro-batch a union of its tokens' experts."""
+    routes = run_routes(trace, len(trace.steps(decode=True)), n_batch)
+    return replace(trace, name=f"{trace.name} as served", routes=routes)
+
+
+def replay_served(trace: Trace, budgets_mib: Iterable[int] = BUDGETS_MIB) -> list[ReplayResult]:
+    """The default policy, LRU and Belady on the trace as served (`served`), at each budget that
+    holds the largest route (a union may need a whole layer's experts: the streamer's floor)."""
+    run = served(trace)
+    need = max(len(r.experts) * trace.entry_bytes[r.layer] for r in run.routes)
+    results: list[ReplayResult] = []
+    for budget in budgets_mib:
+        if budget * _MIB < need:
+            continue
+        results.append(replay_streamer(run, budget, Policy.LAYER))
+        results.append(replay_streamer(run, budget, Policy.LRU))
+        results.append(replay_belady(run, budget))
+    return results
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ For each trace: hit rates of the streamer's policies (LAYER, the default, and LR
 itself) next to LFU, random and Belady's optimum at budgets from 250 MiB to 8 GiB; the published
 curves beside the trace (<name>-curve.csv) are reproduced as a check (LRU's and Belady's decode
 hit rates must match); and the default policy's targets: never below LRU, no 0% cliff, and its
-share of Belady's hit rate.
+share of Belady's hit rate. The same policies also replay the trace as a run serves it (the
+prompt in micro-batches), where the default must never read more bytes than LRU.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from typing import Any
 from server.bench.replay import (
     BUDGETS_MIB,
     PREDICTORS,
+    SERVED_N_BATCH,
     PrefetchResult,
     ReplayResult,
     replay_all,
     replay_prefetch,
+    replay_served,
 )
 from server.bench.targets import REPLAY_SHARE_OF_BELADY
 from server.errors import ConfigError
@@ -128,6 +131,59 @@ def _markdown(name: str, results: list[ReplayResult], summary: dict[str, Any], c
     return "\n".join(lines)
 
 
+def summarize_served(results: list[ReplayResult]) -> dict[str, Any]:
+    """The trace as served: the default policy against LRU in bytes read over prompt and decode,
+    and its share of Belady's decode hit rate, per budget."""
+    by = {(r.budget_mib, r.policy): r for r in results}
+    rows: list[dict[str, Any]] = [
+        {
+            "budget_mib": b,
+            "default_decode": by[(b, "layer")].hit_pct_decode,
+            "lru_decode": by[(b, "lru")].hit_pct_decode,
+            "belady_decode": by[(b, "belady")].hit_pct_decode,
+            "default_read_mib": by[(b, "layer")].read_mib,
+            "lru_read_mib": by[(b, "lru")].read_mib,
+            "belady_read_mib": by[(b, "belady")].read_mib,
+        }
+        for b in sorted({r.budget_mib for r in results})
+    ]
+    for row in rows:
+        row["default_over_belady"] = (
+            row["default_decode"] / row["belady_decode"] if row["belady_decode"] else None
+        )
+    return {
+        "n_batch": SERVED_N_BATCH,
+        "never_reads_more_than_lru": all(r["default_read_mib"] <= r["lru_read_mib"] for r in rows),
+        "share_of_belady_at_2000": next(
+            (r["default_over_belady"] for r in rows if r["budget_mib"] == 2000), None
+        ),
+        "rows": rows,
+    }
+
+
+def _served_markdown(summary: dict[str, Any]) -> list[str]:
+    lines = [
+        f"As served: the prompt in micro-batches of {summary['n_batch']} tokens, each layer of a batch"
+        " routing the union of its tokens' experts (the last layer only the last token's), then every"
+        " decode step, as the cache of a run sees them; the default policy learns from each token's own"
+        " routing. Budgets from one layer's experts (the streamer's floor) up.",
+        "",
+        "| budget MiB | decode hits layer / lru / belady | layer / belady | MiB read layer / lru / belady |",
+        "|---|---|---|---|",
+    ]
+    for r in summary["rows"]:
+        ratio = "n/a" if r["default_over_belady"] is None else f"{r['default_over_belady']:.2f}"
+        hits = " / ".join(f"{r[f'{p}_decode']:.1f}" for p in ("default", "lru", "belady"))
+        read = " / ".join(f"{r[f'{p}_read_mib']:.0f}" for p in ("default", "lru", "belady"))
+        lines.append(f"| {r['budget_mib']} | {hits} | {ratio} | {read} |")
+    lines += [
+        "",
+        f"- as served, the default never reads more than LRU: {summary['never_reads_more_than_lru']}",
+        "",
+    ]
+    return lines
+
+
 # budgets of the prefetch table: where the default policy hits 45-80% on both traces
 PREFETCH_BUDGETS_MIB = (1000, 2000, 3000)
 
@@ -197,6 +253,7 @@ def run_replay(traces: list[Path], out: Path | None, command: str, progress: Cal
     for path, trace, published in loaded.values():
         progress(f"replaying {path}")
         results = replay_all(trace)
+        as_served = summarize_served(replay_served(trace))
         prefetch = [replay_prefetch(trace, b, p) for b in PREFETCH_BUDGETS_MIB for p in PREDICTORS]
         summary = summarize(results, published)
         curves[trace.name] = results
@@ -208,8 +265,10 @@ def run_replay(traces: list[Path], out: Path | None, command: str, progress: Cal
             "results": [asdict(r) for r in results],
             "prefetch": [asdict(r) for r in prefetch],
             "summary": summary,
+            "served": as_served,
         }
         md.append(_markdown(trace.name, results, summary, command))
+        md += _served_markdown(as_served)
         md += _prefetch_markdown(prefetch)
     out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
     out.with_suffix(".md").write_text("\n".join(md))

@@ -52,6 +52,8 @@ class Route:
     turn: int = 0
     step: int = 0
     weights: tuple[float, ...] = ()
+    # a micro-batch's route (experts: their union): each token's experts, what the policy learns from
+    tokens: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)

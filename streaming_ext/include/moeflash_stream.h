@@ -243,10 +243,15 @@ MF_API int  mf_cache_new(int32_t n_layer, int32_t n_expert, const uint64_t * ent
                          int32_t policy, mf_cache ** out);
 MF_API void mf_cache_free(mf_cache * c);
 
-// One layer's routing: want[e] != 0 for each routed expert. Marks hits, admits misses (evicting
-// per the policy), pins the layer until the next call. Returns the number of misses (>= 0) or
-// -ENOSPC when the routed set alone exceeds the budget.
-MF_API int mf_cache_route(mf_cache * c, int32_t layer, const uint8_t * want);
+// One layer's routing: want[e] != 0 for each routed expert (for a micro-batch, the union of its
+// tokens'). Marks hits, admits misses (evicting per the policy), pins the layer until the next
+// call. The policy learns from each token's own routing, one visit of the layer per token:
+// tokens holds n_tokens rows of k expert ids (each one of want's); NULL with n_tokens 1 when want
+// is one token's routing; NULL with n_tokens 0 for no evidence (a preload). Returns the number of
+// misses (>= 0), -ENOSPC when the routed set alone exceeds the budget, -EINVAL for ids outside
+// want or arguments that do not fit together.
+MF_API int mf_cache_route(mf_cache * c, int32_t layer, const uint8_t * want, const int32_t * tokens, int32_t n_tokens,
+                          int32_t k);
 
 // Admits predicted experts of `layer` ahead of its routing, as the streamer's prefetch does: like
 // mf_cache_route, but nothing is pinned, counted or learned, and it stops rather than evict the

@@ -82,9 +82,10 @@ int mf_cache_new(int32_t n_layer, int32_t n_expert, const uint64_t * entry_bytes
     c->score         = calloc(n, sizeof *c->score);
     c->load          = calloc((size_t) n_expert, sizeof *c->load);
     c->evict         = calloc(n, sizeof *c->evict);
+    c->tok           = calloc((size_t) n_expert, sizeof *c->tok);
     if (!c->entry_bytes || !c->resident || !c->last_use || !c->pinned || !c->visits || !c->last_visit || !c->uses ||
         !c->obs || !c->obs_hit || !c->h3 || !c->recent || !c->rates || !c->res_list || !c->res_pos ||
-        !c->score || !c->load || !c->evict) {
+        !c->score || !c->load || !c->evict || !c->tok) {
         mf_cache_free(c);
         return -ENOMEM;
     }
@@ -119,6 +120,7 @@ void mf_cache_free(mf_cache * c) {
     free(c->score);
     free(c->load);
     free(c->evict);
+    free(c->tok);
     mf_affinity_free(&c->affinity);
     free(c);
 }
@@ -378,9 +380,34 @@ static void evict_entry(mf_cache * c, size_t i) {
     c->evictions++;
 }
 
-int mf_cache_route(mf_cache * c, int32_t layer, const uint8_t * want) {
-    if (layer < 0 || layer >= c->n_layer) {
+// one token's routing of `layer` as evidence (LAYER): a visit of the layer
+static void learn_token(mf_cache * c, int32_t layer, const uint8_t * want) {
+    int32_t k = 0;
+    for (int32_t e = 0; e < c->n_expert; e++) {
+        k += want[e] != 0;
+    }
+    // a token routes k experts; the largest k seen is the prior's numerator
+    if (k > c->k_seen) {
+        c->k_seen = k;
+    }
+    learn(c, layer, want);
+    // the hazards follow the model once per layer cycle: fresh enough, and cheap per route
+    if (c->model_age < 0 || ++c->model_age >= c->n_layer) {
+        refresh_model(c);
+    }
+}
+
+int mf_cache_route(mf_cache * c, int32_t layer, const uint8_t * want, const int32_t * tokens, int32_t n_tokens,
+                   int32_t k_tok) {
+    if (layer < 0 || layer >= c->n_layer || n_tokens < 0 || (tokens && k_tok <= 0) || (!tokens && n_tokens > 1)) {
         return -EINVAL;
+    }
+    if (tokens) {
+        for (size_t j = 0; j < (size_t) n_tokens * (size_t) k_tok; j++) {
+            if (tokens[j] < 0 || tokens[j] >= c->n_expert || !want[tokens[j]]) {
+                return -EINVAL;  // every token's expert is one of the routed set's
+            }
+        }
     }
     const size_t   row   = (size_t) layer * (size_t) c->n_expert;
     const uint64_t bytes = c->entry_bytes[layer];
@@ -395,10 +422,6 @@ int mf_cache_route(mf_cache * c, int32_t layer, const uint8_t * want) {
     if ((uint64_t) k * bytes > c->budget) {
         return -ENOSPC;
     }
-    // a decode step routes k experts; remember the largest k seen as the prior's numerator
-    if (k > c->k_seen) {
-        c->k_seen = k;
-    }
 
     // pin this layer's routed set (the previous layer's pins are released)
     c->pinned_layer = layer;
@@ -406,12 +429,17 @@ int mf_cache_route(mf_cache * c, int32_t layer, const uint8_t * want) {
         c->pinned[e] = want[e] != 0;
     }
 
-    if (c->policy == MF_POLICY_LAYER) {
-        learn(c, layer, want);
-        // the hazards follow the model once per layer cycle: fresh enough, and cheap per route
-        if (c->model_age < 0 || ++c->model_age >= c->n_layer) {
-            refresh_model(c);
+    // the evidence is each token's own routing, one visit per token: a micro-batch's union is no
+    // token's (it would teach the model that most experts are routed at every visit)
+    if (c->policy == MF_POLICY_LAYER && !tokens && n_tokens == 1) {
+        learn_token(c, layer, want);
+    }
+    for (int32_t t = 0; c->policy == MF_POLICY_LAYER && tokens && t < n_tokens; t++) {
+        memset(c->tok, 0, (size_t) c->n_expert);
+        for (int32_t j = 0; j < k_tok; j++) {
+            c->tok[tokens[(size_t) t * (size_t) k_tok + (size_t) j]] = 1;
         }
+        learn_token(c, layer, c->tok);
     }
 
     if (c->policy == MF_POLICY_NONE) {

@@ -206,6 +206,7 @@ struct mf_cache {
     int32_t *  res_pos;       // [n_layer * n_expert] position in res_list
     int32_t    n_res;
     float *    score;         // [n_layer * n_expert] scratch: keep value per byte of res_list[i]
+    uint8_t *  tok;           // [n_expert] scratch: one token's routed set
     // results of the last mf_cache_route: experts of `layer` to load, entries (l*n_expert+e) evicted
     int32_t *  load;
     int32_t    n_load;
@@ -332,6 +333,8 @@ struct mf_streamer {
     uint64_t      expert_bytes;
     mf_cache *    cache;
     uint8_t *     want;  // [n_expert] scratch for routing
+    int32_t *     route_ids;      // the routed ids of a route's tokens, row after row (grown as needed)
+    size_t        route_ids_cap;  // capacity of route_ids, in ids
     // the budget holds every expert (see mf_stats.hold_all); set before any expert is read
     bool          hold_all;
     // every expert resident under hold_all: the eval callback asks for no node (decode thread)

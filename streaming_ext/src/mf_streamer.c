@@ -161,6 +161,17 @@ static bool route_layer(mf_streamer * s, int32_t il, const struct ggml_tensor * 
     mf_lanes_reap_failures(s);
     stop_routing_if_all_resident(s);  // from the next node on; this route still counts its hits
 
+    // each token's ids, row after row (the cache learns from them), and their union in want
+    const size_t n_ids = (size_t) ids->ne[0] * (size_t) ids->ne[1];
+    if (n_ids > s->route_ids_cap) {
+        int32_t * grown = realloc(s->route_ids, n_ids * sizeof *grown);
+        if (!grown) {
+            mf_streamer_fail(s, -ENOMEM, "no memory for the routing of %zu ids at layer %d", n_ids, (int) il);
+            return false;
+        }
+        s->route_ids     = grown;
+        s->route_ids_cap = n_ids;
+    }
     memset(s->want, 0, (size_t) s->n_expert);
     for (int64_t i1 = 0; i1 < ids->ne[1]; i1++) {
         for (int64_t i0 = 0; i0 < ids->ne[0]; i0++) {
@@ -170,14 +181,15 @@ static bool route_layer(mf_streamer * s, int32_t il, const struct ggml_tensor * 
                 mf_streamer_fail(s, -EINVAL, "layer %d routed to expert %d of %d", (int) il, (int) e, (int) s->n_expert);
                 return false;
             }
-            s->want[e] = 1;
+            s->route_ids[i1 * ids->ne[0] + i0] = e;
+            s->want[e]                         = 1;
         }
     }
     if (s->cfg.prefetch == MF_PREFETCH_HISTORY && mf_history_learn(s, il, ids) != 0) {
         mf_streamer_fail(s, -ENOMEM, "no memory to learn the routing of layer %d", (int) il);
         return false;
     }
-    const int rc = mf_cache_route(s->cache, il, s->want);
+    const int rc = mf_cache_route(s->cache, il, s->want, s->route_ids, (int32_t) ids->ne[1], (int32_t) ids->ne[0]);
     if (rc < 0) {
         mf_streamer_fail(s, rc, "layer %d: the routed experts do not fit the budget of %llu bytes", (int) il,
                          (unsigned long long) s->budget_bytes);
@@ -657,6 +669,7 @@ void mf_streamer_free(mf_streamer * s) {
     free_layers(s);
     free(s->queue);
     free(s->want);
+    free(s->route_ids);
     free(s->noted);
     free(s->pred_v);
     free(s->pred_scores);
@@ -773,7 +786,7 @@ int mf_streamer_preload(mf_streamer * s) {
         }
         mf_lanes_wait_all(s);
         memset(s->want, 1, (size_t) s->n_expert);
-        int rc = mf_cache_route(s->cache, l, s->want);
+        int rc = mf_cache_route(s->cache, l, s->want, NULL, 0, 0);  // no token's routing: nothing to learn
         if (rc >= 0) {
             rc = mf_lanes_queue_route(s, l, true);
         }
