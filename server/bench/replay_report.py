@@ -17,6 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from server.bench.derived import derivations
 from server.bench.replay import (
     BUDGETS_MIB,
     PREDICTORS,
@@ -184,6 +185,59 @@ def _served_markdown(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+# budgets of the derived traces' table: where the default policy hits 30-90% of their routes
+DERIVED_BUDGETS_MIB = (1000, 2000, 3000)
+
+
+def replay_derived(trace: Trace) -> list[dict[str, Any]]:
+    """The default policy against LRU and Belady on each trace derived from this one
+    (server/bench/derived.py), as served, at DERIVED_BUDGETS_MIB."""
+    rows = []
+    for derived in derivations(trace):
+        summary = summarize_served(replay_served(derived, DERIVED_BUDGETS_MIB))
+        rows.append(
+            {
+                "trace": derived.name,
+                "k": derived.k,
+                "prompt_tokens": len(derived.steps(decode=False)),
+                "decode_tokens": len(derived.steps(decode=True)),
+                **summary,
+            }
+        )
+    return rows
+
+
+def _derived_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    budgets = " | ".join(f"{b} MiB" for b in DERIVED_BUDGETS_MIB)
+    lines = [
+        "Derived traces (not real routing: this trace with one property changed, server/bench/derived.py),"
+        " as served. Per budget: the default's share of Belady's decode hit rate, and its bytes read over"
+        " prompt and decode as a share of LRU's.",
+        "",
+        f"| derived trace | k | prompt / decode tokens | {budgets} |",
+        "|---|---|---|" + "---|" * len(DERIVED_BUDGETS_MIB),
+    ]
+    for d in rows:
+        by = {r["budget_mib"]: r for r in d["rows"]}
+        cells = []
+        for b in DERIVED_BUDGETS_MIB:
+            r = by.get(b)
+            if r is None:
+                cells.append("below the floor")
+            else:
+                ratio = "n/a" if r["default_over_belady"] is None else f"{r['default_over_belady']:.2f}"
+                cells.append(
+                    f"{ratio} of Belady, {r['default_read_mib'] / r['lru_read_mib']:.2f} of LRU's bytes"
+                )
+        lines.append(
+            f"| {d['trace']} | {d['k']} | {d['prompt_tokens']} / {d['decode_tokens']} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    never = all(d["never_reads_more_than_lru"] for d in rows)
+    return [*lines, "", f"- on every derived trace the default never reads more than LRU: {never}", ""]
+
+
 # budgets of the prefetch table: where the default policy hits 45-80% on both traces
 PREFETCH_BUDGETS_MIB = (1000, 2000, 3000)
 
@@ -254,6 +308,7 @@ def run_replay(traces: list[Path], out: Path | None, command: str, progress: Cal
         progress(f"replaying {path}")
         results = replay_all(trace)
         as_served = summarize_served(replay_served(trace))
+        derived = replay_derived(trace)
         prefetch = [replay_prefetch(trace, b, p) for b in PREFETCH_BUDGETS_MIB for p in PREDICTORS]
         summary = summarize(results, published)
         curves[trace.name] = results
@@ -266,9 +321,11 @@ def run_replay(traces: list[Path], out: Path | None, command: str, progress: Cal
             "prefetch": [asdict(r) for r in prefetch],
             "summary": summary,
             "served": as_served,
+            "derived": derived,
         }
         md.append(_markdown(trace.name, results, summary, command))
         md += _served_markdown(as_served)
+        md += _derived_markdown(derived)
         md += _prefetch_markdown(prefetch)
     out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
     out.with_suffix(".md").write_text("\n".join(md))

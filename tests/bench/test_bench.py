@@ -188,6 +188,10 @@ def test_replay_reproduces_the_published_lru_and_belady_curves(tmp_path: Path) -
         assert summary["never_below_lru"] is True and summary["no_zero_cliff"] is True
         # as a run serves it (the prompt in micro-batches), too: fewer bytes than LRU at every budget
         assert data["traces"][name]["served"]["never_reads_more_than_lru"] is True
+        # the traces derived from it (server/bench/derived.py), each judged at three budgets
+        derived = data["traces"][name]["derived"]
+        assert [d["k"] for d in derived] == [6, 2, 6, 2]
+        assert all(d["prompt_tokens"] > d["decode_tokens"] and len(d["rows"]) == 3 for d in derived)
         policies = {r["policy"] for r in data["traces"][name]["results"]}
         assert policies == {"layer", "lru", "lfu", "random", "belady"}
         # prefetch by predictor: without one, the default policy's own figure; with the trace's
@@ -227,6 +231,45 @@ def test_default_policy_learns_a_micro_batch_from_its_tokens() -> None:
     learned = replay_streamer(run, 2000, Policy.LAYER).hit_pct_decode
     assert learned == pytest.approx(per_token, abs=0.5)
     assert replay_streamer(as_union, 2000, Policy.LAYER).hit_pct_decode < learned - 2.0
+
+
+def test_derived_traces_change_one_property_each() -> None:
+    from server.bench.derived import first_layers, longer_prompt, other_topic, top_experts
+
+    routes = [
+        Route(False, layer, (step % 4, 4 + step % 3), 0, step) for step in range(3) for layer in range(3)
+    ]
+    routes += [Route(True, layer, (step % 5, 5), 0, step) for step in range(3, 8) for layer in range(3)]
+    trace = Trace("t", 3, 8, [2**20, 2**21, 2**20], routes, n_expert_used=2, dense_bytes=[1, 2, 3])
+
+    longer = longer_prompt(trace, 2)  # decode steps 3 and 4 follow prompt steps 0-2
+    assert longer.steps(decode=False) == [(0, s) for s in range(5)] and longer.steps(decode=True) == [
+        (0, 5),
+        (0, 6),
+        (0, 7),
+    ]
+    assert sorted(r.experts for r in longer.routes) == sorted(r.experts for r in routes)
+    assert [r.decode for r in longer.routes] == sorted(r.decode for r in longer.routes)  # the prompt first
+
+    top = top_experts(trace, 1)
+    assert top.k == 1 and all(len(r.experts) == 1 for r in top.routes)
+    assert top.entry_bytes == [2**21, 2**22, 2**21]  # the same bytes routed per token
+
+    renamed = other_topic(trace)
+    prompt = [(a, b) for a, b in zip(trace.routes, renamed.routes, strict=True) if not a.decode]
+    assert all(a == b for a, b in zip(trace.routes, renamed.routes, strict=True) if a.decode)
+    assert any(a.experts != b.experts for a, b in prompt)
+    # one permutation per layer: the prompt's reuse structure is kept
+    renames = {(a.layer, x, y) for a, b in prompt for x, y in zip(a.experts, b.experts, strict=True)}
+    assert (
+        len(renames)
+        == len({(layer, x) for layer, x, _ in renames})
+        == len({(layer, y) for layer, _, y in renames})
+    )
+
+    cut = first_layers(trace, 2)
+    assert cut.n_layer == 2 and cut.entry_bytes == [2**20, 2**21] and cut.dense_bytes == [1, 2]
+    assert {r.layer for r in cut.routes} == {0, 1}
 
 
 def test_cache_refuses_token_routing_outside_the_routed_set() -> None:

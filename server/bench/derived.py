@@ -1,0 +1,81 @@
+"""Traces derived from a real one, to judge whether a cache policy holds beyond it.
+
+The two real traces have short prompts (28-29 tokens) and 6 experts per token; a policy tuned to
+them might not hold on a model with fewer, larger experts per token or a prompt longer than its
+decode. These derivations keep a real trace's routing structure and change one such property.
+They are not real routing: they judge robustness (`moeflash bench --replay`, "Derived traces"),
+never a headline figure.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import replace
+
+from server.loading.route_trace import Route, Trace
+
+# decode steps moved into the prompt: the real traces decode 128 tokens, so 96 leaves a prompt
+# three to four times its decode
+PROMPT_STEPS = 96
+
+
+def longer_prompt(trace: Trace, n: int = PROMPT_STEPS) -> Trace:
+    """The first n decode steps become prompt steps: a prompt longer than the decode."""
+    decode = trace.steps(decode=True)[:n]
+    # the moved tokens follow the prompt's last step, in order
+    after = max((step for _, step in trace.steps(decode=False)), default=-1) + 1
+    moved = {token: after + i for i, token in enumerate(decode)}
+    routes = [
+        replace(r, decode=False, step=moved[(r.turn, r.step)])
+        if r.decode and (r.turn, r.step) in moved
+        else r
+        for r in trace.routes
+    ]
+    routes.sort(key=lambda r: (r.decode, r.turn, r.step, r.layer))
+    return replace(trace, name=f"{trace.name}, prompt +{len(decode)}", routes=routes)
+
+
+def top_experts(trace: Trace, k: int) -> Trace:
+    """Each token keeps only its k highest-ranked experts (slot order), each k_old / k times the
+    bytes: fewer, larger experts per token, the same bytes routed."""
+    scale = trace.k / k
+    routes = [replace(r, experts=r.experts[:k], weights=r.weights[:k]) for r in trace.routes]
+    sizes = [round(b * scale) for b in trace.entry_bytes]
+    return replace(trace, name=f"{trace.name}, top {k}", routes=routes, entry_bytes=sizes, n_expert_used=k)
+
+
+def other_topic(trace: Trace, seed: int = 1) -> Trace:
+    """The prompt's experts renamed by a fixed permutation per layer: a prompt whose experts the
+    decode does not share (a topic change), with the prompt's own reuse structure."""
+    rng = random.Random(seed)
+    perm = [rng.sample(range(trace.n_expert), trace.n_expert) for _ in range(trace.n_layer)]
+    routes = [
+        r if r.decode else replace(r, experts=tuple(perm[r.layer][e] for e in r.experts))
+        for r in trace.routes
+    ]
+    return replace(trace, name=f"{trace.name}, prompt on another topic", routes=routes)
+
+
+def first_layers(trace: Trace, n: int) -> Trace:
+    """Only the first n layers: a smaller token working set."""
+    routes: list[Route] = [r for r in trace.routes if r.layer < n]
+    return replace(
+        trace,
+        name=f"{trace.name}, {n} layers",
+        n_layer=n,
+        routes=routes,
+        entry_bytes=trace.entry_bytes[:n],
+        dense_bytes=trace.dense_bytes[:n],
+    )
+
+
+def derivations(trace: Trace) -> list[Trace]:
+    """The derived traces the replay report judges the policies on."""
+    steps: list[Callable[[Trace], Trace]] = [
+        longer_prompt,
+        lambda t: top_experts(longer_prompt(t), 2),
+        lambda t: other_topic(longer_prompt(t)),
+        lambda t: first_layers(top_experts(longer_prompt(t), 2), 12),
+    ]
+    return [derive(trace) for derive in steps]
