@@ -332,16 +332,17 @@ class CachePolicy:
 
     def route(self, layer: int, experts: list[int], tokens: Sequence[Sequence[int]] = ()) -> int:
         """One layer's routed experts; returns the number of misses. For a micro-batch, `experts`
-        is the union and `tokens` each token's experts (k each), which the policy learns from."""
+        is the union and `tokens` each token's experts, which the policy learns from."""
         ctypes.memset(self._want, 0, self.n_expert)
         for e in experts:
             self._want[e] = 1
-        if tokens:
-            k = len(tokens[0])
-            if any(len(t) != k for t in tokens):
-                raise ValueError("every token of a micro-batch routes the same number of experts")
-            ids = (ctypes.c_int32 * (k * len(tokens)))(*(e for t in tokens for e in t))
-            rc: int = self.lib.cdll.mf_cache_route(self._handle, layer, self._want, ids, len(tokens), k)
+        routed = [t for t in tokens if t]
+        if routed:
+            # rows of k ids; a token with fewer repeats its first (a token's set ignores repeats)
+            k = max(len(t) for t in routed)
+            rows = [[*t] + [t[0]] * (k - len(t)) for t in routed]
+            ids = (ctypes.c_int32 * (k * len(rows)))(*(e for row in rows for e in row))
+            rc: int = self.lib.cdll.mf_cache_route(self._handle, layer, self._want, ids, len(rows), k)
         else:
             rc = self.lib.cdll.mf_cache_route(self._handle, layer, self._want, None, 1, 0)
         if rc < 0:

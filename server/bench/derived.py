@@ -15,14 +15,15 @@ from dataclasses import replace
 
 from server.loading.route_trace import Route, Trace
 
-# decode steps moved into the prompt: the real traces decode 128 tokens, so 96 leaves a prompt
-# three to four times its decode
-PROMPT_STEPS = 96
+# the share of the decode steps moved into the prompt: of the real traces' 128, 96, leaving a
+# prompt about four times the decode
+PROMPT_SHARE = 0.75
 
 
-def longer_prompt(trace: Trace, n: int = PROMPT_STEPS) -> Trace:
-    """The first n decode steps become prompt steps: a prompt longer than the decode."""
-    decode = trace.steps(decode=True)[:n]
+def longer_prompt(trace: Trace, share: float = PROMPT_SHARE) -> Trace:
+    """The first `share` of the decode steps become prompt steps: a prompt longer than the decode."""
+    steps = trace.steps(decode=True)
+    decode = steps[: int(len(steps) * share)]
     # the moved tokens follow the prompt's last step, in order
     after = max((step for _, step in trace.steps(decode=False)), default=-1) + 1
     moved = {token: after + i for i, token in enumerate(decode)}
@@ -71,11 +72,14 @@ def first_layers(trace: Trace, n: int) -> Trace:
 
 
 def derivations(trace: Trace) -> list[Trace]:
-    """The derived traces the replay report judges the policies on."""
-    steps: list[Callable[[Trace], Trace]] = [
-        longer_prompt,
-        lambda t: top_experts(longer_prompt(t), 2),
-        lambda t: other_topic(longer_prompt(t)),
-        lambda t: first_layers(top_experts(longer_prompt(t), 2), 12),
-    ]
+    """The derived traces the replay report judges the policies on: a longer prompt, then with
+    2 experts per token (when the trace routes more), on another topic, and 2 experts per token
+    on 12 layers (when it has more)."""
+    fewer = trace.k > 2
+    steps: list[Callable[[Trace], Trace]] = [longer_prompt]
+    if fewer:
+        steps.append(lambda t: top_experts(longer_prompt(t), 2))
+    steps.append(lambda t: other_topic(longer_prompt(t)))
+    if fewer and trace.n_layer > 12:
+        steps.append(lambda t: first_layers(top_experts(longer_prompt(t), 2), 12))
     return [derive(trace) for derive in steps]

@@ -242,7 +242,7 @@ def test_derived_traces_change_one_property_each() -> None:
     routes += [Route(True, layer, (step % 5, 5), 0, step) for step in range(3, 8) for layer in range(3)]
     trace = Trace("t", 3, 8, [2**20, 2**21, 2**20], routes, n_expert_used=2, dense_bytes=[1, 2, 3])
 
-    longer = longer_prompt(trace, 2)  # decode steps 3 and 4 follow prompt steps 0-2
+    longer = longer_prompt(trace, 0.4)  # decode steps 3 and 4 (of 5) follow prompt steps 0-2
     assert longer.steps(decode=False) == [(0, s) for s in range(5)] and longer.steps(decode=True) == [
         (0, 5),
         (0, 6),
@@ -279,10 +279,9 @@ def test_cache_refuses_token_routing_outside_the_routed_set() -> None:
     try:
         with pytest.raises(StreamerError, match="Invalid argument"):
             cache.route(0, [1, 2], tokens=[(1, 3)])  # expert 3 is not in the union
-        with pytest.raises(ValueError, match="same number of experts"):
-            cache.route(0, [1, 2, 3], tokens=[(1, 2), (3,)])
         assert cache.route(0, [1, 2, 3], tokens=[(1, 2), (2, 3)]) == 3
-        assert cache.counts() == (0, 3, 0)
+        assert cache.route(1, [1, 2, 3], tokens=[(1, 2), (3,)]) == 3  # tokens may route fewer
+        assert cache.counts() == (0, 6, 0)
     finally:
         cache.close()
 
