@@ -431,15 +431,17 @@ int mf_cache_route(mf_cache * c, int32_t layer, const uint8_t * want, const int3
 
     // the evidence is each token's own routing, one visit per token: a micro-batch's union is no
     // token's (it would teach the model that most experts are routed at every visit)
-    if (c->policy == MF_POLICY_LAYER && !tokens && n_tokens == 1) {
-        learn_token(c, layer, want);
-    }
-    for (int32_t t = 0; c->policy == MF_POLICY_LAYER && tokens && t < n_tokens; t++) {
-        memset(c->tok, 0, (size_t) c->n_expert);
-        for (int32_t j = 0; j < k_tok; j++) {
-            c->tok[tokens[(size_t) t * (size_t) k_tok + (size_t) j]] = 1;
+    if (c->policy == MF_POLICY_LAYER) {
+        if (!tokens && n_tokens == 1) {
+            learn_token(c, layer, want);
         }
-        learn_token(c, layer, c->tok);
+        for (int32_t t = 0; tokens && t < n_tokens; t++) {
+            memset(c->tok, 0, (size_t) c->n_expert);
+            for (int32_t j = 0; j < k_tok; j++) {
+                c->tok[tokens[(size_t) t * (size_t) k_tok + (size_t) j]] = 1;
+            }
+            learn_token(c, layer, c->tok);
+        }
     }
 
     if (c->policy == MF_POLICY_NONE) {
