@@ -221,9 +221,9 @@ class ModelSettings(BaseSettings):
         "direct", description="expert reads with O_DIRECT (falls back to buffered) or buffered"
     )
     overlap: bool = Field(
-        False,
-        description="let the matmuls of experts already read run while the rest are read (off by default: "
-        "no faster on 2 cores, bench/reports/qwen30b-shape.md)",
+        True,
+        description="let the matmuls of experts already read run while the rest are read; off: wait for "
+        "each layer's reads before its matmuls",
     )
     prefetch: Literal["router", "history", "off"] = Field(
         "router",

@@ -64,9 +64,9 @@ class StreamerConfig:
 
     lanes: int = 4
     reader: Reader = Reader.DIRECT
-    # the matmuls of experts already read run while the rest are read (off, as in the server: no
-    # faster on 2 cores, bench/reports/qwen30b-shape.md)
-    overlap: bool = False
+    # the matmuls of experts already read run while the rest are read (on, as in the server;
+    # docs/streamer.md, "Threads and the route")
+    overlap: bool = True
     policy: Policy = Policy.LAYER
     # fault injection for tests: after this many expert bytes, reads fail with fault_errno
     fault_errno: int = 0

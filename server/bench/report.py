@@ -142,11 +142,12 @@ def markdown(result: BenchResult, command: str) -> str:
         "",
         "Ceiling = the cap's own (the probes around its runs). I/O-bound tok/s = ceiling / bytes read"
         " per token (prefetched experts are read too);"
-        " I/O eff. = BENCH.md's bytes read during flash wait / wait / ceiling; disk use = bytes read"
-        " per token x tok/s / ceiling (with prefetch, most reads happen while layers compute).",
+        " I/O eff. = BENCH.md's bytes read during flash wait / wait / ceiling, of the serial lever"
+        " (overlap off: every read is waited for); disk use = bytes read per token x tok/s / ceiling"
+        " (with prefetch and overlap, most reads happen while layers compute).",
         "",
         "| cap | ceiling MB/s | streaming tok/s | mmap tok/s | speedup | I/O-bound tok/s | roofline eff. | "
-        "I/O eff. (disk use) | overlap lever tok/s (I/O eff.) | overlap eff. | memory discipline | "
+        "serial lever tok/s (I/O eff.) | disk use | overlap eff. | memory discipline | "
         "hit rate (cache + prefetch) | TTFT 20 tok (mmap) s | read at load MB (mmap) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -156,9 +157,9 @@ def markdown(result: BenchResult, command: str) -> str:
             f"{_fmt(cap['streaming_tok_s'])} | "
             f"{_fmt(cap['mmap_tok_s'], '.3f')} | "
             f"{_fmt(cap['speedup_vs_mmap'], '.1f', 'x')} | {_fmt(cap['io_bound_tok_s'])} | "
-            f"{_fmt(cap['roofline_efficiency'], '.2f')} | {_fmt(cap['io_efficiency'], '.2f')} "
-            f"({_fmt(cap.get('disk_utilisation'), '.2f')}) | "
-            f"{_fmt(cap['overlap_lever_tok_s'])} ({_fmt(cap['io_efficiency_overlap_lever'], '.2f')}) | "
+            f"{_fmt(cap['roofline_efficiency'], '.2f')} | "
+            f"{_fmt(cap.get('serial_lever_tok_s'))} ({_fmt(cap.get('io_efficiency'), '.2f')}) | "
+            f"{_fmt(cap.get('disk_utilisation'), '.2f')} | "
             f"{_fmt(cap['overlap_efficiency'], '.2f')} | "
             f"{_fmt(cap['memory_discipline'], '.2f')} | {_fmt(cap.get('cache_hit_rate'), '.1%')} + "
             f"{_fmt(cap.get('prefetch_hit_rate'), '.1%')} | "

@@ -105,12 +105,15 @@ PREFETCH_HISTORY = System(
     description="moeflash, prefetch predicting from past routing alone (which experts followed which)",
 )
 NO_PREFETCH = System("lever-no-prefetch", True, ("--prefetch", "off"), lever="prefetch off")
+# the serial lever: the decode thread waits for each layer's reads, so every read is waited for
+# and its I/O efficiency (bytes read per second of waiting) is the disk's while waiting
+NO_OVERLAP = System("lever-no-overlap", True, ("--no-overlap",), lever="overlap off")
 
 
 def default_systems(mmap_tokens: int, levers: bool = True, traced: bool = False) -> SystemSet:
     """resident + all-cached streaming (uncapped); stock mmap, streaming best and levers (capped);
     `traced` (routing replayed from a trace): prefetch from past routing, from the trace and off,
-    levers or not."""
+    and overlap off, levers or not."""
     uncapped = [
         System(
             "resident",
@@ -190,10 +193,9 @@ def default_systems(mmap_tokens: int, levers: bool = True, traced: bool = False)
             System("lever-lanes-1", True, ("--lanes", "1"), lever="1 lane"),
             System("lever-lanes-2", True, ("--lanes", "2"), lever="2 lanes"),
             System("lever-buffered", True, ("--reader", "buffered"), lever="O_DIRECT off"),
-            System("lever-overlap", True, ("--overlap",), lever="overlap on"),
         ]
     if levers or traced:
-        capped.append(NO_PREFETCH)
+        capped += [NO_PREFETCH, NO_OVERLAP]
     if traced:
         capped += [PREFETCH_HISTORY, PREFETCH_FROM_TRACE]
     return SystemSet(uncapped, capped)

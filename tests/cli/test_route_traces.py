@@ -101,12 +101,18 @@ def test_bench_routes_every_system_by_the_trace(tiny_model: Callable[..., Path],
             "streaming-prefetch-history",
             "streaming-prefetch-from-trace",
             "lever-no-prefetch",
+            "lever-no-overlap",
         ):
             # without --tokens, the trace's whole decode
             assert len(run["report"]["per_token"]) == decode_steps, run["system"]
     report = out.with_suffix(".md").read_text()
     assert f"replayed from {trace}" in report and "### Trace routing: prefetch bounds" in report
-    traced = next(iter(data["ratios"]["per_cap"].values()))["trace"]
+    per_cap = next(iter(data["ratios"]["per_cap"].values()))
+    # the serial lever runs under a trace too: the I/O efficiency while waiting is its own, where
+    # every read is waited for (the default overlaps reads with the matmuls)
+    assert "lever-no-overlap" in {r["system"] for r in data["runs"]}
+    assert per_cap["serial_lever_tok_s"] and per_cap["io_efficiency"], per_cap
+    traced = per_cap["trace"]
     # an oracle's prefetch is never wrong on a decode token; the model's router, on its own
     # routing, may be
     assert traced["prefetch_trace"]["prefetch_accuracy"] == 1.0

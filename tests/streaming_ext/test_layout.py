@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from server.settings import ModelSettings
 from streaming_ext import StreamerConfig, StreamerStats, StreamLibError, _lib, load_library
 from streaming_ext._lib import SHARED_STRUCTS, STAT_FIELDS, layout_mismatches
 
@@ -119,8 +120,9 @@ def test_streamer_stats_follow_the_c_names(cdll: ctypes.CDLL) -> None:
     assert all(c_call(cdll, "mf_stats_offset", name.encode()) >= 0 for name in STAT_FIELDS)
 
 
-def test_streamer_config_has_no_budget_and_overlap_is_off() -> None:
-    # the budget is set with Streamer.set_budget; overlap is off by default, as in the server
+def test_streamer_config_has_no_budget_and_overlap_is_on() -> None:
+    # the budget is set with Streamer.set_budget; overlap is on by default, as in the server
     names = {field.name for field in dataclasses.fields(StreamerConfig)}
     assert "budget_bytes" not in names
-    assert StreamerConfig().overlap is False
+    assert StreamerConfig().overlap is True
+    assert ModelSettings.model_fields["overlap"].default is True
