@@ -203,7 +203,8 @@ bench-small: setup-dev
 # The full report (an 18 GB model, ~30 minutes) and the trace replay. BENCH_SHAPE=qwen30b-q4km-shape
 # runs the same on the real Q4_K_M file's expert layout (19 GB; bench/reports/qwen30b-q4km-shape.*).
 # ROUTE_TRACE=FILE routes every system by a recorded trace (lossy, labelled in the report) and
-# decodes the trace's whole decode; its systems are the prefetch's bounds, not the levers. E.g.
+# decodes the trace's whole decode; its systems are the prefetch's bounds and the serial lever
+# (overlap off), not the other levers. E.g.
 # BENCH_SHAPE=qwen30b-q4km-k6-shape ROUTE_TRACE=../shared/data/route-traces/qwen.route.csv; the
 # report is bench/reports/<shape>-<trace name>.*
 BENCH_SHAPE ?= qwen30b-shape
