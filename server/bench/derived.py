@@ -10,7 +10,6 @@ never a headline figure.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from dataclasses import replace
 
 from server.loading.route_trace import Route, Trace
@@ -75,11 +74,9 @@ def derivations(trace: Trace) -> list[Trace]:
     """The derived traces the replay report judges the policies on: a longer prompt, then with
     2 experts per token (when the trace routes more), on another topic, and 2 experts per token
     on 12 layers (when it has more)."""
-    fewer = trace.k > 2
-    steps: list[Callable[[Trace], Trace]] = [longer_prompt]
-    if fewer:
-        steps.append(lambda t: top_experts(longer_prompt(t), 2))
-    steps.append(lambda t: other_topic(longer_prompt(t)))
-    if fewer and trace.n_layer > 12:
-        steps.append(lambda t: first_layers(top_experts(longer_prompt(t), 2), 12))
-    return [derive(trace) for derive in steps]
+    longer = longer_prompt(trace)
+    top2 = top_experts(longer, 2) if trace.k > 2 else None
+    out = [longer, *([top2] if top2 else []), other_topic(longer)]
+    if top2 and trace.n_layer > 12:
+        out.append(first_layers(top2, 12))
+    return out
