@@ -91,7 +91,8 @@ int32_t mf_history_predict(mf_streamer * s, int32_t il, const struct ggml_tensor
     float *       scores = s->pred_scores;
     memset(want, 0, n);
     int32_t total = 0;
-    for (int64_t r = 0; r < rows && total < s->n_expert; r++) {
+    int64_t r     = 0;
+    for (; r < rows && total < s->n_expert; r++) {
         memset(scores, 0, n * sizeof *scores);
         for (int64_t i = 0; i < k; i++) {
             const int32_t a = id_at(ids, r, i);
@@ -111,13 +112,16 @@ int32_t mf_history_predict(mf_streamer * s, int32_t il, const struct ggml_tensor
                     best = b;
                 }
             }
+            s->pf_rows[r * k + m] = best;
             if (best < 0) {
-                break;
+                continue;
             }
             total += !want[best];
             want[best]   = 1;
             scores[best] = 0.0f;
         }
     }
+    s->pf_rows_n = r;
+    s->pf_k      = k;
     return total;
 }

@@ -355,6 +355,10 @@ struct mf_streamer {
     float *                     pf_routed;    // [n_layers]
     uint8_t *                   pf_cand;      // [n_expert] the last prediction's non-resident experts
     int32_t                     pf_cand_layer;
+    // the last prediction token by token, pf_k ids a row (-1: none), for pf_rows_n rows; 0 rows:
+    // the predictor named only the batch's union (capacity route_ids_cap, grown with it)
+    int32_t *                   pf_rows;
+    int64_t                     pf_rows_n, pf_k;
     mf_predictor                predictor;       // NULL: predict from the routers
     void *                      predictor_data;
     // routing history (mf_history.c): per layer l, counts of (expert a at l, expert b at l + 1)
@@ -419,7 +423,8 @@ void         mf_buft_free_xtensors(mf_streamer * s);  // the registered expert t
 // ---------------------------------------------------------------- next-layer prediction (mf_predict.c)
 int     mf_predict_note(mf_streamer * s, const struct ggml_tensor * t);  // while loading: 0 or -ENOMEM
 void    mf_predict_resolve(mf_streamer * s);                             // once layers exist
-// marks in want[] the experts layer il + 1 is predicted to route; returns how many (0: no guess)
+// mf_predict_next, mf_history_predict: mark in want[] the experts layer il + 1 is predicted to
+// route and return how many (0: no guess); each token's guesses go to pf_rows
 int32_t mf_predict_next(mf_streamer * s, int32_t il, const struct ggml_tensor * topk, uint8_t * want);
 // ---------------------------------------------------------------- routing history (mf_history.c)
 int     mf_history_init(mf_streamer * s);  // once layers exist: 0 or -ENOMEM

@@ -214,7 +214,8 @@ int32_t mf_predict_next(mf_streamer * s, int32_t il, const struct ggml_tensor * 
     // matmuls (k x 3 x n_embd x n_ff_exp). Scoring stops once every expert is wanted: the rest of
     // the batch cannot add one (with few experts that comes after a few tokens)
     int32_t n = 0;
-    for (int64_t j = 0; j < x->ne[1] && n < s->n_expert; j++) {
+    int64_t j = 0;
+    for (; j < x->ne[1] && j < topk->ne[1] && n < s->n_expert; j++) {
         if (raw) {
             const float * r  = (const float *) ((const char *) raw->data + j * raw->nb[1]);
             const float * w  = w_next->data;
@@ -248,13 +249,16 @@ int32_t mf_predict_next(mf_streamer * s, int32_t il, const struct ggml_tensor * 
                     best = e;
                 }
             }
+            s->pf_rows[j * k + m] = best;
             if (best < 0) {
-                break;
+                continue;
             }
             n += !want[best];
             want[best]   = 1;
             scores[best] = -INFINITY;
         }
     }
+    s->pf_rows_n = j;
+    s->pf_k      = k;
     return n;
 }

@@ -45,33 +45,61 @@ const char * mf_streamer_last_error(const mf_streamer * s) {
 // hidden behind compute); one it does not route was read for nothing (its bytes added to the
 // token, its frame taken from the cache). With the disk the bound, reading pays only while more
 // of a layer's guesses are routed than not. So every prediction is scored, read or not: of the
-// experts it names that are not resident, how many the layer routes. A layer whose recent
-// guesses (counts decayed with a half-life of MF_GATE_HALF_LIFE of its routes) were routed less
-// than half the time is predicted but not read, until they are again. A layer starts open. The
-// model's router guessing a replayed trace's routing (2% routed) is closed after a few tokens;
-// guessing its own routing, it stays open.
+// experts it names that are not resident, how many the layer routes, each token's guesses against
+// that token's own routing (a prompt's union routes most experts: against it even random guesses
+// would look right). A layer whose recent guesses (counts decayed with a half-life of
+// MF_GATE_HALF_LIFE of its routes) were routed less than half the time is predicted but not read,
+// until they are again. A layer with too few scored guesses of its own is judged by all layers'
+// (a prompt visits each layer once: its first guesses would otherwise all be read unjudged); with
+// none anywhere it is open. The model's router guessing a replayed trace's routing (2% routed) is
+// closed after the first scored layer; guessing its own routing, it stays open.
 #define MF_GATE_HALF_LIFE 16.0f
 #define MF_GATE_EVIDENCE  8.0f  // decayed guesses before the gate judges
 
 static bool gate_open(const mf_streamer * s, int32_t layer) {
-    const float guessed = s->pf_guessed[layer];
-    return guessed < MF_GATE_EVIDENCE || 2.0f * s->pf_routed[layer] >= guessed;
+    float guessed = s->pf_guessed[layer], routed = s->pf_routed[layer];
+    if (guessed < MF_GATE_EVIDENCE) {
+        guessed = routed = 0.0f;
+        for (int32_t l = 0; l < s->n_layers; l++) {
+            guessed += s->pf_guessed[l];
+            routed += s->pf_routed[l];
+        }
+    }
+    return guessed < MF_GATE_EVIDENCE || 2.0f * routed >= guessed;
 }
 
-// layer il routes: score the prediction made for it
-static void score_prediction(mf_streamer * s, int32_t il) {
+// layer il routes (its tokens' ids in route_ids, k a row): score the prediction made for it
+static void score_prediction(mf_streamer * s, int32_t il, int64_t rows, int64_t k) {
     if (s->pf_cand_layer != il) {
         return;
     }
-    const float decay = exp2f(-1.0f / MF_GATE_HALF_LIFE);
-    int32_t     guessed = 0, routed = 0;
-    for (int32_t e = 0; e < s->n_expert; e++) {
-        guessed += s->pf_cand[e];
-        routed += s->pf_cand[e] && s->want[e];
+    int32_t guessed = 0, routed = 0;
+    if (s->pf_rows_n > 0) {
+        for (int64_t r = 0; r < s->pf_rows_n && r < rows; r++) {
+            for (int64_t m = 0; m < s->pf_k; m++) {
+                const int32_t e = s->pf_rows[r * s->pf_k + m];
+                if (e < 0 || !s->pf_cand[e]) {
+                    continue;
+                }
+                guessed++;
+                for (int64_t i = 0; i < k; i++) {
+                    if (s->route_ids[r * k + i] == e) {
+                        routed++;
+                        break;
+                    }
+                }
+            }
+        }
+    } else {  // a predictor of the union (the trace oracle): against the union
+        for (int32_t e = 0; e < s->n_expert; e++) {
+            guessed += s->pf_cand[e];
+            routed += s->pf_cand[e] && s->want[e];
+        }
     }
-    s->pf_guessed[il]  = s->pf_guessed[il] * decay + (float) guessed;
-    s->pf_routed[il]   = s->pf_routed[il] * decay + (float) routed;
-    s->pf_cand_layer   = -1;
+    const float decay = exp2f(-1.0f / MF_GATE_HALF_LIFE);
+    s->pf_guessed[il] = s->pf_guessed[il] * decay + (float) guessed;
+    s->pf_routed[il]  = s->pf_routed[il] * decay + (float) routed;
+    s->pf_cand_layer  = -1;
 }
 
 // reads layer il + 1's predicted experts behind layer il's own reads (see mf_predict.c); a route
@@ -86,6 +114,7 @@ static void prefetch_next(mf_streamer * s, int32_t il, const struct ggml_tensor 
         return;
     }
     int32_t n;
+    s->pf_rows_n = 0;
     if (s->predictor) {
         memset(s->want_next, 0, (size_t) s->n_expert);
         n = s->predictor(s->predictor_data, il + 1, s->want_next);
@@ -165,11 +194,15 @@ static bool route_layer(mf_streamer * s, int32_t il, const struct ggml_tensor * 
     const size_t n_ids = (size_t) ids->ne[0] * (size_t) ids->ne[1];
     if (n_ids > s->route_ids_cap) {
         int32_t * grown = realloc(s->route_ids, n_ids * sizeof *grown);
-        if (!grown) {
+        if (grown) {
+            s->route_ids = grown;
+        }
+        int32_t * rows = grown ? realloc(s->pf_rows, n_ids * sizeof *rows) : NULL;
+        if (!rows) {
             mf_streamer_fail(s, -ENOMEM, "no memory for the routing of %zu ids at layer %d", n_ids, (int) il);
             return false;
         }
-        s->route_ids     = grown;
+        s->pf_rows       = rows;
         s->route_ids_cap = n_ids;
     }
     memset(s->want, 0, (size_t) s->n_expert);
@@ -200,7 +233,7 @@ static bool route_layer(mf_streamer * s, int32_t il, const struct ggml_tensor * 
         mf_streamer_fail(s, qrc, "cannot queue the reads of layer %d: %s", (int) il, strerror(-qrc));
         return false;
     }
-    score_prediction(s, il);
+    score_prediction(s, il, ids->ne[1], ids->ne[0]);
     int32_t k = 0, prefetch_hits = 0;
     for (int32_t e = 0; e < s->n_expert; e++) {
         k += s->want[e];
@@ -670,6 +703,7 @@ void mf_streamer_free(mf_streamer * s) {
     free(s->queue);
     free(s->want);
     free(s->route_ids);
+    free(s->pf_rows);
     free(s->noted);
     free(s->pred_v);
     free(s->pred_scores);

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from server.bench.cgroup import probe
+from server.bench.harness import PROMPT_20
 from server.loading.route_trace import load_trace
 from tests.commands import moeflash
 from tests.models import expert_layer_bytes
@@ -66,8 +67,9 @@ def test_bench_routes_every_system_by_the_trace(tiny_model: Callable[..., Path],
     if support.version is None:
         pytest.skip(f"memory cgroups unavailable: {support.reason}")
     model = tiny_model("tiny-qwen3moe")
+    # the bench's own prompt: the trace is then the model's own routing, which its router predicts
     trace = tmp_path / "own.route.csv"
-    generate(model, "--prompt-tokens", "12", "--record-route-trace", str(trace))
+    generate(model, "--prompt", PROMPT_20, "--prompt-tokens", "12", "--record-route-trace", str(trace))
     out = tmp_path / "report"
     proc = moeflash(
         "bench",

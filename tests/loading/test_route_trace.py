@@ -225,8 +225,11 @@ def test_history_prefetch_learns_what_follows_what(tiny_model: Callable[..., Pat
     assert learned > 0.5 and learned > 2 * guessed, (learned, guessed)
 
 
-def late_prefetches(path: Path, trace: Path, prefetch: Literal["router", "history"], n_tokens: int) -> int:
-    """Experts prefetched over the last 16 decode steps of a trace-routed run that evicts."""
+def prefetches(
+    path: Path, trace: Path | None, prefetch: Literal["router", "history"], n_tokens: int
+) -> tuple[int, list[int]]:
+    """Experts prefetched in the prompt, and at each decode step, of a run that evicts, routed by
+    `trace` (None: the model's own routing)."""
     settings = ModelSettings(
         model=path,
         mode="streaming",
@@ -242,11 +245,11 @@ def late_prefetches(path: Path, trace: Path, prefetch: Literal["router", "histor
         generate(
             loaded.llama, GenerationRequest(PROMPT, params), GenerationStats(), lambda _d: None, lambda: False
         )
-        decode = [step.streamer for step in loaded.llama.steps if step.n_tokens == 1 and step.streamer]
+        steps = [step.streamer for step in loaded.llama.steps if step.streamer]
     finally:
         loaded.close()
-    assert len(decode) == n_tokens - 1
-    return sum(s.prefetched for s in decode[-16:])
+    assert len(steps) == n_tokens and all(s.prefetched >= 0 for s in steps)
+    return steps[0].prefetched, [s.prefetched for s in steps[1:]]
 
 
 def test_the_prefetch_gate_closes_on_wrong_guesses_and_stays_open_on_right_ones(
@@ -258,10 +261,25 @@ def test_the_prefetch_gate_closes_on_wrong_guesses_and_stays_open_on_right_ones(
     # the model's router guesses the model's routing, not the trace's: a quarter of its guesses
     # are routed (k of 16 experts), so its prefetch stops reading
     independent = random_trace(path, tmp_path / "independent.route.csv", steps=steps)
-    assert late_prefetches(path, independent, "router", n_tokens) == 0
+    assert sum(prefetches(path, independent, "router", n_tokens)[1][-16:]) == 0
     # learned from past routing, most guesses are routed: prefetch keeps reading
     chained = random_trace(path, tmp_path / "chained.route.csv", chained=True, steps=steps)
-    assert late_prefetches(path, chained, "history", n_tokens) > 0
+    assert sum(prefetches(path, chained, "history", n_tokens)[1][-16:]) > 0
+
+
+def test_the_prefetch_gate_guards_a_prompt(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    """A prompt visits each layer once, and its tokens together route nearly every expert: against
+    that union even random guesses look right. Each token's guesses are scored against its own
+    routing, and a layer with no evidence borrows the others': wrong guesses are read for the
+    first predicted layer only."""
+    path = tiny_model("tiny-qwen3moe")
+    shape = ModelShape.of(path)
+    independent = random_trace(path, tmp_path / "independent.route.csv", steps=(len(PROMPT), 1))
+    prompt, _ = prefetches(path, independent, "router", 2)
+    assert 0 < prompt <= shape.n_expert, prompt
+    # guessing the model's own routing, the router's prefetch reads ahead of every later layer
+    own, _ = prefetches(path, None, "router", 2)
+    assert own > shape.n_expert, own
 
 
 def test_a_trace_that_does_not_fit_is_refused(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
