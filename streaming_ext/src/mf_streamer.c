@@ -68,6 +68,15 @@ static bool gate_open(const mf_streamer * s, int32_t layer) {
     return guessed < MF_GATE_EVIDENCE || 2.0f * routed >= guessed;
 }
 
+static bool routes(const int32_t * ids, int64_t k, int32_t e) {
+    for (int64_t i = 0; i < k; i++) {
+        if (ids[i] == e) {
+            return true;
+        }
+    }
+    return false;
+}
+
 // layer il routes (its tokens' ids in route_ids, k a row): score the prediction made for it
 static void score_prediction(mf_streamer * s, int32_t il, int64_t rows, int64_t k) {
     if (s->pf_cand_layer != il) {
@@ -77,17 +86,10 @@ static void score_prediction(mf_streamer * s, int32_t il, int64_t rows, int64_t 
     if (s->pf_rows_n > 0) {
         for (int64_t r = 0; r < s->pf_rows_n && r < rows; r++) {
             for (int64_t m = 0; m < s->pf_k; m++) {
-                const int32_t e = s->pf_rows[r * s->pf_k + m];
-                if (e < 0 || !s->pf_cand[e]) {
-                    continue;
-                }
-                guessed++;
-                for (int64_t i = 0; i < k; i++) {
-                    if (s->route_ids[r * k + i] == e) {
-                        routed++;
-                        break;
-                    }
-                }
+                const int32_t e    = s->pf_rows[r * s->pf_k + m];
+                const bool    cand = e >= 0 && s->pf_cand[e];
+                guessed += cand;
+                routed += cand && routes(s->route_ids + r * k, k, e);
             }
         }
     } else {  // a predictor of the union (the trace oracle): against the union
