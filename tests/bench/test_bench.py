@@ -190,7 +190,7 @@ def test_replay_reproduces_the_published_lru_and_belady_curves(tmp_path: Path) -
         assert data["traces"][name]["served"]["never_reads_more_than_lru"] is True
         # the traces derived from it (server/bench/derived.py), each judged at three budgets
         derived = data["traces"][name]["derived"]
-        assert [d["k"] for d in derived] == [6, 2, 6, 2]
+        assert [d["k"] for d in derived] == [6, 2, 6, 2, 2]
         assert all(d["prompt_tokens"] > d["decode_tokens"] and len(d["rows"]) == 3 for d in derived)
         policies = {r["policy"] for r in data["traces"][name]["results"]}
         assert policies == {"layer", "lru", "lfu", "random", "belady"}
@@ -234,7 +234,7 @@ def test_default_policy_learns_a_micro_batch_from_its_tokens() -> None:
 
 
 def test_derived_traces_change_one_property_each() -> None:
-    from server.bench.derived import first_layers, longer_prompt, other_topic, top_experts
+    from server.bench.derived import fewer_experts, first_layers, longer_prompt, other_topic, top_experts
 
     routes = [
         Route(False, layer, (step % 4, 4 + step % 3), 0, step) for step in range(3) for layer in range(3)
@@ -270,6 +270,19 @@ def test_derived_traces_change_one_property_each() -> None:
     cut = first_layers(trace, 2)
     assert cut.n_layer == 2 and cut.entry_bytes == [2**20, 2**21] and cut.dense_bytes == [1, 2]
     assert {r.layer for r in cut.routes} == {0, 1}
+
+    # expert e becomes e mod 3: a token's experts that fall together route once, in slot order
+    weighted = dataclasses.replace(trace, routes=[dataclasses.replace(r, weights=(0.7, 0.3)) for r in routes])
+    few = fewer_experts(weighted, 3)
+    assert few.n_expert == 3 and few.entry_bytes == trace.entry_bytes
+    assert [r.experts for r in few.routes] == [
+        tuple(dict.fromkeys(e % 3 for e in r.experts)) for r in trace.routes
+    ]
+    assert any(len(r.experts) == 1 for r in few.routes)  # (2, 5) folds to (2,)
+    assert all(r.weights == (0.7, 0.3)[: len(r.experts)] for r in few.routes)
+    batched = [dataclasses.replace(r, tokens=((0, 3), (1, 4))) for r in routes]
+    served_few = fewer_experts(dataclasses.replace(trace, routes=batched), 3)
+    assert all(r.tokens == ((0,), (1,)) for r in served_few.routes)
 
 
 def test_cache_refuses_token_routing_outside_the_routed_set() -> None:
