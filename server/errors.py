@@ -42,7 +42,15 @@ class ModelLoadError(MoeflashError):
 
 
 class ContextLengthExceeded(MoeflashError):
-    """A prompt (plus the requested completion) does not fit the context window."""
+    """A prompt (plus the requested completion) does not fit the context window.
+
+    `n_prompt` is the prompt's length and `max_prompt` the longest prompt accepted, in tokens:
+    each API words the refusal its own way from them (Anthropic's "N tokens > M maximum")."""
+
+    def __init__(self, message: str, *, n_prompt: int, max_prompt: int) -> None:
+        super().__init__(message)
+        self.n_prompt = n_prompt
+        self.max_prompt = max_prompt
 
 
 class ExpertReadError(MoeflashError):

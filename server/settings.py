@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 ENV_PREFIX = "MOEFLASH_"
 
+# the alias that accepts every model id as the served model (see ModelSettings.alias)
+ANY_MODEL = "*"
+
 _SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -182,7 +185,9 @@ class ModelSettings(BaseSettings):
     alias: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="a name clients may ask for the model by (repeatable; the first is its id in the API, "
-        "default: the file stem)",
+        "default: the file stem); '*' answers requests naming any other model too (clients that send "
+        "side requests to another model, as Claude Code does to a haiku model), echoing the id asked for; "
+        "off by default: an unknown id is a 404",
     )
     ctx_size: int = Field(
         4096, ge=64, le=1 << 20, description="context window in tokens", json_schema_extra={"short": "-c"}
@@ -250,6 +255,16 @@ class ModelSettings(BaseSettings):
             if not 0 < len(name) <= 256:
                 raise ValueError(f"an alias must be 1 to 256 characters, got {name!r}")
         return value
+
+    @property
+    def any_model(self) -> bool:
+        """Whether '*' is among the aliases: requests naming any model id are served."""
+        return ANY_MODEL in self.alias
+
+    @property
+    def model_aliases(self) -> list[str]:
+        """The aliases that name the model ('*' is a rule, never a name /v1/models lists)."""
+        return [name for name in self.alias if name != ANY_MODEL]
 
     @field_validator("prefetch", mode="before")
     @classmethod

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from server.errors import ConfigError
-from server.settings import ModelSettings, load_settings, parse_size
+from server.settings import ModelSettings, add_arguments, load_settings, parse_size, settings_from_args
 
 
 @pytest.mark.parametrize(
@@ -73,3 +74,34 @@ def test_api_key_file(tmp_path: Path) -> None:
     key_file.write_text("")
     with pytest.raises(ConfigError):
         server.resolved_api_key()
+
+
+def test_alias_star_is_off_by_default() -> None:
+    _, model = load_settings({})
+    assert model.any_model is False and model.model_aliases == []
+    _, model = load_settings({"alias": ["gpt-4o"]})
+    assert model.any_model is False and model.model_aliases == ["gpt-4o"]
+
+
+def test_alias_star_from_flag_env_and_toml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    _, model = settings_from_args(parser.parse_args(["--alias", "my-model", "--alias", "*"]))
+    # '*' is a rule, never a name: the model's names (and its id, the first) leave it out
+    assert model.any_model is True and model.model_aliases == ["my-model"]
+    _, model = settings_from_args(parser.parse_args(["--alias", "*", "--alias", "my-model"]))
+    assert model.any_model is True and model.model_aliases == ["my-model"]
+    monkeypatch.setenv("MOEFLASH_ALIAS", "a, *")
+    _, model = load_settings({})
+    assert model.any_model is True and model.model_aliases == ["a"]
+    monkeypatch.delenv("MOEFLASH_ALIAS")
+    config = tmp_path / "moeflash.toml"
+    config.write_text('[model]\nalias = ["*"]\n')
+    _, model = load_settings({}, config)
+    assert model.any_model is True and model.model_aliases == []
+
+
+def test_alias_star_is_documented_in_the_flag_help() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert "'*'" in parser.format_help()

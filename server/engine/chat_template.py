@@ -114,7 +114,15 @@ class ChatTemplate:
     def tokenize(self, text: str) -> tuple[int, ...]:
         """Prompt tokens; control tokens in the text are parsed as such (the template wrote them)."""
         add_bos = self._add_bos and not (self._bos and text.startswith(self._bos))
-        return tuple(self._llama.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True))
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            # JSON can escape a lone surrogate ("\ud800"): valid JSON, but no text to tokenize
+            raise InvalidRequest(
+                f"the request's text is not valid Unicode: a lone surrogate {text[exc.start : exc.end]!a}",
+                param="messages",
+            ) from None
+        return tuple(self._llama.tokenize(data, add_bos=add_bos, special=True))
 
 
 def _arguments(arguments: str) -> Any:

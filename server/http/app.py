@@ -1,8 +1,8 @@
 """The FastAPI app: `create_app(settings, engine)`, its lifespan, routes and error mapping.
 
 Exceptions are mapped to HTTP once (server/http/errors.py); FastAPI's validation errors
-(including malformed JSON and a wrong content type) become 400s in the OpenAI shape, never
-422s, and Starlette's 404/405 get the same body.
+(including malformed JSON and a wrong content type) become 400s, never 422s, and Starlette's
+404/405 get the same body: the OpenAI shape, or Anthropic's under /v1/messages.
 """
 
 from __future__ import annotations
@@ -25,7 +25,14 @@ from server.errors import InvalidRequest, MethodNotAllowed, MoeflashError, NotFo
 from server.http.chat_completions import create_chat_completion
 from server.http.completions import create_completion
 from server.http.errors import error_response
-from server.http.messages import MessageOut, MessagesRequest, create_message
+from server.http.messages import (
+    CountTokensRequest,
+    MessageOut,
+    MessagesRequest,
+    TokenCount,
+    count_tokens,
+    create_message,
+)
 from server.http.metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
 from server.http.protocol import (
     ChatCompletion,
@@ -38,7 +45,7 @@ from server.http.protocol import (
 )
 from server.http.responses import ResponsesRequest, create_response
 from server.http.security import SecurityMiddleware
-from server.http.serving import ServeContext
+from server.http.serving import ServeContext, check_model
 from server.http.webui import index_html
 from server.settings import ServerSettings
 
@@ -109,30 +116,33 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     async def _moeflash_error(request: Request, exc: MoeflashError) -> Response:
         return error_response(exc, queue_status, request.url.path)
 
+    # every handler answers in the envelope of the API its path belongs to (error_response)
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return error_response(_validation_message(exc, request), path=request.url.path)
+        return error_response(_validation_message(exc, request), queue_status, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        path = request.url.path
         cause = exc.__cause__
         if isinstance(cause, RequestError):  # e.g. the body cap hit while FastAPI read the body
-            return error_response(cause, queue_status, request.url.path)
+            return error_response(cause, queue_status, path)
+        if isinstance(cause, RecursionError):  # JSON nested past the parser's recursion limit
+            deep = InvalidRequest("the request body is JSON nested too deeply to parse", code="invalid_json")
+            return error_response(deep, queue_status, path)
         if exc.status_code == 404:
-            return error_response(NotFound(f"no route {request.url.path}", code="not_found"))
+            return error_response(NotFound(f"no route {path}", code="not_found"), queue_status, path)
         if exc.status_code == 405:
             allow = (exc.headers or {}).get("Allow", "")
-            return error_response(
-                MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}", allow=allow),
-                path=request.url.path,
-            )
+            refused = MethodNotAllowed(f"{request.method} is not allowed on {path}", allow=allow)
+            return error_response(refused, queue_status, path)
         if exc.status_code < 500:
-            return error_response(InvalidRequest(str(exc.detail)), path=request.url.path)
-        return error_response(exc, path=request.url.path)
+            return error_response(InvalidRequest(str(exc.detail)), queue_status, path)
+        return error_response(exc, queue_status, path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
-        return error_response(exc, path=request.url.path)
+        return error_response(exc, queue_status, request.url.path)
 
     @app.get("/health", tags=["server"])
     async def health() -> JSONResponse:
@@ -151,14 +161,13 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
 
     @app.get("/v1/models", tags=["openai"])
     async def list_models() -> ModelList:
-        """The loaded model, once under each of its names (--alias, then the file stem)."""
+        """The loaded model, once under each of its names (--alias but '*', then the file stem)."""
         return ModelList(data=[_card(ctx, name) for name in ctx.ready_model().info.names])
 
     @app.get("/v1/models/{model_id:path}", tags=["openai"])
     async def get_model(model_id: str) -> ModelCard:
-        """The loaded model, if `model_id` is one of its names."""
-        if model_id not in ctx.ready_model().info.names:
-            raise NotFound(f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+        """The loaded model, if `model_id` is one of its names (any id with --alias '*')."""
+        check_model(ctx.ready_model(), model_id)
         return _card(ctx, model_id)
 
     @app.post(
@@ -180,6 +189,15 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
         return await create_message(ctx, body, request)
 
     @app.post(
+        "/v1/messages/count_tokens",
+        tags=["anthropic"],
+        responses={200: {"model": TokenCount, "description": "the prompt's length in tokens"}},
+    )
+    async def messages_count_tokens(body: Annotated[CountTokensRequest, Body()]) -> Response:
+        """Anthropic's token count: the prompt tokens /v1/messages renders these fields to."""
+        return await count_tokens(ctx, body)
+
+    @app.post(
         "/v1/responses",
         tags=["openai"],
         responses={200: {"description": "a response object, or an SSE stream of Responses API events"}},
@@ -199,7 +217,8 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
 
     page = index_html()
 
-    @app.get("/", include_in_schema=False)
+    # HEAD too: clients probe the server with it (Claude Code does before its first request)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def index() -> HTMLResponse:
         return HTMLResponse(page)
 

@@ -1,9 +1,14 @@
-"""The one mapping from exceptions to HTTP: status, headers and the OpenAI error body.
+"""The one mapping from exceptions to HTTP: status, headers and the error body.
 
-Used by the app's exception handlers and by the security middleware (which answers before
-FastAPI routes), so every error path shares one shape:
-{"error": {"message", "type", "param", "code"}}. On the Anthropic routes (ANTHROPIC_PATHS) the
-body also carries "type": "error" at the top, the envelope Anthropic's SDKs read.
+Used by the app's exception handlers, by the security middleware (which answers before
+FastAPI routes) and by the streams' in-band errors, so every error path shares one shape.
+The OpenAI routes: {"error": {"message", "type", "param", "code"}}. The Anthropic routes
+(/v1/messages and everything under it, `is_anthropic`): Anthropic's envelope
+{"type": "error", "error": {"type", "message", "param", "code"}} with Anthropic's error type
+for the status (invalid_request_error for any 4xx it has no type for, overloaded_error for
+503, api_error for 500), and a context overflow in Anthropic's words, "prompt is too long:
+N tokens > M maximum", which Claude Code compacts its conversation on. param and code are
+this server's additions to either envelope.
 """
 
 from __future__ import annotations
@@ -30,8 +35,22 @@ from server.errors import (
 
 logger = logging.getLogger(__name__)
 
-# routes of Anthropic's API: their error bodies add "type": "error", and they accept x-api-key
-ANTHROPIC_PATHS = frozenset({"/v1/messages"})
+# Anthropic's API: this route and every path under it (count_tokens, unknown ones for their 404)
+ANTHROPIC_PREFIX = "/v1/messages"
+
+# Anthropic's error type per status (docs.anthropic.com/en/api/errors); another 4xx is an
+# invalid_request_error, another 5xx an api_error
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 
 # (status, OpenAI error type) per exception class; the first isinstance match wins
 _STATUS: tuple[tuple[type[BaseException], int, str], ...] = (
@@ -50,6 +69,16 @@ _STATUS: tuple[tuple[type[BaseException], int, str], ...] = (
 )
 
 
+def is_anthropic(path: str) -> bool:
+    """Whether `path` is a route of Anthropic's API (its envelope, and x-api-key as the key)."""
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+def anthropic_type(status: int) -> str:
+    """Anthropic's error type for an HTTP status."""
+    return _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+
+
 def error_body(
     message: str, type_: str, param: str | None = None, code: str | None = None
 ) -> dict[str, object]:
@@ -58,19 +87,25 @@ def error_body(
 
 
 def describe(
-    exc: BaseException, queue_full_status: int = 429
+    exc: BaseException, queue_full_status: int = 429, *, anthropic: bool = False
 ) -> tuple[int, dict[str, object], dict[str, str]]:
-    """(status, body, headers) for an exception; unknown exceptions are a logged 500."""
+    """(status, body, headers) for an exception, in Anthropic's envelope and words if
+    `anthropic`; unknown exceptions are a logged 500."""
     headers: dict[str, str] = {}
     match = next(((status, type_) for cls, status, type_ in _STATUS if isinstance(exc, cls)), None)
     if match is None:
         logger.error("unexpected error: %r", exc, exc_info=exc)
-        return 500, error_body("internal server error", "server_error"), headers
-    status, type_ = match
-    param = exc.param if isinstance(exc, RequestError) else None
-    code = exc.code if isinstance(exc, RequestError) else None
+        status, type_ = 500, "server_error"
+        message, param, code = "internal server error", None, None
+    else:
+        status, type_ = match
+        message = str(exc)
+        param = exc.param if isinstance(exc, RequestError) else None
+        code = exc.code if isinstance(exc, RequestError) else None
     if isinstance(exc, ContextLengthExceeded):
         code, param = "context_length_exceeded", "messages"
+        if anthropic:
+            message = f"prompt is too long: {exc.n_prompt} tokens > {exc.max_prompt} maximum"
     if isinstance(exc, QueueFull):
         status = queue_full_status
         headers["Retry-After"] = str(exc.retry_after_s)
@@ -80,12 +115,12 @@ def describe(
         headers["Allow"] = exc.allow
     if isinstance(exc, AuthenticationFailed):
         headers["WWW-Authenticate"] = "Bearer"
-    return status, error_body(str(exc), type_, param, code), headers
+    if anthropic:
+        return status, {"type": "error", **error_body(message, anthropic_type(status), param, code)}, headers
+    return status, error_body(message, type_, param, code), headers
 
 
 def error_response(exc: BaseException, queue_full_status: int = 429, path: str = "") -> JSONResponse:
     """A JSONResponse for `exc` (see `describe`) to a request for `path`."""
-    status, body, headers = describe(exc, queue_full_status)
-    if path in ANTHROPIC_PATHS:
-        body = {"type": "error", **body}
+    status, body, headers = describe(exc, queue_full_status, anthropic=is_anthropic(path))
     return JSONResponse(body, status_code=status, headers=headers)

@@ -1,4 +1,4 @@
-"""Anthropic Messages API (POST /v1/messages) on the chat-completions engine path.
+"""Anthropic Messages API (POST /v1/messages, /v1/messages/count_tokens) on the chat path.
 
 A Messages request is validated here (every number bounded: out of range is a 400; unknown
 fields accepted and logged once), mapped onto the engine's ChatRequest and run by
@@ -15,7 +15,10 @@ request. The mapping:
   stop_sequences, max_tokens, temperature, top_p, top_k -> their sampling equivalents
   output_config.format (a JSON schema)  -> the json_schema output format; its effort (low,
                                          medium, high) -> the template's reasoning_effort
-`thinking` and `metadata` are accepted and ignored.
+`thinking` and `metadata` are accepted and ignored, and so is `cache_control` wherever Anthropic
+allows it (system and content blocks, tool definitions): the KV cache reuses prefixes unasked.
+count_tokens renders its request through this same mapping, template and tokenizer, so its
+count is the prompt a Messages request with those fields is served.
 
 Output: the chat pieces become content blocks in order of arrival (thinking, text, tool_use);
 consecutive pieces of one kind share a block, another kind closes it. Whole and streamed
@@ -26,8 +29,8 @@ are the prompt tokens not read from the KV cache, cache_read_input_tokens those 
 message_start (sent before the prefill) counts the whole prompt as input, message_delta carries
 the final totals (the SDKs overwrite with them).
 
-Errors on this route carry Anthropic's envelope too (server/http/errors.py); after the stream
-started, one `error` event ends it.
+Errors on these routes carry Anthropic's envelope and error types (server/http/errors.py);
+after the stream started, one `error` event in that envelope ends it.
 """
 
 from __future__ import annotations
@@ -56,7 +59,16 @@ from server.engine.tool_calls import OutPiece, ToolCallArgs, ToolCallStart, json
 from server.errors import InvalidRequest
 from server.http.errors import describe
 from server.http.protocol import MaxTokens, OutModel, Temperature, TopK, TopP
-from server.http.serving import Pieces, Plan, ServeContext, collect, prepare_chat, streamed
+from server.http.serving import (
+    Pieces,
+    Plan,
+    ServeContext,
+    check_model,
+    collect,
+    prepare_chat,
+    render_chat,
+    streamed,
+)
 from server.http.sse import named_event, sse_response
 
 logger = logging.getLogger(__name__)
@@ -150,26 +162,31 @@ class OutputConfig(_Block):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
-class MessagesRequest(BaseModel):
-    """POST /v1/messages (Anthropic's Messages API)."""
+class CountTokensRequest(BaseModel):
+    """POST /v1/messages/count_tokens: what a Messages request's prompt is made of."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(max_length=256)
-    max_tokens: MaxTokens
     messages: list[InputMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
+    thinking: dict[str, Any] | None = Field(None, description="accepted and ignored")
+    tool_choice: ToolChoiceParam | None = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=128)
+    output_config: OutputConfig | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    """POST /v1/messages (Anthropic's Messages API): the prompt's fields and how to answer it."""
+
+    max_tokens: MaxTokens
     metadata: dict[str, Any] | None = None
     stop_sequences: Annotated[list[str], Field(max_length=4)] | None = None
     stream: bool | None = None
     # Anthropic's range is 0..1; OpenAI's 0..2 is accepted, as on the chat route
     temperature: Temperature | None = None
-    thinking: dict[str, Any] | None = Field(None, description="accepted and ignored")
-    tool_choice: ToolChoiceParam | None = None
-    tools: list[ToolDefinition] | None = Field(None, max_length=128)
     top_k: TopK | None = None
     top_p: TopP | None = None
-    output_config: OutputConfig | None = None
 
 
 # ---------------------------------------------------------------------- response
@@ -194,6 +211,12 @@ class ToolUseOut(OutModel):
 
 
 ContentBlock = Annotated[TextOut | ThinkingOut | ToolUseOut, Field(discriminator="type")]
+
+
+class TokenCount(OutModel):
+    """The answer of count_tokens."""
+
+    input_tokens: int
 
 
 class MessageUsage(OutModel):
@@ -396,8 +419,9 @@ def _tool_choice(choice: ToolChoiceParam, has_tools: bool) -> ToolChoice:
     return choice.type
 
 
-def to_chat_request(body: MessagesRequest) -> ChatRequest:
-    """The chat request that `body` means; InvalidRequest (naming the Messages field) if none."""
+def to_chat_request(body: MessagesRequest | CountTokensRequest) -> ChatRequest:
+    """The chat request that `body` means; InvalidRequest (naming the Messages field) if none.
+    A count_tokens request has no sampling fields: its prompt is the same, its sampling unused."""
     messages: list[ChatMessage] = []
     if isinstance(body.system, str) and body.system:
         messages.append(ChatMessage("system", body.system))
@@ -410,13 +434,16 @@ def to_chat_request(body: MessagesRequest) -> ChatRequest:
             messages.extend(_user_turn(message.content, i))
         else:
             messages.append(_assistant_turn(message.content, i))
-    sampling = SamplingParams(
-        max_tokens=body.max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        stop=tuple(body.stop_sequences or ()),
-    )
+    if isinstance(body, MessagesRequest):
+        sampling = SamplingParams(
+            max_tokens=body.max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            stop=tuple(body.stop_sequences or ()),
+        )
+    else:
+        sampling = SamplingParams(max_tokens=1)
     config = body.output_config
     # the text block follows the schema: the same grammar as the chat route's json_schema
     fmt = OutputFormat("json_schema", config.format.schema_) if config and config.format else None
@@ -583,6 +610,16 @@ async def create_message(ctx: ServeContext, body: MessagesRequest, request: Requ
     return JSONResponse(message.to_json())
 
 
+async def count_tokens(ctx: ServeContext, body: CountTokensRequest) -> Response:
+    """POST /v1/messages/count_tokens: the prompt tokens /v1/messages would render `body` to (its
+    usage counts them as input_tokens plus cache_read_input_tokens)."""
+    ctx.warn_unknown(body.model_extra)
+    model = ctx.ready_model()
+    check_model(model, body.model)
+    _, tokens = await render_chat(ctx, model, to_chat_request(body))
+    return JSONResponse(TokenCount(input_tokens=len(tokens)).to_json())
+
+
 async def _stream(
     ctx: ServeContext, plan: Plan, message_id: str, shutdown: anyio.Event
 ) -> AsyncIterator[ServerSentEvent]:
@@ -616,10 +653,9 @@ async def _stream(
             yield named_event(*_event(MessageDelta(delta=delta, usage=_usage(item.stats))))
             yield named_event(*_event(MessageStop()))
     except Exception as exc:  # the worker's failure or the server stopping: reported in-band
-        status, body, _ = describe(exc, ctx.engine.queue_full_status)
-        error = dict(body["error"]) if isinstance(body["error"], dict) else {}
-        error["type"] = "overloaded_error" if status in (429, 503) else "api_error"
-        yield named_event(*_event(ErrorEvent(error=error)))
+        _, body, _ = describe(exc, ctx.engine.queue_full_status, anthropic=True)
+        error = body["error"]
+        yield named_event(*_event(ErrorEvent(error=error if isinstance(error, dict) else {})))
     finally:
         # a no-op once the job finished; stops it when the reader left before it was streamed
         plan.job.cancel()

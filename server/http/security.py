@@ -3,8 +3,8 @@
 Order: Host allow-list (loopback only: DNS-rebinding defence) -> Origin allow-list (a
 browser page from another origin is refused, not just left without CORS headers; the CORS
 middleware outside this one answers allowed preflights) -> Bearer key (constant-time
-compare; /health and the chat page at / are exempt; the Anthropic routes also take it as
-`x-api-key`) -> body cap (Content-Length up front, and counted while read).
+compare; /health and the chat page at / are exempt; the Anthropic routes, /v1/messages and
+under it, also take it as `x-api-key`) -> body cap (Content-Length up front, and counted while read).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import AuthenticationFailed, ForbiddenOrigin, InvalidHost, PayloadTooLarge, RequestError
-from server.http.errors import ANTHROPIC_PATHS, error_response
+from server.http.errors import error_response, is_anthropic
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def _host_name(host: str) -> str:
 
 
 class SecurityMiddleware:
-    """Host, Origin, API key and body-size checks; errors in the OpenAI shape."""
+    """Host, Origin, API key and body-size checks; errors in the route's API's envelope."""
 
     def __init__(
         self,
@@ -72,11 +72,12 @@ class SecurityMiddleware:
             scheme, _, token = auth.partition(" ")
             bearer = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key)
             # Anthropic's SDKs send the key as x-api-key
-            x_api_key = scope["path"] in ANTHROPIC_PATHS and hmac.compare_digest(
+            anthropic = is_anthropic(scope["path"])
+            x_api_key = anthropic and hmac.compare_digest(
                 headers.get("x-api-key", "").strip().encode(), self._key
             )
             if not (bearer or x_api_key):
-                also = " or 'x-api-key: KEY'" if scope["path"] in ANTHROPIC_PATHS else ""
+                also = " or 'x-api-key: KEY'" if anthropic else ""
                 raise AuthenticationFailed(
                     f"missing or invalid API key (send 'Authorization: Bearer KEY'{also})",
                     code="invalid_api_key",

@@ -88,8 +88,8 @@ class ServeContext:
 
 
 def check_model(model: LoadedModel, requested: str) -> None:
-    """NotFound unless `requested` is one of the served model's names."""
-    if requested not in model.info.names:
+    """NotFound unless `requested` is one of the served model's names (any id with --alias '*')."""
+    if requested not in model.info.names and not model.info.any_model:
         served = ", ".join(repr(name) for name in model.info.names)
         raise NotFound(
             f"the model {requested!r} does not exist; this server serves {served}",
@@ -120,12 +120,16 @@ def check_prompt(ctx: ServeContext, model: LoadedModel, n_prompt: int, what: str
     if cap is not None and n_prompt > cap:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {cap} tokens (the server's prompt cap). However, "
-            f"your {what} resulted in {n_prompt} tokens. Please reduce the length of the {what}."
+            f"your {what} resulted in {n_prompt} tokens. Please reduce the length of the {what}.",
+            n_prompt=n_prompt,
+            max_prompt=cap,
         )
     if n_prompt >= n_ctx:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {n_ctx} tokens. However, your {what} resulted in "
-            f"{n_prompt} tokens. Please reduce the length of the {what}."
+            f"{n_prompt} tokens. Please reduce the length of the {what}.",
+            n_prompt=n_prompt,
+            max_prompt=n_ctx - 1,  # one token of the context is left for the answer
         )
 
 
@@ -198,6 +202,21 @@ def submit(
     )
 
 
+async def render_chat(
+    ctx: ServeContext, model: LoadedModel, chat: ChatRequest
+) -> tuple[str, tuple[int, ...]]:
+    """The prompt `chat` renders to with the model's chat template, and its tokens: what
+    `prepare_chat` serves and Anthropic's count_tokens counts."""
+    template = ctx.template(model)
+    choice = chat.tool_choice
+    template_choice = choice if isinstance(choice, str) else "required" if choice is not None else None
+    prompt = await run_in_threadpool(
+        template.render, chat.messages, chat.tools, template_choice, chat.template_kwargs
+    )
+    tokens = await run_in_threadpool(template.tokenize, prompt)
+    return prompt, tokens
+
+
 async def prepare_chat(
     ctx: ServeContext, chat: ChatRequest, *, model_id: str, timings: bool = False, include_usage: bool = False
 ) -> Plan:
@@ -214,11 +233,7 @@ async def prepare_chat(
     )
 
     choice = chat.tool_choice
-    template_choice = choice if isinstance(choice, str) else "required" if choice is not None else None
-    prompt = await run_in_threadpool(
-        template.render, chat.messages, chat.tools, template_choice, chat.template_kwargs
-    )
-    tokens = await run_in_threadpool(template.tokenize, prompt)
+    prompt, tokens = await render_chat(ctx, model, chat)
     check_prompt(ctx, model, len(tokens), "messages")
     if constraint.grammar is not None:
         await run_in_threadpool(

@@ -54,6 +54,7 @@ class ModelInfo:
     budget_reason: str | None  # why that budget (the start-up log says the same)
     fingerprint: str  # system_fingerprint: build + model hash
     created: int  # file mtime, seconds since the epoch (the /v1/models `created`)
+    any_model: bool = False  # --alias '*': a request naming any other id is served too
 
 
 @dataclass
@@ -98,7 +99,7 @@ def _model_names(settings: ModelSettings, path: Path) -> tuple[str, ...]:
     marker = name.rfind("-of-")
     if marker > 6 and name[marker - 6] == "-":
         name = name[: marker - 6]
-    return tuple(dict.fromkeys([*settings.alias, name]))
+    return tuple(dict.fromkeys([*settings.model_aliases, name]))
 
 
 def _fingerprint(path: Path, size: int) -> str:
@@ -234,5 +235,6 @@ def _described(
         budget_reason=budget_reason,
         fingerprint=_fingerprint(path, file_size),
         created=int(os.stat(path).st_mtime),
+        any_model=settings.any_model,
     )
     return LoadedModel(llama=llama, info=info, route_shape=route_shape)

@@ -8,14 +8,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
+import openai
 import pytest
 
+import server.engine.worker as server_engine
 from server.loading.loader import LoadedModel, load_model
 from server.settings import load_settings
 from tests.servers import RunningServer, running_server, wait_for
 
 KEY = "test-key-123"
+USER: list[Any] = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +233,10 @@ def test_the_chat_page_is_served_without_the_key(server: RunningServer) -> None:
         page = client.get("/")
         assert page.status_code == 200 and "text/html" in page.headers["content-type"]
         assert "Authorization" in page.text  # the page sends the key it holds
+        # clients probe the server with HEAD / (Claude Code does): the page's headers, no body
+        probe = client.head("/")
+        assert probe.status_code == 200 and probe.content == b""
+        assert probe.headers["content-type"] == page.headers["content-type"]
         assert_error(client.get("/v1/models"), 401, code="invalid_api_key")
 
 
@@ -322,6 +330,9 @@ def test_health_and_requests_are_503_while_loading(model_path: Path) -> None:
             )
             assert_error(chat, 503, code="model_loading")
             assert int(chat.headers["retry-after"]) >= 0
+            message = client.post("/v1/messages", json={"model": "x", "max_tokens": 2, "messages": USER})
+            assert_anthropic_error(message, 503, "overloaded_error", code="model_loading")
+            assert int(message.headers["retry-after"]) >= 0
             gate.set()
             wait_for(lambda: client.get("/health").status_code == 200, "the model to finish loading")
 
@@ -335,3 +346,190 @@ def test_failed_load_is_503(tmp_path: Path) -> None:
             health = client.get("/health")
             assert health.status_code == 503 and health.json()["status"] == "failed"
             assert_error(client.get("/v1/models"), 503, code="model_failed")
+
+
+# ---------------------------------------------------------------------- Anthropic's routes
+
+ANTHROPIC_PATHS = ["/v1/messages", "/v1/messages/count_tokens"]
+
+
+def assert_anthropic_error(
+    response: httpx.Response, status: int, type_: str, code: str | None = None
+) -> dict[str, Any]:
+    """Anthropic's envelope, {"type": "error", "error": {"type", "message", ...}}, with its type."""
+    assert response.status_code == status, response.text
+    body: dict[str, Any] = response.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error"
+    assert body["error"]["type"] == type_
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    if code is not None:
+        assert body["error"]["code"] == code
+    return body
+
+
+def _message(server: RunningServer, **fields: Any) -> dict[str, Any]:
+    return {"model": server.model_id, "max_tokens": 2, "messages": USER, **fields}
+
+
+@pytest.mark.parametrize("path", ANTHROPIC_PATHS)
+def test_anthropic_routes_take_the_key_as_bearer_or_x_api_key(server: RunningServer, path: str) -> None:
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        for headers in ({}, {"x-api-key": "wrong"}, {"Authorization": "Bearer wrong"}):
+            refused = client.post(path, json=_message(server), headers=headers)
+            assert_anthropic_error(refused, 401, "authentication_error", code="invalid_api_key")
+            assert "x-api-key" in refused.json()["error"]["message"]
+        for headers in ({"x-api-key": KEY}, {"Authorization": f"Bearer {KEY}"}):
+            assert client.post(path, json=_message(server), headers=headers).status_code == 200
+
+
+def test_anthropic_errors_with_the_sdk(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    with anthropic.Anthropic(base_url=server.base_url, api_key="wrong", max_retries=0, timeout=60) as bad:
+        with pytest.raises(anthropic.AuthenticationError):
+            bad.messages.count_tokens(model=server.model_id, messages=USER)
+    with anthropic.Anthropic(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=60) as client:
+        assert client.messages.count_tokens(model=server.model_id, messages=USER).input_tokens > 0
+        with pytest.raises(anthropic.NotFoundError) as not_found:
+            client.messages.create(model="claude-haiku-4-5", max_tokens=2, messages=USER)
+        assert isinstance(not_found.value.body, dict)
+        assert not_found.value.body["error"]["type"] == "not_found_error"
+        with pytest.raises(anthropic.BadRequestError) as bad_request:
+            client.messages.create(model=server.model_id, max_tokens=2, messages=[])
+        assert isinstance(bad_request.value.body, dict)
+        assert bad_request.value.body["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("path", ANTHROPIC_PATHS)
+def test_anthropic_unknown_model_is_not_found_error(
+    http: httpx.Client, server: RunningServer, path: str
+) -> None:
+    response = http.post(path, json=_message(server, model="claude-haiku-4-5"))
+    assert_anthropic_error(response, 404, "not_found_error", code="model_not_found")
+
+
+def test_anthropic_unknown_route_and_wrong_method(http: httpx.Client) -> None:
+    assert_anthropic_error(http.post("/v1/messages/batches", json={}), 404, "not_found_error")
+    for path in ANTHROPIC_PATHS:
+        response = http.get(path)
+        # Anthropic has no type of its own for a 405: its other 4xx are invalid_request_error
+        assert_anthropic_error(response, 405, "invalid_request_error", code="method_not_allowed")
+        assert "POST" in response.headers["allow"]
+    assert_error(http.get("/v1/nothing"), 404)  # other routes keep the OpenAI envelope
+
+
+@pytest.mark.parametrize("path", ANTHROPIC_PATHS)
+def test_anthropic_body_too_large_is_request_too_large(
+    http: httpx.Client, server: RunningServer, path: str
+) -> None:
+    big = _message(server, messages=[{"role": "user", "content": "x" * 5000}])
+    assert_anthropic_error(http.post(path, json=big), 413, "request_too_large", code="body_too_large")
+    data = json.dumps(big).encode()
+    chunked = http.post(
+        path, content=iter([data[:2000], data[2000:]]), headers={"Content-Type": "application/json"}
+    )
+    assert_anthropic_error(chunked, 413, "request_too_large", code="body_too_large")
+
+
+@pytest.mark.parametrize("path", ANTHROPIC_PATHS)
+@pytest.mark.parametrize(
+    ("content", "content_type", "code"),
+    [
+        pytest.param(b'{"model": ', "application/json", "invalid_json", id="malformed-json"),
+        pytest.param(b"{}", "text/plain", "unsupported_content_type", id="content-type"),
+        pytest.param(b'{"max_tokens": 2}', "application/json", "invalid_value", id="missing-fields"),
+        pytest.param(b'{"model": 1, "messages": 2}', "application/json", "invalid_value", id="wrong-types"),
+    ],
+)
+def test_anthropic_validation_errors_are_invalid_request_error(
+    http: httpx.Client, path: str, content: bytes, content_type: str, code: str
+) -> None:
+    response = http.post(path, content=content, headers={"Content-Type": content_type})
+    assert_anthropic_error(response, 400, "invalid_request_error", code=code)
+
+
+def test_anthropic_prompt_over_the_cap_is_prompt_is_too_long(
+    http: httpx.Client, server: RunningServer
+) -> None:
+    # within the 512-token context, over the 200-token cap: the cap is the maximum
+    messages = [{"role": "user", "content": "word " * 90}]
+    counted = http.post("/v1/messages/count_tokens", json={"model": server.model_id, "messages": messages})
+    assert counted.status_code == 200, counted.text
+    n_prompt = counted.json()["input_tokens"]
+    assert n_prompt > 200
+    for stream in (False, True):
+        response = http.post("/v1/messages", json=_message(server, messages=messages, stream=stream))
+        body = assert_anthropic_error(response, 400, "invalid_request_error", code="context_length_exceeded")
+        assert body["error"]["message"] == f"prompt is too long: {n_prompt} tokens > 200 maximum"
+    # the OpenAI routes keep OpenAI's words
+    chat = http.post("/v1/chat/completions", json=_chat(server, messages=messages))
+    assert_error(chat, 400, code="context_length_exceeded")
+    assert chat.json()["error"]["message"].startswith("This model's maximum context length is 200 tokens")
+
+
+@pytest.mark.parametrize(
+    ("status", "type_"),
+    [pytest.param(429, "rate_limit_error", id="429"), pytest.param(503, "overloaded_error", id="503")],
+)
+def test_anthropic_queue_full(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch, status: int, type_: str
+) -> None:
+    gate = threading.Event()
+    real_generate = server_engine.generate
+
+    def held(llama: Any, request: Any, stats: Any, emit: Any, cancelled: Any) -> None:
+        gate.wait(60)  # the running job holds the model until the test has its refusal
+        real_generate(llama, request, stats, emit, cancelled)
+
+    monkeypatch.setattr(server_engine, "generate", held)
+    with running_server(model_path, ctx_size=256, max_queue=0, queue_full_status=status) as server:
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            with client.stream("POST", "/v1/messages", json=_message(server, stream=True)) as running:
+                assert running.status_code == 200
+                wait_for(lambda: server.engine.running_job is not None, "the first job to run")
+                refused = httpx.post(server.base_url + "/v1/messages", json=_message(server), timeout=30)
+                assert_anthropic_error(refused, status, type_, code="queue_full")
+                assert int(refused.headers["retry-after"]) >= 0
+                gate.set()
+                events = [line for line in running.iter_lines() if line.startswith("event: ")]
+            assert events[-1] == "event: message_stop"
+
+
+# ---------------------------------------------------------------------- --alias '*'
+
+ASKED = "claude-haiku-4-5-20251001"
+
+
+def test_unknown_model_ids_are_404_on_every_route_by_default(
+    http: httpx.Client, server: RunningServer
+) -> None:
+    responses = {"model": ASKED, "input": "hi", "max_output_tokens": 16}
+    assert_error(http.post("/v1/responses", json=responses), 404, code="model_not_found")
+    legacy = {"model": ASKED, "prompt": "hi", "max_tokens": 2}
+    assert_error(http.post("/v1/completions", json=legacy), 404, code="model_not_found")
+    assert_anthropic_error(
+        http.post("/v1/messages", json=_message(server, model=ASKED)), 404, "not_found_error"
+    )
+
+
+def test_alias_star_serves_any_model_id(model_path: Path) -> None:
+    with running_server(model_path, ctx_size=512, alias=["my-model", "*"]) as server:
+        assert server.model_id == "my-model"
+        base = server.base_url
+        with openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60) as client:
+            # '*' is a rule, not a name: the listed ids are the alias and the file stem
+            assert [m.id for m in client.models.list()] == ["my-model", model_path.stem]
+            assert client.models.retrieve(ASKED).id == ASKED
+            chat = client.chat.completions.create(model=ASKED, messages=USER, max_tokens=2)
+            assert chat.model == ASKED
+            chunks = list(
+                client.chat.completions.create(model=ASKED, messages=USER, max_tokens=2, stream=True)
+            )
+            assert {chunk.model for chunk in chunks} == {ASKED}
+            assert client.completions.create(model=ASKED, prompt="hi", max_tokens=2).model == ASKED
+            assert client.responses.create(model=ASKED, input="hi", max_output_tokens=16).model == ASKED
+        with anthropic.Anthropic(base_url=base, api_key="x", max_retries=0, timeout=60) as claude:
+            assert claude.messages.create(model=ASKED, max_tokens=2, messages=USER).model == ASKED
+            with claude.messages.stream(model=ASKED, max_tokens=2, messages=USER) as stream:
+                assert stream.get_final_message().model == ASKED
+            assert claude.messages.count_tokens(model=ASKED, messages=USER).input_tokens > 0

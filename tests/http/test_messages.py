@@ -607,3 +607,243 @@ def test_mapping_onto_chat_messages() -> None:
     assert chat.tool_choice == "required" and chat.parallel_tool_calls is False
     assert chat.sampling.max_tokens == 7 and chat.sampling.stop == ("END",)
     assert chat.tools == (ChatTool("get_time", TIME_TOOL["description"], TIME_TOOL["input_schema"]),)
+
+
+# ---------------------------------------------------------------------- count_tokens
+
+
+def _counted(client: anthropic.Anthropic, **fields: Any) -> int:
+    count = client.messages.count_tokens(**fields)
+    assert isinstance(count.input_tokens, int) and count.input_tokens > 0
+    return count.input_tokens
+
+
+def test_count_tokens_is_the_prompt_messages_serves(
+    client: anthropic.Anthropic, server: RunningServer
+) -> None:
+    fields: dict[str, Any] = {
+        "model": server.model_id,
+        "system": [{"type": "text", "text": SYSTEM}],
+        "messages": [
+            {"role": "user", "content": "what time is it in the count_tokens test?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "a zone", "signature": "s"},
+                    {"type": "tool_use", "id": "toolu_9", "name": "get_time", "input": {"zone": "utc"}},
+                ],
+            },
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": "9"}]},
+        ],
+        "tools": TOOLS,
+        "tool_choice": {"type": "auto"},
+        "thinking": {"type": "disabled"},
+    }
+    counted = _counted(client, **fields)
+    message = client.messages.create(max_tokens=2, **fields, **GREEDY)
+    assert _prompt_tokens(message.usage) == counted
+    # the stream's message_start counts the whole prompt (nothing of it from the cache yet)
+    events = client.messages.create(max_tokens=2, stream=True, **fields, **GREEDY)
+    start = next(iter(events))
+    events.close()
+    assert start.type == "message_start" and start.message.usage.input_tokens == counted
+    # every field that reaches the template counts: tools, system, the turns
+    assert _counted(client, **{**fields, "tools": ONE_TOOL}) < counted
+    assert _counted(client, **{**fields, "system": "x"}) < counted
+    assert _counted(client, model=server.model_id, messages=fields["messages"][:1]) < counted
+
+
+def test_count_tokens_refuses_what_messages_refuses(
+    client: anthropic.Anthropic, server: RunningServer
+) -> None:
+    image: Any = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.count_tokens(model=server.model_id, messages=[{"role": "user", "content": [image]}])
+    assert "text only" in caught.value.message
+    with pytest.raises(anthropic.NotFoundError) as not_found:
+        client.messages.count_tokens(model="claude-haiku-4-5", messages=USER)
+    body = not_found.value.body
+    assert isinstance(body, dict) and body["type"] == "error"
+    assert body["error"]["type"] == "not_found_error" and body["error"]["code"] == "model_not_found"
+
+
+def _deep_schema(depth: int) -> bytes:
+    """A request whose tool schema nests `depth` objects (2 x depth JSON levels), as text: too
+    deep for json.dumps here."""
+    schema = '{"type": "object", "properties": {"a": ' * depth + '{"type": "string"}' + "}}" * depth
+    tool = '{"name": "t", "input_schema": ' + schema + "}"
+    return (
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [' + tool.encode() + b"]}"
+    )
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(b"", id="empty"),
+        pytest.param(b"[]", id="array"),
+        pytest.param(b'{"model": ', id="truncated"),
+        pytest.param(b'{"model": "m", "messages": "hi"}', id="messages-string"),
+        pytest.param(b'{"model": "m", "messages": []}', id="no-messages"),
+        pytest.param(json.dumps({"messages": USER}).encode(), id="no-model"),
+        pytest.param(b"[" * 100_000 + b"]" * 100_000, id="deep-json"),
+        pytest.param(
+            json.dumps(
+                {"model": "m", "messages": [{"role": "user", "content": [{"type": "nope"}]}]}
+            ).encode(),
+            id="unknown-block",
+        ),
+        pytest.param(
+            json.dumps({"model": "m", "messages": [{"role": "user", "content": "\ud800"}]}).encode(),
+            id="lone-surrogate",
+        ),
+        pytest.param(_deep_schema(5000), id="deep-schema"),
+    ],
+)
+def test_count_tokens_malformed_input_is_4xx_and_the_server_stays_up(
+    server: RunningServer, body: bytes
+) -> None:
+    # "m" is not the model's name: each body is refused before or at the model check
+    response = httpx.post(
+        server.base_url + "/v1/messages/count_tokens",
+        content=body.replace(b'"m"', json.dumps(server.model_id).encode()),
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert 400 <= response.status_code < 500, response.text
+    error = response.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert httpx.get(server.base_url + "/health", timeout=30).status_code == 200
+
+
+def test_deep_json_is_refused_in_plain_words(server: RunningServer) -> None:
+    response = httpx.post(
+        server.base_url + "/v1/messages/count_tokens",
+        content=_deep_schema(5000).replace(b'"m"', json.dumps(server.model_id).encode()),
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "the request body is JSON nested too deeply to parse"
+    # as deep as the parser takes: valid, so counted (a tool's schema is part of the prompt)
+    response = httpx.post(
+        server.base_url + "/v1/messages/count_tokens",
+        content=_deep_schema(450).replace(b'"m"', json.dumps(server.model_id).encode()),
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["input_tokens"] > 450
+
+
+def test_count_tokens_of_a_long_conversation(client: anthropic.Anthropic, server: RunningServer) -> None:
+    # longer than the context: counting is not serving, so it is counted, not refused
+    turns: list[Any] = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " + "word " * 50}
+        for i in range(41)
+    ]
+    assert _counted(client, model=server.model_id, messages=turns) > server.model.info.n_ctx
+
+
+# ---------------------------------------------------------------------- cache_control
+
+EPHEMERAL: dict[str, Any] = {"type": "ephemeral"}
+
+
+def _marked(value: Any) -> Any:
+    """`value` with cache_control on every dict that has a "type" or a "name" (blocks, tools)."""
+    if isinstance(value, list):
+        return [_marked(item) for item in value]
+    if isinstance(value, dict):
+        out = {
+            key: (item if key in ("input", "input_schema") else _marked(item)) for key, item in value.items()
+        }
+        return {**out, "cache_control": EPHEMERAL} if "type" in value or "name" in value else out
+    return value
+
+
+def test_cache_control_is_accepted_everywhere_and_changes_nothing(
+    client: anthropic.Anthropic, server: RunningServer
+) -> None:
+    fields: dict[str, Any] = {
+        "model": server.model_id,
+        "system": [{"type": "text", "text": SYSTEM}, {"type": "text", "text": "and kind"}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "the caching test"}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "calling"},
+                    {"type": "tool_use", "id": "toolu_c", "name": "get_time", "input": {"zone": "utc"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_c",
+                        "content": [{"type": "text", "text": "noon"}],
+                    },
+                    {"type": "tool_result", "tool_use_id": "toolu_c", "content": "again", "is_error": True},
+                    {"type": "text", "text": "thanks"},
+                ],
+            },
+        ],
+        "tools": TOOLS,
+    }
+    marked = _marked(fields)
+    assert json.dumps(marked).count("cache_control") == 11  # 2 system, 7 content, 2 tools
+    assert _counted(client, **marked) == _counted(client, **fields)
+    plain = client.messages.create(max_tokens=3, **fields, **GREEDY)
+    cached = client.messages.create(max_tokens=3, **marked, **GREEDY)
+    # the same prompt: all of it but the last token is read from the KV cache
+    assert cached.usage.input_tokens == 1
+    assert _prompt_tokens(cached.usage) == _prompt_tokens(plain.usage)
+    assert _text(cached) == _text(plain)
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        pytest.param(
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}},
+            id="image",
+        ),
+        pytest.param(
+            {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "doc"}},
+            id="document",
+        ),
+    ],
+)
+def test_cache_control_on_media_blocks_is_not_what_refuses_them(
+    client: anthropic.Anthropic, server: RunningServer, block: dict[str, Any]
+) -> None:
+    content: Any = [{"type": "text", "text": "look"}, {**block, "cache_control": EPHEMERAL}]
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(
+            model=server.model_id, max_tokens=2, messages=[{"role": "user", "content": content}]
+        )
+    body = caught.value.body
+    assert isinstance(body, dict) and body["error"]["code"] == "unsupported_content"
+    assert body["error"]["param"] == "messages.0.content.1"
+
+
+# ---------------------------------------------------------------------- context overflow
+
+
+def test_context_overflow_is_anthropics_prompt_is_too_long(
+    client: anthropic.Anthropic, server: RunningServer
+) -> None:
+    messages: Any = [{"role": "user", "content": "word " * 1500}]
+    n_prompt = _counted(client, model=server.model_id, messages=messages)
+    for stream in (False, True):
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            client.messages.create(model=server.model_id, max_tokens=4, messages=messages, stream=stream)
+        body = caught.value.body
+        assert isinstance(body, dict) and body["type"] == "error"
+        assert body["error"]["type"] == "invalid_request_error"
+        # Claude Code compacts its conversation on exactly these words (N > M, M the longest prompt)
+        n_ctx = server.model.info.n_ctx
+        assert body["error"]["message"] == f"prompt is too long: {n_prompt} tokens > {n_ctx - 1} maximum"
+    assert httpx.get(server.base_url + "/health", timeout=30).status_code == 200
