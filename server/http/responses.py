@@ -1,27 +1,31 @@
 """POST /v1/responses: OpenAI's Responses API on the chat engine.
 
-The request maps onto the engine's ChatRequest, which `prepare_chat` checks and submits, so every
-API takes one engine path: instructions become a system message; input items become messages
-(message items by role, function_call items an assistant's tool calls, function_call_output
-items tool messages, reasoning items the assistant's reasoning); function tools, tool_choice,
-text.format (the output format), reasoning.effort and max_output_tokens carry over. The answer's
-output items: a reasoning item (the model's reasoning text), a message with one output_text
-part, one function_call item per call. Stateless: `store` is accepted and nothing is kept, so
-previous_response_id is refused.
+The request maps onto the engine's ChatRequest (`prepare_chat` checks and submits it, one engine
+path for every API): instructions become a system message, input items messages (calls an
+assistant's tool calls, their outputs tool messages, reasoning items its reasoning). The answer's
+output items: reasoning, a message with one output_text part, one call item per call. Stateless:
+nothing is kept, so previous_response_id is refused.
 
-A stream sends the events the openai SDK's `responses.stream` accumulates: response.created and
-response.in_progress, then per output item output_item.added, content_part.added, the deltas,
-their .done events and output_item.done, and last response.completed (response.incomplete when
-max_output_tokens cut the answer), each with a sequence_number. A function call cut short by
-max_output_tokens has no JSON arguments and is left out.
+Tools (`Toolbox`): a `namespace` tool's functions are offered under joined names and their calls
+come back as the API returns them, a function_call item with `namespace` and `name` apart (what
+Codex CLI and the openai SDK dispatch on); a `custom` tool is a function of one string, `input`,
+its call a custom_tool_call item; hosted tools (web_search, mcp, ...) are left out, logged once
+per type.
+
+A stream sends the events the openai SDK's `responses.stream` accumulates, each with a
+sequence_number: response.created, response.in_progress, per output item output_item.added,
+content_part.added, the deltas, their .done events and output_item.done, and last
+response.completed (response.incomplete when max_output_tokens cut the answer). A call cut short
+has no JSON arguments and is left out; a custom call's input is sent whole as its call closes.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import anyio
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
@@ -32,12 +36,14 @@ from starlette.responses import JSONResponse, Response
 from server.engine.chat import ChatMessage, ChatRequest, ChatTool, NamedTool, OutputFormat, ToolCall
 from server.engine.chat import ToolChoice as ChatToolChoice
 from server.engine.token_loop import GenerationStats, SamplingParams
-from server.engine.tool_calls import OutPiece, ToolCallArgs, ToolCallStart, strict_json
+from server.engine.tool_calls import OutPiece, ToolCallArgs, ToolCallStart, json_text, strict_json
 from server.errors import InvalidRequest
 from server.http.errors import describe
-from server.http.protocol import OutModel
+from server.http.protocol import OutModel, absent
 from server.http.serving import Pieces, Plan, ServeContext, collect, finish_reason, prepare_chat, streamed
 from server.http.sse import named_event, sse_response
+
+logger = logging.getLogger(__name__)
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -45,6 +51,9 @@ TopP = Annotated[float, Field(ge=0.0, le=1.0)]
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+_ToolModel = TypeVar("_ToolModel", bound=_Lenient)
 
 
 # ---------------------------------------------------------------------- request
@@ -74,11 +83,20 @@ class FunctionCallItem(_Lenient):
     type: Literal["function_call"]
     call_id: str
     name: str
+    namespace: str | None = None
     arguments: str
 
 
-class FunctionCallOutputItem(_Lenient):
-    type: Literal["function_call_output"]
+class CustomToolCallItem(_Lenient):
+    type: Literal["custom_tool_call"]
+    call_id: str
+    name: str
+    namespace: str | None = None
+    input: str
+
+
+class ToolOutputItem(_Lenient):
+    type: Literal["function_call_output", "custom_tool_call_output"]
     call_id: str
     output: str | list[ContentPart]
 
@@ -97,24 +115,51 @@ def _item_kind(value: Any) -> str:
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[CustomToolCallItem, Tag("custom_tool_call")]
+    | Annotated[ToolOutputItem, Tag("function_call_output")]
+    | Annotated[ToolOutputItem, Tag("custom_tool_call_output")]
     | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_kind),
 ]
 
 
+# the chat tools' name rule (OpenAI's for every function name), for namespaces too
+ToolName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")]
+
+
 class FunctionTool(_Lenient):
     type: Literal["function"]
-    # the chat tools' name rule (OpenAI's for every function name)
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
+class CustomTool(_Lenient):
+    """A freeform tool: its input is text, optionally in a grammar's language."""
+
+    type: Literal["custom"]
+    name: ToolName
+    description: str | None = None
+    format: dict[str, Any] | None = None  # {"type": "text"} or {"type": "grammar", "syntax", "definition"}
+
+
+class NamespaceTool(_Lenient):
+    """Function and custom tools grouped under one name (Codex's MCP servers and sub-agents)."""
+
+    type: Literal["namespace"]
+    name: ToolName
+    description: str | None = None
+    tools: list[Any] = Field(max_length=128)
+
+
 class NamedFunction(_Lenient):
-    type: Literal["function"]
+    """tool_choice forcing one function or custom tool; a namespaced one by its namespace and
+    name, or by its name alone when no other offered tool has that name."""
+
+    type: Literal["function", "custom"]
     name: str
+    namespace: str | None = None
 
 
 class TextFormat(_Lenient):
@@ -141,7 +186,7 @@ class ResponsesRequest(BaseModel):
     model: str = Field(max_length=256)
     input: str | list[InputItem] = Field(min_length=1)
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = Field(None, max_length=128)
+    tools: list[Any] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     text: TextOptions | None = None
@@ -172,22 +217,133 @@ def _text_of(content: str | list[Any], where: str) -> str:
     return "".join(parts)
 
 
-def _function_tools(tools: list[dict[str, Any]] | None) -> tuple[ChatTool, ...]:
-    out: list[ChatTool] = []
-    for i, tool in enumerate(tools or []):
-        if tool.get("type") != "function":
-            raise InvalidRequest(
-                f"tools[{i}] is a {tool.get('type')!r} tool: this server runs function tools only",
-                param=f"tools.{i}",
-            )
-        try:
-            function = FunctionTool.model_validate(tool)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in (f"tools.{i}", *first.get("loc", ())))
-            raise InvalidRequest(f"{where}: {first.get('msg')}", param=where) from None
-        out.append(ChatTool(function.name, function.description, function.parameters or {"type": "object"}))
-    return tuple(out)
+def flat_name(name: str, namespace: str | None) -> str:
+    """The one name the model sees for tool `name` of `namespace`: joined by "__", MCP's
+    delimiter, which Codex's MCP namespaces (`mcp__server__`) already end with."""
+    if namespace is None:
+        return name
+    return namespace + name if namespace.endswith("__") else f"{namespace}__{name}"
+
+
+@dataclass(frozen=True)
+class Offered:
+    """Where a tool offered to the model under a flat name came from."""
+
+    name: str
+    namespace: str | None = None
+    custom: bool = False
+
+
+def _validated(model: type[_ToolModel], value: dict[str, Any], where: str) -> _ToolModel:
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        path = ".".join(str(p) for p in (where, *first.get("loc", ())))
+        raise InvalidRequest(f"{path}: {first.get('msg')}", param=path) from None
+
+
+def _kind(tool: Any, where: str) -> str:
+    if not isinstance(tool, dict):
+        raise InvalidRequest(f'{where} is not an object: a tool is an object with a "type"', param=where)
+    kind = tool.get("type")
+    if not isinstance(kind, str):
+        raise InvalidRequest(f'{where} has no "type" (function, custom, namespace, ...)', param=where)
+    return kind
+
+
+def _warn_once(warned: set[str], key: str, message: str) -> None:
+    if key not in warned:
+        warned.add(key)
+        logger.warning("%s (logged once)", message)
+
+
+def _custom_parameters(tool: CustomTool, warned: set[str]) -> dict[str, Any]:
+    """A custom tool's input as a function's one string argument. A regex format constrains it
+    (a JSON Schema pattern, which degrades like any schema); a Lark grammar, which llama.cpp
+    cannot compile, is shown to the model and not enforced."""
+    string: dict[str, Any] = {"type": "string", "description": "the tool's input, as free text"}
+    fmt = tool.format or {}
+    grammar = fmt.get("definition")
+    if fmt.get("type") == "grammar" and isinstance(grammar, str):
+        if fmt.get("syntax") == "regex":
+            anchored = grammar.startswith("^") and grammar.endswith("$")
+            string = {"type": "string", "pattern": grammar if anchored else f"^({grammar})$"}
+        else:
+            string["description"] = f"the tool's input, in the language of this grammar:\n{grammar}"
+            _warn_once(warned, "tools.custom.grammar", "custom tools: a Lark grammar is shown, not enforced")
+    return {
+        "type": "object",
+        "properties": {"input": string},
+        "required": ["input"],
+        "additionalProperties": False,
+    }
+
+
+@dataclass
+class Toolbox:
+    """The request's tools as the engine's function tools, and where each flat name came from."""
+
+    tools: list[ChatTool] = field(default_factory=list)
+    offered: dict[str, Offered] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, tools: list[Any] | None, warned: set[str]) -> Toolbox:
+        """The tools of a request; InvalidRequest for a malformed entry. Hosted tools are left
+        out, logged once per type through `warned` (the app's set, never a module's)."""
+        box = cls()
+        for i, tool in enumerate(tools or []):
+            where = f"tools.{i}"
+            kind = _kind(tool, where)
+            if kind in ("function", "custom"):
+                box._add(tool, kind, None, where, warned)
+            elif kind == "namespace":
+                space = _validated(NamespaceTool, tool, where)
+                for j, inner in enumerate(space.tools):
+                    inner_where = f"{where}.tools.{j}"
+                    inner_kind = _kind(inner, inner_where)
+                    if inner_kind not in ("function", "custom"):
+                        raise InvalidRequest(
+                            f"{inner_where} is a {inner_kind!r} tool: a namespace holds function and "
+                            "custom tools",
+                            param=inner_where,
+                        )
+                    box._add(inner, inner_kind, space, inner_where, warned)
+            else:
+                message = f"ignoring {kind!r} tools: this server runs no hosted tools"
+                _warn_once(warned, f"tools.type.{kind}", message)
+        return box
+
+    def _add(
+        self, tool: dict[str, Any], kind: str, space: NamespaceTool | None, where: str, warned: set[str]
+    ) -> None:
+        namespace = space.name if space is not None else None
+        if kind == "function":
+            function = _validated(FunctionTool, tool, where)
+            name, description = function.name, function.description
+            parameters = function.parameters or {"type": "object"}
+        else:
+            custom = _validated(CustomTool, tool, where)
+            name, description = custom.name, custom.description
+            parameters = _custom_parameters(custom, warned)
+        flat = flat_name(name, namespace)
+        if flat in self.offered:
+            raise InvalidRequest(f"{where}: the tool name {flat!r} is taken twice", param=where)
+        if space is not None and space.description:
+            description = f"{space.description}\n{description}" if description else space.description
+        self.offered[flat] = Offered(name, namespace, custom=kind == "custom")
+        self.tools.append(ChatTool(flat, description, parameters))
+
+    def origin(self, flat: str) -> Offered:
+        """Where the tool a call names came from (a name the model made up: a plain function)."""
+        return self.offered.get(flat) or Offered(flat)
+
+    def choice(self, choice: NamedFunction) -> str:
+        """The flat name a forcing tool_choice means."""
+        if choice.namespace is not None or choice.name in self.offered:
+            return flat_name(choice.name, choice.namespace)
+        matches = [flat for flat, tool in self.offered.items() if tool.name == choice.name]
+        return matches[0] if len(matches) == 1 else choice.name
 
 
 def _messages(body: ResponsesRequest) -> list[ChatMessage]:
@@ -202,8 +358,12 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
         where = f"input.{i}"
         if isinstance(item, ReasoningItem):
             reasoning += "".join(part.text for part in (item.content or item.summary))
-        elif isinstance(item, FunctionCallItem):
-            call = ToolCall(item.call_id, item.name, item.arguments)
+        elif isinstance(item, FunctionCallItem | CustomToolCallItem):
+            if isinstance(item, FunctionCallItem):
+                arguments = item.arguments
+            else:  # offered as a function with one string argument: sent back as one
+                arguments = json_text({"input": item.input})
+            call = ToolCall(item.call_id, flat_name(item.name, item.namespace), arguments)
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant" and last.tool_calls:
                 # consecutive function_call items: one assistant turn with parallel calls
@@ -211,7 +371,7 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
             else:
                 messages.append(ChatMessage("assistant", tool_calls=(call,), reasoning=reasoning or None))
                 reasoning = ""
-        elif isinstance(item, FunctionCallOutputItem):
+        elif isinstance(item, ToolOutputItem):
             messages.append(ChatMessage("tool", _text_of(item.output, where), tool_call_id=item.call_id))
         elif item.role == "assistant":
             messages.append(
@@ -223,8 +383,10 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
     return messages
 
 
-def _tool_choice(choice: Literal["none", "auto", "required"] | NamedFunction | None) -> ChatToolChoice | None:
-    return NamedTool(choice.name) if isinstance(choice, NamedFunction) else choice
+def _tool_choice(
+    choice: Literal["none", "auto", "required"] | NamedFunction | None, tools: Toolbox
+) -> ChatToolChoice | None:
+    return NamedTool(tools.choice(choice)) if isinstance(choice, NamedFunction) else choice
 
 
 def _output_format(text: TextOptions | None) -> OutputFormat | None:
@@ -238,9 +400,10 @@ def _output_format(text: TextOptions | None) -> OutputFormat | None:
     return None
 
 
-def to_chat_request(body: ResponsesRequest, max_tokens_cap: int) -> ChatRequest:
-    """The chat request the engine runs for `body` (`max_tokens_cap`: the server's cap, the limit
-    when max_output_tokens is not given); InvalidRequest for what it cannot run."""
+def to_chat_request(body: ResponsesRequest, tools: Toolbox, max_tokens_cap: int) -> ChatRequest:
+    """The chat request the engine runs for `body` with its `tools` (`max_tokens_cap`: the
+    server's cap, the limit when max_output_tokens is not given); InvalidRequest for what it
+    cannot run."""
     if body.previous_response_id is not None:
         raise InvalidRequest(
             "previous_response_id is not supported: this server keeps no responses (send the whole "
@@ -248,7 +411,6 @@ def to_chat_request(body: ResponsesRequest, max_tokens_cap: int) -> ChatRequest:
             param="previous_response_id",
         )
     messages = _messages(body)
-    tools = _function_tools(body.tools)
     output_format = _output_format(body.text)
     effort = body.reasoning.effort if body.reasoning is not None else None
     if not any(message.role != "system" for message in messages):
@@ -265,8 +427,8 @@ def to_chat_request(body: ResponsesRequest, max_tokens_cap: int) -> ChatRequest:
     return ChatRequest(
         messages=tuple(messages),
         sampling=sampling,
-        tools=tools,
-        tool_choice=_tool_choice(body.tool_choice),
+        tools=tuple(tools.tools),
+        tool_choice=_tool_choice(body.tool_choice, tools),
         parallel_tool_calls=body.parallel_tool_calls is not False,
         output_format=output_format,
         template_kwargs={"reasoning_effort": effort} if effort in ("low", "medium", "high") else {},
@@ -312,11 +474,22 @@ class FunctionCallOut(OutModel):
     type: Literal["function_call"] = "function_call"
     status: ItemStatus
     call_id: str
+    namespace: str | None = absent()  # a function of a namespace tool: its name there
     name: str
     arguments: str
 
 
-OutputItem = Annotated[ReasoningOut | MessageOut | FunctionCallOut, Field(discriminator="type")]
+class CustomToolCallOut(OutModel):
+    id: str
+    type: Literal["custom_tool_call"] = "custom_tool_call"
+    call_id: str
+    namespace: str | None = absent()
+    name: str
+    input: str
+
+
+ItemOut = ReasoningOut | MessageOut | FunctionCallOut | CustomToolCallOut
+OutputItem = Annotated[ItemOut, Field(discriminator="type")]
 
 
 class InputTokensDetails(OutModel):
@@ -389,24 +562,61 @@ def _usage(stats: GenerationStats) -> ResponseUsage:
     )
 
 
+def _custom_input(arguments: str) -> str | None:
+    """A custom call's input from the JSON arguments of the function it was offered as: its
+    `input` string (or the one string a model wrote under another key, else the arguments);
+    None while they are not JSON (cut short)."""
+    try:
+        value = strict_json(arguments)
+    except ValueError:
+        return None
+    if isinstance(value, dict):
+        strings = [v for v in value.values() if isinstance(v, str)]
+        if isinstance(value.get("input"), str):
+            return str(value["input"])
+        if len(value) == 1 and len(strings) == 1:
+            return strings[0]
+    return arguments
+
+
 @dataclass
 class _Item:
-    """One output item while it is built: reasoning, message or function_call."""
+    """One output item while it is built: reasoning, message, function_call or custom_tool_call."""
 
     kind: str
     id: str
     text: str = ""  # reasoning or output text; a call's arguments
     call_id: str = ""
-    name: str = ""
+    tool: Offered = Offered("")
 
-    def model(self, status: ItemStatus) -> ReasoningOut | MessageOut | FunctionCallOut:
+    def model(self, status: ItemStatus) -> ItemOut:
         if self.kind == "reasoning":
             return ReasoningOut(id=self.id, content=[ReasoningText(text=self.text)], status=status)
         if self.kind == "message":
             return MessageOut(id=self.id, status=status, content=[OutputText(text=self.text)])
+        name, namespace = self.tool.name, self.tool.namespace
+        if self.kind == "custom_tool_call":
+            text = _custom_input(self.text) if status == "completed" else ""
+            return CustomToolCallOut(
+                id=self.id, call_id=self.call_id, namespace=namespace, name=name, input=text or ""
+            )
         return FunctionCallOut(
-            id=self.id, status=status, call_id=self.call_id, name=self.name, arguments=self.text
+            id=self.id,
+            status=status,
+            call_id=self.call_id,
+            namespace=namespace,
+            name=name,
+            arguments=self.text,
         )
+
+    def complete(self) -> bool:
+        """Not a call whose arguments were cut short by max_output_tokens (no JSON in them)."""
+        if self.kind == "function_call":
+            try:
+                strict_json(self.text)
+            except ValueError:
+                return False
+        return self.kind != "custom_tool_call" or _custom_input(self.text) is not None
 
     def to_json(self, status: ItemStatus) -> dict[str, Any]:
         return self.model(status).to_json()
@@ -423,13 +633,14 @@ class _Shape:
     def response(
         self,
         status: ResponseStatus,
-        output: list[ReasoningOut | MessageOut | FunctionCallOut],
+        output: list[ItemOut],
         stats: GenerationStats | None,
     ) -> dict[str, Any]:
         b = self.body
         fmt = b.text.format if b.text is not None and b.text.format is not None else None
         text = {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}}
-        choice = b.tool_choice.model_dump() if isinstance(b.tool_choice, NamedFunction) else b.tool_choice
+        choice = b.tool_choice
+        echoed = choice.model_dump(exclude_none=True) if isinstance(choice, NamedFunction) else choice
         response = ResponseObject(
             id=self.id,
             created_at=self.created,
@@ -445,7 +656,7 @@ class _Shape:
             reasoning=ReasoningEcho(effort=b.reasoning.effort if b.reasoning else None),
             temperature=b.temperature if b.temperature is not None else 1.0,
             text=text,
-            tool_choice=choice or "auto",
+            tool_choice=echoed or "auto",
             tools=b.tools or [],
             top_p=b.top_p if b.top_p is not None else 1.0,
             usage=_usage(stats) if stats is not None else None,
@@ -455,19 +666,11 @@ class _Shape:
         return response.to_json()
 
 
-def _complete_call(item: _Item) -> bool:
-    """A call whose arguments are strict JSON (one cut short by max_output_tokens is not)."""
-    try:
-        strict_json(item.text)
-    except ValueError:
-        return False
-    return True
-
-
 @dataclass
 class _Builder:
-    """Output pieces -> output items, in order; `events` says what a stream sends for each step."""
+    """Output pieces -> output items, in order; `feed` says what a stream sends for each step."""
 
+    tools: Toolbox
     items: list[_Item] = field(default_factory=list)
     open: _Item | None = None
     calls: dict[int, _Item] = field(default_factory=dict)  # ToolCallStart.index -> its item
@@ -475,13 +678,17 @@ class _Builder:
     def feed(self, piece: OutPiece) -> Iterator[tuple[str, dict[str, Any]]]:
         if isinstance(piece, ToolCallStart):
             yield from self._close()
-            item = _Item("function_call", _new_id("fc"), call_id=piece.id, name=piece.name)
+            tool = self.tools.origin(piece.name)
+            kind = "custom_tool_call" if tool.custom else "function_call"
+            item = _Item(kind, _new_id("ctc" if tool.custom else "fc"), call_id=piece.id, tool=tool)
             self.calls[piece.index] = item
             yield from self._open(item)
             return
         if isinstance(piece, ToolCallArgs):
             item = self.calls[piece.index]
             item.text += piece.text
+            if item.kind == "custom_tool_call":
+                return  # JSON until the call closes: its input is decoded and sent then
             yield (
                 "response.function_call_arguments.delta",
                 {"item_id": item.id, "output_index": self.items.index(item), "delta": piece.text},
@@ -501,13 +708,9 @@ class _Builder:
     def finish(self) -> Iterator[tuple[str, dict[str, Any]]]:
         yield from self._close()
 
-    def output(self) -> list[ReasoningOut | MessageOut | FunctionCallOut]:
+    def output(self) -> list[ItemOut]:
         """The finished items, without calls whose arguments were cut short."""
-        return [
-            item.model("completed")
-            for item in self.items
-            if item.kind != "function_call" or _complete_call(item)
-        ]
+        return [item.model("completed") for item in self.items if item.complete()]
 
     def _where(self, item: _Item) -> dict[str, Any]:
         return {"item_id": item.id, "output_index": self.items.index(item)}
@@ -516,7 +719,7 @@ class _Builder:
         self.items.append(item)
         self.open = item
         added = item.model("in_progress")
-        if isinstance(added, FunctionCallOut):
+        if isinstance(added, FunctionCallOut | CustomToolCallOut):
             yield "response.output_item.added", {"output_index": len(self.items) - 1, "item": added.to_json()}
             return
         # a message or reasoning item opens empty, then gets its one text part
@@ -530,11 +733,15 @@ class _Builder:
         if item is None:
             return
         where = self._where(item)
+        if not item.complete():
+            return  # cut short: no .done events for arguments that are not JSON
         if item.kind == "function_call":
-            if not _complete_call(item):
-                return  # cut short: no .done events for arguments that are not JSON
-            done = {**where, "name": item.name, "arguments": item.text}
+            done = {**where, "name": item.tool.name, "arguments": item.text}
             yield "response.function_call_arguments.done", done
+        elif item.kind == "custom_tool_call":
+            text = _custom_input(item.text) or ""
+            yield "response.custom_tool_call_input.delta", {**where, "delta": text}
+            yield "response.custom_tool_call_input.done", {**where, "input": text}
         elif item.kind == "message":
             yield (
                 "response.output_text.done",
@@ -559,14 +766,15 @@ def _status(stats: GenerationStats, plan: Plan) -> ResponseStatus:
 async def create_response(ctx: ServeContext, body: ResponsesRequest, request: Request) -> Response:
     """POST /v1/responses."""
     ctx.warn_unknown(body.model_extra)
-    chat = to_chat_request(body, ctx.settings.max_completion_tokens)
+    tools = Toolbox.of(body.tools, ctx.warned_fields)
+    chat = to_chat_request(body, tools, ctx.settings.max_completion_tokens)
     plan = await prepare_chat(ctx, chat, model_id=body.model)
     shape = _Shape(_new_id("resp"), plan.created, body)
     if body.stream:
         shutdown = anyio.Event()
-        return sse_response(_stream(ctx, plan, shape, shutdown), ctx.settings.keepalive_s, shutdown)
+        return sse_response(_stream(ctx, plan, shape, tools, shutdown), ctx.settings.keepalive_s, shutdown)
     pieces, _, finished = await collect(ctx, plan, request)
-    builder = _Builder()
+    builder = _Builder(tools)
     for piece in pieces:
         for _ in builder.feed(piece):
             pass
@@ -576,7 +784,7 @@ async def create_response(ctx: ServeContext, body: ResponsesRequest, request: Re
 
 
 async def _stream(
-    ctx: ServeContext, plan: Plan, shape: _Shape, shutdown: anyio.Event
+    ctx: ServeContext, plan: Plan, shape: _Shape, tools: Toolbox, shutdown: anyio.Event
 ) -> AsyncIterator[ServerSentEvent]:
     sequence = 0
 
@@ -587,7 +795,7 @@ async def _stream(
 
     yield sse("response.created", {"response": shape.response("in_progress", [], None)})
     yield sse("response.in_progress", {"response": shape.response("in_progress", [], None)})
-    builder = _Builder()
+    builder = _Builder(tools)
     try:
         async for item in streamed(ctx, plan, shutdown):
             if isinstance(item, Pieces):
