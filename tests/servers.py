@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import uvicorn
 
 from server.cli.serve import load_served_model
@@ -26,6 +29,7 @@ from server.engine.worker import Engine
 from server.http.app import create_app
 from server.loading.loader import LoadedModel
 from server.settings import load_settings
+from tests.commands import REPO
 
 # bounded polling for state changes on the server (no test asserts on how long they take)
 POLL_S = 0.01
@@ -128,3 +132,42 @@ def running_server(
         engine.close()
         if own_state is not None:
             shutil.rmtree(own_state, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def serve_process(
+    model: Path, *extra: str, log_level: str | None = None
+) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """`moeflash serve --model MODEL EXTRA...` as a user runs it, in a process of its own (a crash
+    ends that process, never the suite), once /health answers 200; killed when done. Its output
+    is piped: a test that sends many requests sets `log_level` WARNING so the pipe never fills."""
+    port = free_port()
+    level = ["--log-level", log_level] if log_level else []
+    cmd = [
+        sys.executable,
+        "-m",
+        "server.cli",
+        *level,
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        *extra,
+    ]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+
+        def ready() -> bool:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(ready, "moeflash serve to be ready")
+        yield proc, port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)

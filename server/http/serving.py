@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response
 
 from server.engine.chat import ChatRequest
 from server.engine.chat_template import ChatTemplate
-from server.engine.grammars import check_grammar, output_constraint
+from server.engine.grammars import GrammarLimits, output_constraint
 from server.engine.reasoning import PlainSplitter, make_splitter
 from server.engine.token_loop import GenerationRequest, GenerationStats, TextDelta, TokenLogprob
 from server.engine.tool_calls import ChatOutput, OutPiece, call_syntax
@@ -228,17 +228,14 @@ async def prepare_chat(
     template = ctx.template(model)
     settings = ctx.settings
     harmony = template.style == "harmony"
-    constraint = output_constraint(
-        chat, model.llama, template.source, harmony, settings.max_json_schema_bytes
+    limits = GrammarLimits(settings.max_json_schema_bytes, settings.max_grammar_compile_ms)
+    constraint = await run_in_threadpool(
+        output_constraint, chat, model.llama, template.source, harmony, limits
     )
 
     choice = chat.tool_choice
     prompt, tokens = await render_chat(ctx, model, chat)
     check_prompt(ctx, model, len(tokens), "messages")
-    if constraint.grammar is not None:
-        await run_in_threadpool(
-            check_grammar, model.llama, constraint.grammar, settings.max_grammar_compile_ms, constraint.param
-        )
 
     params = replace(
         chat.sampling,

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.servers import free_port, running_server, wait_for
+from tests.servers import free_port, running_server, serve_process, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "docs" / "examples.md"
@@ -30,28 +30,6 @@ def _code_block(language: str) -> str:
     blocks = re.findall(rf"```{language}\n(.*?)```", EXAMPLES.read_text(), flags=re.S)
     # the first bash block is `make serve`; the curl example is the one that calls the API
     return next(block for block in blocks if "127.0.0.1:8000" in block)
-
-
-@contextlib.contextmanager
-def serve_process(model: Path, *extra: str) -> Iterator[tuple[subprocess.Popen[str], int]]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-
-        def ready() -> bool:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(ready, "moeflash serve to be ready")
-        yield proc, port
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate(timeout=30)
 
 
 @pytest.fixture(scope="module")

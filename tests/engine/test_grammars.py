@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, cast
-
 import pytest
+from llama_cpp import Llama
 
 from server.engine.chat import ChatMessage, ChatRequest, ChatTool, NamedTool, OutputFormat, ToolChoice
-from server.engine.grammars import output_constraint, schema_grammar, tool_grammar
+from server.engine.grammars import GrammarLimits, output_constraint, schema_grammar, tool_grammar
 from server.engine.token_loop import SamplingParams
 from server.errors import InvalidRequest
 
 WEATHER = ChatTool("get_weather", "weather", {"type": "object", "properties": {"unit": {"type": "string"}}})
 TIME = ChatTool("get_time")
-CAP = 64 * 1024
+CAP = GrammarLimits(max_schema_bytes=64 * 1024, max_compile_ms=2000)
 
 
 def _chat(
@@ -28,27 +27,32 @@ def _chat(
 
 @pytest.mark.parametrize("choice", [None, "none", "auto"])
 def test_the_model_chooses_without_a_grammar(choice: ToolChoice | None) -> None:
-    assert tool_grammar([WEATHER], choice, True, CAP) == (None, None)
+    assert tool_grammar([WEATHER], choice, True, CAP, []) == (None, None)
 
 
 def test_a_named_tool_forces_its_arguments() -> None:
-    grammar, name = tool_grammar([WEATHER, TIME], NamedTool("get_time"), True, CAP)
+    grammar, name = tool_grammar([WEATHER, TIME], NamedTool("get_time"), True, CAP, [])
     assert name == "get_time" and grammar is not None and "root ::=" in grammar
 
 
 def test_a_named_tool_that_is_not_in_tools_is_refused() -> None:
     with pytest.raises(InvalidRequest, match="'nope', which is not in tools") as refused:
-        tool_grammar([WEATHER], NamedTool("nope"), True, CAP)
+        tool_grammar([WEATHER], NamedTool("nope"), True, CAP, [])
     assert refused.value.param == "tool_choice"
 
 
-def test_schemas_over_the_cap_or_unsupported_are_refused() -> None:
+def test_schemas_over_the_cap_are_refused() -> None:
+    tiny = GrammarLimits(max_schema_bytes=10, max_compile_ms=2000)
     with pytest.raises(InvalidRequest, match="over the 10-byte cap") as big:
-        schema_grammar({"type": "object"}, 10, "response_format")
+        schema_grammar({"type": "object"}, tiny, "response_format", [])
     assert big.value.param == "response_format"
-    with pytest.raises(InvalidRequest, match="unsupported JSON schema") as bad:
-        schema_grammar({"$ref": "#/nowhere"}, CAP, "tools")
-    assert bad.value.param == "tools"
+
+
+def test_a_ref_that_does_not_resolve_means_any_value() -> None:
+    notes: list[str] = []
+    grammar = schema_grammar({"$ref": "#/nowhere"}, CAP, "tools", notes)
+    assert "root ::= alternative-0 | array | string | number | boolean | null" in grammar
+    assert notes == ["tools: $ref '#/nowhere' does not resolve here: any value"]
 
 
 @pytest.mark.parametrize(
@@ -81,9 +85,9 @@ def test_schemas_over_the_cap_or_unsupported_are_refused() -> None:
         pytest.param(_chat(fmt=OutputFormat("text")), "text", "response_format", False, id="text"),
     ],
 )
-def test_output_constraint(chat: ChatRequest, mode: str, param: str, whole: bool) -> None:
-    # no template here has <tool_call>, so no lazy grammar and the model is not needed
-    constraint = output_constraint(chat, cast(Any, None), "{{ messages }}", False, CAP)
+def test_output_constraint(chat: ChatRequest, mode: str, param: str, whole: bool, vocab_llama: Llama) -> None:
+    # no template here has <tool_call>, so no lazy grammar; the model compiles the grammar
+    constraint = output_constraint(chat, vocab_llama, "{{ messages }}", False, CAP)
     assert constraint.mode == mode and constraint.param == param
     assert constraint.whole_output is whole and constraint.lazy is None
     assert (constraint.grammar is not None) is whole

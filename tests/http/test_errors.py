@@ -100,7 +100,7 @@ def assert_error(
             {
                 "response_format": {
                     "type": "json_schema",
-                    "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+                    "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": 3}}},
                 }
             },
             "response_format",
