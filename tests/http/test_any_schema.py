@@ -303,7 +303,7 @@ BOUNDS = st.one_of(
     st.sampled_from([100_000, 524_288, 2**40, -1, 1.5, "9", None, True]),
 )
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
     max_leaves=6,
 )
@@ -366,7 +366,7 @@ SCHEMAS = st.recursive(
     max_leaves=10,
 )
 FUZZ = settings(
-    max_examples=25,
+    max_examples=60,
     derandomize=True,
     database=None,
     deadline=None,
