@@ -5,7 +5,7 @@ expert's size at 1/2/4 readers, and sequential), the uncapped references (reside
 with every expert cached), and under each memory cap the stock mmap load and moeflash (best
 settings, then each lever alone). Capped systems are interleaved cap by cap, each in its own
 process, with the page cache dropped before it where that is permitted. The ratios of
-../shared/BENCH.md are computed from those figures (server/bench/ratios.py).
+docs/benchmarks.md are computed from those figures (server/bench/ratios.py).
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def run_bench(
     """Measure everything; refuses to report capped figures when no cgroup could cap.
 
     The disk ceiling is probed before the uncapped runs, before each cap's runs and after the
-    last ones (BENCH.md: interleaved with the systems). This disk's rate drifts between probes
+    last ones (docs/benchmarks.md: interleaved with the systems). This disk's rate drifts between probes
     (one report: 791 to 1418 MB/s; another's single-reader probe 1827 MB/s from the host's
     cache), so each cap is judged against the probes just before and after its own runs.
     """

@@ -1,4 +1,4 @@
-"""The ratios of ../shared/BENCH.md, computed from one benchmark's figures.
+"""The ratios of docs/benchmarks.md, computed from one benchmark's figures.
 
 Each ratio says what it divides; None where a figure it needs is missing (a run failed or was
 not part of this benchmark). Decode figures come from the per-token records (prompt excluded).
@@ -141,7 +141,7 @@ def _memory_discipline(run: Run | None) -> float | None:
 
 
 def compute_ratios(result: BenchResult) -> dict[str, Any]:
-    """Every BENCH.md ratio, per cap where it depends on one."""
+    """Every ratio of docs/benchmarks.md, per cap where it depends on one."""
     ceiling_all = _best_random(result.ceiling)
     probes = sorted({c.get("probe", 0) for c in result.ceiling})
     routed = float(result.model["routed_bytes_per_token"])
@@ -187,7 +187,7 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
         sd = decode_figures(stream) if stream else None
         md = decode_figures(mmap) if mmap else None
         ser_d = decode_figures(serial) if serial else None
-        # BENCH.md: ceiling / (routed bytes x measured miss rate). A prefetched expert was still
+        # docs/benchmarks.md: ceiling / (routed bytes x measured miss rate). A prefetched expert was still
         # read from flash (and so was a wrong guess), so the measured share of routed bytes that
         # came from flash is bytes read / routed bytes: I/O-bound = ceiling / bytes read per token
         io_bound = ceiling / sd["bytes_read"] if sd and ceiling and sd["bytes_read"] > 0 else None
@@ -230,7 +230,7 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
             "prefill_512_efficiency": _ratio(prefill_tok_s, prefill_bound),
             "prefill_512_roofline_efficiency": _ratio(prefill_tok_s, prefill_roof),
             "streaming_tok_s": sd["tok_s_median"] if sd else None,
-            # medians on both sides, as BENCH.md's decode tok/s (the mean and the median of stock
+            # medians on both sides, as docs/benchmarks.md's decode tok/s (the mean and the median of stock
             # mmap's few tokens differ by 1-3% either way: like must be divided by like)
             "mmap_tok_s": md["tok_s_median"] if md else None,
             "io_bound_tok_s": io_bound,

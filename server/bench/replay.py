@@ -1,6 +1,6 @@
 """Trace replay: real routing traces through the streamer's cache policy, next to references.
 
-A route trace (../shared/data/route-traces/*.route.csv, read by server/loading/route_trace.py)
+A route trace (bench/route-traces/*.route.csv, read by server/loading/route_trace.py)
 lists, per token and layer, the experts the router picked. Replaying it through
 `streaming_ext.CachePolicy` runs the very C code the streamer runs (mf_cache.c); LFU, random and
 Belady's offline optimum are reference policies written here (they are not streamer policies).

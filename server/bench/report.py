@@ -119,7 +119,7 @@ def markdown(result: BenchResult, command: str) -> str:
     ceiling_mb = ra["disk_ceiling_bytes_per_s"] / 1e6 if ra.get("disk_ceiling_bytes_per_s") else None
     lines += [
         "",
-        "## Ratios (BENCH.md)",
+        "## Ratios (docs/benchmarks.md)",
         "",
         f"- disk ceiling (best O_DIRECT random-read rate of any probe): {_fmt(ceiling_mb, '.0f')} MB/s; "
         "probe by probe: "
@@ -142,7 +142,7 @@ def markdown(result: BenchResult, command: str) -> str:
         "",
         "Ceiling = the cap's own (the probes around its runs). I/O-bound tok/s = ceiling / bytes read"
         " per token (prefetched experts are read too);"
-        " I/O eff. = BENCH.md's bytes read during flash wait / wait / ceiling, of the serial lever"
+        " I/O eff. = docs/benchmarks.md's bytes read during flash wait / wait / ceiling, of the serial lever"
         " (overlap off: every read is waited for); disk use = bytes read per token x tok/s / ceiling"
         " (with prefetch and overlap, most reads happen while layers compute).",
         "",

@@ -70,7 +70,7 @@ class System:
             # every system streams unless it says --mode resident (a later flag wins)
             "--mode",
             "streaming",
-            # BENCH.md's short prompt is 20 tokens (the text alone tokenizes to more); a system's
+            # docs/benchmarks.md's short prompt is 20 tokens (the text alone tokenizes to more); a system's
             # own --prompt-tokens comes later and wins
             "--prompt-tokens",
             str(SHORT_PROMPT_TOKENS),

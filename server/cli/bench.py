@@ -2,7 +2,7 @@
 
 moeflash bench --shape qwen30b-shape --caps 0.25,0.5          # generates (or reuses) the model
 moeflash bench --model m.gguf --caps 4G,8G --tokens 32
-moeflash bench --replay ../shared/data/route-traces/qwen.route.csv
+moeflash bench --replay bench/route-traces/qwen.route.csv
 moeflash bench --warm-start --shape qwen30b-shape --caps 0.25  # the first answer after a restart
 """
 
@@ -31,8 +31,8 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "bench",
         help="benchmark moeflash against stock mmap and the disk ceiling (or replay routing traces)",
-        description="Side-by-side benchmark on one model file under memory caps, with the BENCH.md ratios; "
-        "or --replay a routing trace through the streamer's cache policy.",
+        description="Side-by-side benchmark on one model file under memory caps, with the ratios of "
+        "docs/benchmarks.md; or --replay a routing trace through the streamer's cache policy.",
     )
     what = p.add_argument_group("what to measure (one of --shape, --model, --replay)")
     what.add_argument("--shape", help="synthetic model preset to generate or reuse (e.g. qwen30b-shape)")

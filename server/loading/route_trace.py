@@ -1,6 +1,6 @@
 """Route traces: the file format, and replaying or recording a model's routing with one.
 
-A route trace (`*.route.csv`, the format of ../shared/data/route-traces) lists, per token and
+A route trace (`*.route.csv`, the format of bench/route-traces) lists, per token and
 MoE layer, the experts the router picked. `#` header lines give the model, n_layer, n_expert,
 n_expert_used and, per layer, `expert_bytes` (one expert: gate + up + down) and `dense_bytes`;
 then one row per routed expert: `turn,phase,step,layer,slot,expert,weight,residency,expert_bytes`

@@ -200,7 +200,7 @@ def _all() -> tuple[Preset, ...]:
         Preset(
             "qwen30b-q4km-k6-shape",
             "qwen30b-q4km-shape routing 6 experts per token, as the Qwen route trace was recorded "
-            "(../shared/data/route-traces/qwen.route.csv): the shape of trace-routed benchmarks",
+            "(bench/route-traces/qwen.route.csv): the shape of trace-routed benchmarks",
             dataclasses.replace(
                 qwen30b,
                 n_expert_used=6,
@@ -224,7 +224,7 @@ def _all() -> tuple[Preset, ...]:
         Preset(
             "gemma4-26b-k6-shape",
             "gemma4-26b-shape routing 6 experts per token, as the Gemma route trace was recorded "
-            "(../shared/data/route-traces/gemma.route.csv): the shape of trace-routed benchmarks",
+            "(bench/route-traces/gemma.route.csv): the shape of trace-routed benchmarks",
             dataclasses.replace(gemma4_26b, n_expert_used=6, name="gemma4-26b-k6-shape"),
         ),
         Preset(
@@ -239,7 +239,7 @@ def _all() -> tuple[Preset, ...]:
         ),
         Preset(
             "gptoss-shape",
-            "alias of gptoss-120b-shape (the name BENCH.md uses)",
+            "alias of gptoss-120b-shape (the name docs/benchmarks.md uses)",
             gptoss_120b,
         ),
         Preset(

@@ -6,7 +6,7 @@
 // context's eval callback (mf_streamer_eval_cb) sees each layer's routed expert ids and makes those
 // (layer, expert) slices resident from flash, into a cache bounded by a byte budget.
 //
-// Conventions (../../shared/STYLE.md): prefix mf_; functions that can fail return 0 or -errno and
+// Conventions: prefix mf_; functions that can fail return 0 or -errno and
 // leave a message for mf_streamer_last_error(); no global mutable state (everything hangs off the
 // mf_streamer handle); an I/O error never aborts: it is recorded, the graph is stopped, and the
 // caller (Python) raises it for that request.

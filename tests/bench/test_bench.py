@@ -24,7 +24,7 @@ from server.modelgen import QType, preset
 from tests.commands import moeflash
 
 REPO = Path(__file__).resolve().parents[2]
-TRACES = REPO.parent / "shared" / "data" / "route-traces"
+TRACES = REPO / "bench" / "route-traces"
 
 
 def test_bench_runs_every_system_on_a_tiny_model(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
@@ -166,7 +166,6 @@ def test_bench_refuses_a_missing_model(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "does not exist" in proc.stderr
 
 
-@pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/data/route-traces is not beside the checkout")
 def test_replay_reproduces_the_published_lru_and_belady_curves(tmp_path: Path) -> None:
     out = tmp_path / "replay"
     proc = moeflash(
@@ -212,7 +211,6 @@ def test_replay_reproduces_the_published_lru_and_belady_curves(tmp_path: Path) -
     assert out.with_suffix(".png").stat().st_size > 0
 
 
-@pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/data/route-traces is not beside the checkout")
 def test_default_policy_learns_a_micro_batch_from_its_tokens() -> None:
     # a prompt's micro-batch routes each layer to the union of its tokens' experts; taken as one
     # visit, that union taught the policy that most experts are routed at every visit (Qwen trace,

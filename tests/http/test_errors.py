@@ -1,4 +1,4 @@
-"""Every error status of API.md, reached by a real request, with the OpenAI error body."""
+"""Every error status of docs/api.md, reached by a real request, with the OpenAI error body."""
 
 from __future__ import annotations
 

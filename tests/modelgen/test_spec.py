@@ -63,7 +63,7 @@ def test_real_shapes_match_the_published_models() -> None:
         151936,
         QType.Q4_0,
     )
-    # 48 layers x 8 experts x 3 x 2048 x 768 Q4_0 weights: ~1 GB routed per token (BENCH.md)
+    # 48 layers x 8 experts x 3 x 2048 x 768 Q4_0 weights: ~1 GB routed per token (docs/benchmarks.md)
     assert q.routed_bytes_per_token == 48 * 8 * 3 * 2048 * 768 // 32 * 18
     g = preset("gptoss-120b-shape")
     assert (g.arch, g.n_layer, g.n_embd, g.n_head, g.n_head_kv, g.head_size) == (
@@ -81,7 +81,7 @@ def test_real_shapes_match_the_published_models() -> None:
         201088,
         QType.MXFP4,
     )
-    assert round(g.bytes_per_expert / 1e6, 1) == 13.2  # "13 MB per expert" (BENCH.md)
+    assert round(g.bytes_per_expert / 1e6, 1) == 13.2  # "13 MB per expert" (docs/benchmarks.md)
     assert preset("gptoss-shape") == g
     small = preset("gptoss-20b-shape")
     assert (small.n_layer, small.n_expert) == (24, 32)
@@ -163,7 +163,7 @@ def test_impossible_shapes_are_refused(name: str, changes: dict[str, Any], messa
 
 
 def test_more_bits_layers_follow_llama_cpps_q4_k_m_recipe() -> None:
-    # the Qwen3-30B-A3B Q4_K_M route trace's header (../shared/data/route-traces) gives 3059712
+    # the Qwen3-30B-A3B Q4_K_M route trace's header (bench/route-traces) gives 3059712
     # bytes per expert (Q6_K down) on exactly these layers and 2654208 (Q4_K down) on the others
     qwen_q6_k = [*range(6), *range(8, 42, 3), *range(42, 48)]
     assert [il for il in range(48) if more_bits_layer(il, 48)] == qwen_q6_k
@@ -171,7 +171,7 @@ def test_more_bits_layers_follow_llama_cpps_q4_k_m_recipe() -> None:
 
 
 def test_gemma4_shape_has_the_real_files_expert_bytes() -> None:
-    # the Gemma-4-26B-A4B Q4_K_M route trace's header (../shared/data/route-traces): 4336640 bytes
+    # the Gemma-4-26B-A4B Q4_K_M route trace's header (bench/route-traces): 4336640 bytes
     # per expert (Q4_K gate_up, Q8_0 down) on layers 0-6 and every third from 9 to 27, 3593216
     # (Q5_0 down) on the others: use_more_bits over its 60 ffn_down tensors
     spec = preset("gemma4-26b-shape")
