@@ -288,7 +288,8 @@ def test_hostile_schemas(server: Server, route: str, name: str) -> None:
 def test_a_body_nested_past_any_parser_s_depth_is_a_400(server: Server, route: str) -> None:
     # Python's JSON parser gives up past ~1000 levels: a deep schema can only arrive as text
     deep = "[" * 100_000 + "]" * 100_000
-    text = f'{{"model": "{MODEL}", "messages": {json.dumps(MESSAGES)}, "input": "x", "max_tokens": 4, "deep": {deep}}}'
+    fields = f'"model": "{MODEL}", "messages": {json.dumps(MESSAGES)}, "input": "x", "max_tokens": 4'
+    text = f'{{{fields}, "deep": {deep}}}'
     response = server.client.post(route, content=text, headers={"content-type": "application/json"})
     assert server.proc.poll() is None and response.status_code == 400, response.text[:500]
     assert server.client.get("/health").status_code == 200
@@ -303,7 +304,11 @@ BOUNDS = st.one_of(
     st.sampled_from([100_000, 524_288, 2**40, -1, 1.5, "9", None, True]),
 )
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
     max_leaves=6,
 )
