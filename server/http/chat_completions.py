@@ -2,7 +2,7 @@
 completion, whole or as an SSE stream of chunks.
 
 The checks only this API has (n, media parts, top_logprobs, logit_bias) run here; the rest is
-the one chat path of server/http/serving.py. Streaming follows API.md: a first chunk with the
+the one chat path of server/http/serving.py. Streaming follows docs/api.md: a first chunk with the
 assistant role, one chunk per content / reasoning / tool-call piece, a last chunk with the
 finish_reason, the usage chunk if asked, then [DONE].
 """

@@ -1,4 +1,4 @@
-"""The usage block and the opt-in timings extension of chat and legacy completions (API.md).
+"""The usage block and the opt-in timings extension of chat and legacy completions (docs/api.md).
 
 The timings come from the model's decode steps (server/loading/measured.py): the streamer's
 counters under their C names, in milliseconds here. A resident model streams nothing: its
