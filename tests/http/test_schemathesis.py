@@ -45,8 +45,8 @@ def test_no_generated_request_gets_a_5xx(server: RunningServer) -> None:
                     f"{case.method} {case.path} {case.body!r} -> {response.status_code} {response.text}"
                 )
             elif response.status_code >= 400:
-                # the Anthropic route's envelope also has "type": "error"
-                envelope = {"type", "error"} if case.path == "/v1/messages" else {"error"}
+                # the Anthropic routes' envelope also has "type": "error"
+                envelope = {"type", "error"} if case.path.startswith("/v1/messages") else {"error"}
                 assert set(response.json()) == envelope, response.text
 
         check()
