@@ -47,7 +47,8 @@ ARM_CTEST := tests/c/build/aarch64
 
 setup: $(VENV)/.deps-stamp llama ext $(VENV)/.install-stamp
 
-setup-dev: setup $(VENV)/.dev-stamp $(VENV)/.instructor-stamp tests/js/node_modules/.package-lock.json chromium
+setup-dev: setup $(VENV)/.dev-stamp $(VENV)/.instructor-stamp $(VENV)/.aider-stamp tests/js/node_modules/.package-lock.json \
+	tests/agents/node_modules/.package-lock.json chromium
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +69,22 @@ $(VENV)/.instructor-stamp: pyproject.toml | $(VPY)
 	$(VPY) -m venv $(VENV)/instructor
 	$(VPY) -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml","rb"))["project"]["optional-dependencies"]["client-instructor"]))' > $(VENV)/requirements-instructor.txt
 	$(VENV)/instructor/bin/python -m pip install --quiet -r $(VENV)/requirements-instructor.txt
+	touch $@
+
+# aider, for the agent tests (tests/agents), in an environment of its own: it pins every
+# dependency exactly, and its pins clash with the dev set's
+$(VENV)/.aider-stamp: pyproject.toml | $(VPY)
+	$(VPY) -m venv $(VENV)/aider
+	$(VPY) -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml","rb"))["project"]["optional-dependencies"]["client-aider"]))' > $(VENV)/requirements-aider.txt
+	$(VENV)/aider/bin/python -m pip install --quiet -r $(VENV)/requirements-aider.txt
+	touch $@
+
+# the coding-agent CLIs for the agent tests (tests/agents), as pinned and locked, with the Node.js
+# 22 they need (the npm package `node`). `npm install`, not `npm ci`: the lock cannot list
+# qwen-code's optional clipboard binaries for other platforms, which the registry does not serve,
+# and `npm ci` refuses a lock without them; with the lock in sync, install leaves it unchanged.
+tests/agents/node_modules/.package-lock.json: tests/agents/package.json tests/agents/package-lock.json
+	npm install --prefix tests/agents --no-save --no-audit --no-fund --loglevel=error
 	touch $@
 
 # the openai npm SDK for the JavaScript client tests (tests/js), exactly as locked
@@ -205,7 +222,7 @@ bench-small: setup-dev
 # ROUTE_TRACE=FILE routes every system by a recorded trace (lossy, labelled in the report) and
 # decodes the trace's whole decode; its systems are the prefetch's bounds and the serial lever
 # (overlap off), not the other levers. E.g.
-# BENCH_SHAPE=qwen30b-q4km-k6-shape ROUTE_TRACE=../shared/data/route-traces/qwen.route.csv; the
+# BENCH_SHAPE=qwen30b-q4km-k6-shape ROUTE_TRACE=bench/route-traces/qwen.route.csv; the
 # report is bench/reports/<shape>-<trace name>.*
 BENCH_SHAPE ?= qwen30b-shape
 ROUTE_TRACE ?=
@@ -220,8 +237,8 @@ bench-warm-start: setup-dev
 		--out bench/reports/warm-start-$(BENCH_SHAPE)
 
 replay: setup-dev
-	$(VENV)/bin/moeflash bench --replay ../shared/data/route-traces/qwen.route.csv \
-		../shared/data/route-traces/gemma.route.csv --out bench/reports/trace-replay
+	$(VENV)/bin/moeflash bench --replay bench/route-traces/qwen.route.csv \
+		bench/route-traces/gemma.route.csv --out bench/reports/trace-replay
 
 lint: setup-dev
 	$(VENV)/bin/ruff check server streaming_ext tests
