@@ -171,6 +171,7 @@ def test_tool_arguments_parse(client: openai.OpenAI, server: RunningServer, choi
     tool_choice: Any = (
         {"type": "function", "function": {"name": "submit"}} if choice == "named" else "required"
     )
+    calls = 0
     for seed in SEEDS:
         result = client.chat.completions.create(
             model=server.model_id,
@@ -181,8 +182,13 @@ def test_tool_arguments_parse(client: openai.OpenAI, server: RunningServer, choi
             **sampling(server, seed),
         )
         answer = result.choices[0]
+        # a forced call is a call: only max_tokens may cut it off before it is one
+        assert answer.finish_reason in ("tool_calls", "length"), answer
+        assert answer.message.tool_calls or answer.finish_reason == "length", answer
         for call in answer.message.tool_calls or []:
             check(call.function.arguments, answer.finish_reason)  # type: ignore[union-attr]
+            calls += 1
+    assert calls, "no seed produced a call"
 
 
 def test_tool_choice_auto_arguments_parse(client: openai.OpenAI, server: RunningServer) -> None:
@@ -201,6 +207,8 @@ def test_tool_choice_auto_arguments_parse(client: openai.OpenAI, server: Running
             **params,
         )
         answer = result.choices[0]
+        # pushed into <tool_call>, the grammar makes it a call unless max_tokens cuts it off
+        assert answer.message.tool_calls or answer.finish_reason == "length", answer
         for call in answer.message.tool_calls or []:
             parse_strictly(call.function.arguments)  # type: ignore[union-attr]
 
