@@ -20,18 +20,18 @@ from server.http.responses.protocol import (
     FunctionCallItem,
     FunctionTool,
     InputMedia,
+    LenientModel,
     NamedFunction,
     NamespaceTool,
     ReasoningItem,
     ResponsesRequest,
     TextOptions,
     ToolOutputItem,
-    _Lenient,
 )
 
 logger = logging.getLogger(__name__)
 
-_ToolModel = TypeVar("_ToolModel", bound=_Lenient)
+_ToolModel = TypeVar("_ToolModel", bound=LenientModel)
 
 
 def _text_of(content: str | list[Any], where: str) -> str:

@@ -31,7 +31,7 @@ from server.http.responses.protocol import (
 )
 
 
-def _new_id(prefix: str) -> str:
+def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(16)}"
 
 
@@ -106,7 +106,7 @@ class _Item:
 
 
 @dataclass
-class _Shape:
+class OutputShape:
     """What the response object echoes of the request."""
 
     id: str
@@ -150,7 +150,7 @@ class _Shape:
 
 
 @dataclass
-class _Builder:
+class OutputBuilder:
     """Output pieces -> output items, in order; `feed` says what a stream sends for each step."""
 
     tools: Toolbox
@@ -163,7 +163,7 @@ class _Builder:
             yield from self._close()
             tool = self.tools.origin(piece.name)
             kind = "custom_tool_call" if tool.custom else "function_call"
-            item = _Item(kind, _new_id("ctc" if tool.custom else "fc"), call_id=piece.id, tool=tool)
+            item = _Item(kind, new_id("ctc" if tool.custom else "fc"), call_id=piece.id, tool=tool)
             self.calls[piece.index] = item
             yield from self._open(item)
             return
@@ -181,7 +181,7 @@ class _Builder:
         wanted = "reasoning" if kind == "reasoning" else "message"
         if self.open is None or self.open.kind != wanted:
             yield from self._close()
-            yield from self._open(_Item(wanted, _new_id("rs" if wanted == "reasoning" else "msg")))
+            yield from self._open(_Item(wanted, new_id("rs" if wanted == "reasoning" else "msg")))
         assert self.open is not None
         self.open.text += text
         delta = "response.reasoning_text.delta" if wanted == "reasoning" else "response.output_text.delta"

@@ -12,19 +12,19 @@ Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(ge=0.0, le=1.0)]
 
 
-class _Lenient(BaseModel):
+class LenientModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
 # ---------------------------------------------------------------------- request
 
 
-class InputText(_Lenient):
+class InputText(LenientModel):
     type: Literal["input_text", "output_text", "text", "reasoning_text", "summary_text"]
     text: str
 
 
-class InputMedia(_Lenient):
+class InputMedia(LenientModel):
     """Images, files and audio: accepted by validation so the refusal says it in plain words."""
 
     type: Literal["input_image", "input_file", "input_audio"]
@@ -33,13 +33,13 @@ class InputMedia(_Lenient):
 ContentPart = Annotated[InputText | InputMedia, Field(discriminator="type")]
 
 
-class MessageItem(_Lenient):
+class MessageItem(LenientModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[ContentPart]
 
 
-class FunctionCallItem(_Lenient):
+class FunctionCallItem(LenientModel):
     type: Literal["function_call"]
     call_id: str
     name: str
@@ -47,7 +47,7 @@ class FunctionCallItem(_Lenient):
     arguments: str
 
 
-class CustomToolCallItem(_Lenient):
+class CustomToolCallItem(LenientModel):
     type: Literal["custom_tool_call"]
     call_id: str
     name: str
@@ -55,13 +55,13 @@ class CustomToolCallItem(_Lenient):
     input: str
 
 
-class ToolOutputItem(_Lenient):
+class ToolOutputItem(LenientModel):
     type: Literal["function_call_output", "custom_tool_call_output"]
     call_id: str
     output: str | list[ContentPart]
 
 
-class ReasoningItem(_Lenient):
+class ReasoningItem(LenientModel):
     type: Literal["reasoning"]
     summary: list[InputText] = Field(default_factory=list)
     content: list[InputText] | None = None
@@ -87,7 +87,7 @@ InputItem = Annotated[
 ToolName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")]
 
 
-class FunctionTool(_Lenient):
+class FunctionTool(LenientModel):
     type: Literal["function"]
     name: ToolName
     description: str | None = None
@@ -95,7 +95,7 @@ class FunctionTool(_Lenient):
     strict: bool | None = None
 
 
-class CustomTool(_Lenient):
+class CustomTool(LenientModel):
     """A freeform tool: its input is text, optionally in a grammar's language."""
 
     type: Literal["custom"]
@@ -104,7 +104,7 @@ class CustomTool(_Lenient):
     format: dict[str, Any] | None = None  # {"type": "text"} or {"type": "grammar", "syntax", "definition"}
 
 
-class NamespaceTool(_Lenient):
+class NamespaceTool(LenientModel):
     """Function and custom tools grouped under one name (Codex's MCP servers and sub-agents)."""
 
     type: Literal["namespace"]
@@ -113,7 +113,7 @@ class NamespaceTool(_Lenient):
     tools: list[Any] = Field(max_length=128)
 
 
-class NamedFunction(_Lenient):
+class NamedFunction(LenientModel):
     """tool_choice forcing one function or custom tool; a namespaced one by its namespace and
     name, or by its name alone when no other offered tool has that name."""
 
@@ -122,18 +122,18 @@ class NamedFunction(_Lenient):
     namespace: str | None = None
 
 
-class TextFormat(_Lenient):
+class TextFormat(LenientModel):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = Field(None, max_length=64)
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class TextOptions(_Lenient):
+class TextOptions(LenientModel):
     format: TextFormat | None = None
 
 
-class ReasoningOptions(_Lenient):
+class ReasoningOptions(LenientModel):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: str | None = None
 

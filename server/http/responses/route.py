@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from server.engine.token_loop import GenerationStats
 from server.http.errors import describe
 from server.http.responses.mapping import Toolbox, to_chat_request
-from server.http.responses.output import _Builder, _new_id, _Shape
+from server.http.responses.output import OutputBuilder, OutputShape, new_id
 from server.http.responses.protocol import ResponsesRequest, ResponseStatus
 from server.http.serving import Pieces, Plan, ServeContext, collect, finish_reason, prepare_chat, streamed
 from server.http.sse import named_event, sse_response
@@ -29,12 +29,12 @@ async def create_response(ctx: ServeContext, body: ResponsesRequest, request: Re
     tools = Toolbox.of(body.tools, ctx.warned_fields)
     chat = to_chat_request(body, tools, ctx.settings.max_completion_tokens)
     plan = await prepare_chat(ctx, chat, model_id=body.model)
-    shape = _Shape(_new_id("resp"), plan.created, body)
+    shape = OutputShape(new_id("resp"), plan.created, body)
     if body.stream:
         shutdown = anyio.Event()
         return sse_response(_stream(ctx, plan, shape, tools, shutdown), ctx.settings.keepalive_s, shutdown)
     pieces, _, finished = await collect(ctx, plan, request)
-    builder = _Builder(tools)
+    builder = OutputBuilder(tools)
     for piece in pieces:
         for _ in builder.feed(piece):
             pass
@@ -44,7 +44,7 @@ async def create_response(ctx: ServeContext, body: ResponsesRequest, request: Re
 
 
 async def _stream(
-    ctx: ServeContext, plan: Plan, shape: _Shape, tools: Toolbox, shutdown: anyio.Event
+    ctx: ServeContext, plan: Plan, shape: OutputShape, tools: Toolbox, shutdown: anyio.Event
 ) -> AsyncIterator[ServerSentEvent]:
     sequence = 0
 
@@ -55,7 +55,7 @@ async def _stream(
 
     yield sse("response.created", {"response": shape.response("in_progress", [], None)})
     yield sse("response.in_progress", {"response": shape.response("in_progress", [], None)})
-    builder = _Builder(tools)
+    builder = OutputBuilder(tools)
     try:
         async for item in streamed(ctx, plan, shutdown):
             if isinstance(item, Pieces):
