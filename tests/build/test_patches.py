@@ -7,6 +7,10 @@
      use_extra_bufts and load_mode reach llama.cpp, and survive context re-creation.
 0004 llama_get_context_bytes: a context's KV cache, compute and output buffers, as llama.cpp
      allocated them (they grow with the context and the micro-batch as llama.cpp sizes them).
+0005 llama-cpp-python's JSON grammars keep control characters and lone surrogates out of
+     strings: tests/http/test_structured_output.py, whose strict parsers refuse them.
+0006 llama-cpp-python's converter writes bounded repetitions flat (x{m,n}), not as one nested
+     group per repetition, which overflowed llama.cpp's parser's stack.
 """
 
 from __future__ import annotations
@@ -184,3 +188,15 @@ def test_0004_context_bytes_follow_the_context_and_the_micro_batch(qwen: Path) -
     assert long_ctx.memory == 8 * small.memory > 0
     assert long_ctx.compute > small.compute > 0 and big_batch.compute > small.compute
     assert small.output >= n_vocab * 4
+
+
+def test_0006_bounded_repetitions_are_written_flat() -> None:
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    from server.engine.grammars import grammar_cost
+
+    strings = str(json_schema_to_gbnf('{"type": "string", "minLength": 2, "maxLength": 1500}'))
+    arrays = str(json_schema_to_gbnf('{"type": "array", "items": {"type": "integer"}, "maxItems": 1500}'))
+    assert "char{2,1500}" in strings and '("," space integer){0,1499}' in arrays
+    # the unpatched converter nested 1500 groups here
+    assert grammar_cost(strings)[0] <= 2 and grammar_cost(arrays)[0] <= 2
