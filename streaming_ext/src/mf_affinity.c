@@ -1,4 +1,4 @@
-// Routing affinity between visits of a layer, for the LAYER cache policy (mf_cache.c).
+// Routing affinity between visits of a layer, for the LAYER cache policy (mf_reuse.c).
 //
 // A router's choices move between related experts from one token to the next. For each layer
 // this learns, online, two affinities and turns them into lifts (how much likelier than usual an

@@ -1,13 +1,18 @@
 // Internal structures of libmoeflash_stream, shared by its source files.
 //
 // Units, each calling only the ones listed after it (no circles):
-//   mf_streamer.c  the API: life cycle, routing callback, ready hook, counters
+//   mf_warm.c      between requests: preload, a cold cache, the hot set and warm start
+//   mf_streamer.c  the API's life cycle: new/free, budget, buffer types, errors, counters
+//   mf_build.c     after the load: layers, expert memory, cache, routing and prediction scratch
+//   mf_callback.c  the graph's callbacks: the eval callback (routing) and the ready hook
+//   mf_prefetch.c  the next layer's prefetch and its gate
 //   mf_route.c     route traces: replayed and recorded routing (beside the streamer: calls none of it)
 //   mf_buft.c      the three buffer types; registers expert tensors while the model loads
 //   mf_lanes.c     reader lanes and the memory of slices: carries out a route's loads and evictions
 //   mf_predict.c   the next layer's experts, from its router
 //   mf_history.c   the next layer's experts, from past routing
-//   mf_cache.c     the cache policy (mf_affinity.c: its routing affinity model)
+//   mf_cache.c     the cache policy's bookkeeping (mf_reuse.c: the LAYER policy's reuse model;
+//                  mf_affinity.c: its routing affinity model)
 //   mf_frames.c    the arena of frames that resident entries live in
 //   mf_error.c     the streamer's error record
 //   mf_index.c     the GGUF index
@@ -164,8 +169,29 @@ void mf_affinity_free(mf_affinity * a);  // also after a failed init
 // forget half of the layer's evidence first
 void mf_affinity_route(mf_affinity * a, int32_t layer, const uint8_t * want, int32_t k_prior, bool halve);
 
-// ---------------------------------------------------------------- cache policy (mf_cache.c)
-// per layer, for the recent routing rates of its entries (see mf_cache.c)
+// ---------------------------------------------------------------- cache policy (mf_cache.c, mf_reuse.c)
+// ages (visits since the last route) below MF_AGE_EXACT are told apart, older ones share one
+// bucket per doubling (the reuse chance changes fast at first, slowly later), up to MF_AGE_CAP
+#define MF_AGE_EXACT 16
+#define MF_AGE_CAP 32
+// one more bucket for entries never routed
+#define MF_AGE_NEVER MF_AGE_CAP
+#define MF_AGES (MF_AGE_CAP + 1)
+// frequency classes: floor(log2(1 + uses)), the last one open-ended
+#define MF_CLASSES 8
+// half-life, in visits of the entry's layer, of the recent routing rate used beyond the next
+// visit: long enough to average a few reuses of a frequent expert, short enough to follow what
+// it does now (docs/streamer.md)
+#define MF_RECENT_HALF_LIFE 16.0f
+// the heaviest prior on the recent rates, in visits: a layer whose experts look alike gets this
+// (far more than the n_eff of 23 visits a half-life of 16 gives: the mean then decides)
+#define MF_RATE_PRIOR_MAX 1e6f
+// cells of the reuse model: (age bucket, frequency class, lift class)
+#define MF_CELLS (MF_AGES * MF_CLASSES * MF_LIFTS)
+// memory of the reuse model, in visits of a layer (about that many tokens)
+#define MF_WINDOW 256u
+
+// per layer, for the recent routing rates of its entries (see mf_reuse.c)
 typedef struct mf_rates {
     float norm;      // visits, decayed like the entries' route counts (count / norm: a rate)
     float norm2;     // the sum of the squared decay weights (norm^2 / norm2: effective visits)
@@ -188,7 +214,7 @@ struct mf_cache {
     uint64_t   clock;
     int32_t    pinned_layer;  // the running layer; its routed entries cannot be evicted
     uint8_t *  pinned;        // [n_expert]
-    // LAYER policy: a reuse model learned online (see mf_cache.c)
+    // LAYER policy: a reuse model learned online (see mf_reuse.c)
     uint32_t * visits;        // [n_layer] routes of the layer so far
     uint32_t * last_visit;    // [n_layer * n_expert] the layer's visit that last routed it, 0: never
     uint32_t * uses;          // [n_layer * n_expert] routes that picked it (halved every window)
@@ -239,6 +265,13 @@ int32_t mf_cache_admit_free(mf_cache * c, int32_t layer, const uint8_t * want, c
 // count of routes, into uses when not NULL), then most recently used, then file order; up to max
 // into out. Returns how many are resident, or -ENOMEM
 int32_t mf_cache_hot_set(const mf_cache * c, int32_t * out, uint32_t * uses, int32_t max);
+
+// the reuse model (mf_reuse.c), LAYER policy only; the cache's thread
+// one token's routing of `layer` (want: its routed set) as evidence: a visit of the layer
+void mf_reuse_learn_token(mf_cache * c, int32_t layer, const uint8_t * want);
+// scores every resident entry (c->score: keep value per byte, FLT_MAX for the pinned ones, which
+// can't be victims), counting distances from layer cur
+void mf_reuse_score(mf_cache * c, int32_t cur);
 
 // ---------------------------------------------------------------- expert tensors (mf_buft.c)
 enum mf_slice_state { MF_SLICE_ABSENT = 0, MF_SLICE_LOADING = 1, MF_SLICE_READY = 2, MF_SLICE_FAILED = 3 };
@@ -349,7 +382,7 @@ struct mf_streamer {
     uint8_t *                   want_next;    // [n_expert] the prediction
     uint8_t *                   pf_mark;      // [n_expert] experts prefetched for layer pf_layer
     int32_t                     pf_layer;
-    // the prefetch gate (mf_streamer.c, prefetch_next): per layer, decayed counts of predicted
+    // the prefetch gate (mf_prefetch.c, mf_prefetch_next): per layer, decayed counts of predicted
     // experts that were not resident when predicted, and of those the layer then routed
     float *                     pf_guessed;   // [n_layers]
     float *                     pf_routed;    // [n_layers]
@@ -444,3 +477,23 @@ void     mf_lanes_apply_evictions(mf_streamer * s);   // the cache's last evicti
 // lanes. On failure (-ENOMEM: no queue; -ENOSPC: no frame) the loads that were not queued are
 // forgotten by the cache, so nothing looks resident that is not
 int      mf_lanes_queue_route(mf_streamer * s, int32_t il, bool demand);
+
+// ---------------------------------------------------------------- after the load (mf_build.c)
+// frees the layers' records (their frame tables); mf_streamer_check_loaded builds them
+void mf_build_free_layers(mf_streamer * s);
+
+// ---------------------------------------------------------------- the graph's callbacks (mf_callback.c)
+// hold_all: once every expert is READY, turns routing off (the eval callback asks for no node).
+// Decode thread, no graph running or from the eval callback
+void         mf_callback_stop_if_all_resident(mf_streamer * s);
+// the mul_mat_id ready hook (ggml_cpu_set_mul_mat_id_ready_hook): where slice `expert` of src0
+// is once READY, NULL to skip it. Every compute thread; stateless (src0's buffer names the streamer)
+const void * mf_callback_ready_hook(const struct ggml_tensor * src0, int64_t expert, void * user_data);
+
+// ---------------------------------------------------------------- prefetch and its gate (mf_prefetch.c)
+// layer il routes (its tokens' ids in route_ids, k a row, rows rows): scores the prediction made
+// for it. Decode thread
+void mf_prefetch_score(mf_streamer * s, int32_t il, int64_t rows, int64_t k);
+// predicts layer il + 1's experts from layer il's routing (ids) and, when its gate is open,
+// queues their reads behind layer il's. Decode thread
+void mf_prefetch_next(mf_streamer * s, int32_t il, const struct ggml_tensor * ids);

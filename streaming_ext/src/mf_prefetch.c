@@ -1,0 +1,126 @@
+// Prefetch: reading layer il + 1's predicted experts behind layer il's own reads, and the gate
+// that decides whether a layer's predictions are worth reading.
+//
+// The routing callback (mf_callback.c) scores the last prediction against each route
+// (mf_prefetch_score), then predicts the next layer (mf_predict.c, mf_history.c, or a predictor
+// set with mf_streamer_set_predictor) and queues the admitted reads to the lanes as prefetches
+// (mf_prefetch_next). A wrong guess costs a read and a frame, never a wrong result. Decode thread
+// only. See docs/streamer.md, "Prefetch".
+#include "mf_internal.h"
+
+#include <math.h>
+#include <string.h>
+
+// The prefetch gate. A prefetched expert that its layer then routes was read early (its wait
+// hidden behind compute); one it does not route was read for nothing (its bytes added to the
+// token, its frame taken from the cache). With the disk the bound, reading pays only while more
+// of a layer's guesses are routed than not. So every prediction is scored, read or not: of the
+// experts it names that are not resident, how many the layer routes, each token's guesses against
+// that token's own routing (a prompt's union routes most experts: against it even random guesses
+// would look right). A layer whose recent guesses (counts decayed with a half-life of
+// MF_GATE_HALF_LIFE of its routes) were routed less than half the time is predicted but not read,
+// until they are again. A layer with too few scored guesses of its own is judged by all layers'
+// (a prompt visits each layer once: its first guesses would otherwise all be read unjudged); with
+// none anywhere it is open. The model's router guessing a replayed trace's routing (2% routed) is
+// closed after the first scored layer; guessing its own routing, it stays open.
+#define MF_GATE_HALF_LIFE 16.0f
+#define MF_GATE_EVIDENCE  8.0f  // decayed guesses before the gate judges
+
+static bool gate_open(const mf_streamer * s, int32_t layer) {
+    float guessed = s->pf_guessed[layer], routed = s->pf_routed[layer];
+    if (guessed < MF_GATE_EVIDENCE) {
+        guessed = routed = 0.0f;
+        for (int32_t l = 0; l < s->n_layers; l++) {
+            guessed += s->pf_guessed[l];
+            routed += s->pf_routed[l];
+        }
+    }
+    return guessed < MF_GATE_EVIDENCE || 2.0f * routed >= guessed;
+}
+
+static bool routes(const int32_t * ids, int64_t k, int32_t e) {
+    for (int64_t i = 0; i < k; i++) {
+        if (ids[i] == e) {
+            return true;
+        }
+    }
+    return false;
+}
+
+// layer il routes (its tokens' ids in route_ids, k a row): score the prediction made for it
+void mf_prefetch_score(mf_streamer * s, int32_t il, int64_t rows, int64_t k) {
+    if (s->pf_cand_layer != il) {
+        return;
+    }
+    int32_t guessed = 0, routed = 0;
+    if (s->pf_rows_n > 0) {
+        for (int64_t r = 0; r < s->pf_rows_n && r < rows; r++) {
+            for (int64_t m = 0; m < s->pf_k; m++) {
+                const int32_t e    = s->pf_rows[r * s->pf_k + m];
+                const bool    cand = e >= 0 && s->pf_cand[e];
+                guessed += cand;
+                routed += cand && routes(s->route_ids + r * k, k, e);
+            }
+        }
+    } else {  // a predictor of the union (the trace oracle): against the union
+        for (int32_t e = 0; e < s->n_expert; e++) {
+            guessed += s->pf_cand[e];
+            routed += s->pf_cand[e] && s->want[e];
+        }
+    }
+    const float decay = exp2f(-1.0f / MF_GATE_HALF_LIFE);
+    s->pf_guessed[il] = s->pf_guessed[il] * decay + (float) guessed;
+    s->pf_routed[il]  = s->pf_routed[il] * decay + (float) routed;
+    s->pf_cand_layer  = -1;
+}
+
+// reads layer il + 1's predicted experts behind layer il's own reads (see mf_predict.c); a route
+// that cannot be predicted or admitted, or whose layer's gate is closed, is not prefetched
+void mf_prefetch_next(mf_streamer * s, int32_t il, const struct ggml_tensor * ids) {
+    // with the next layer all cached (a budget that holds the model) the prediction's router
+    // matmul would be the whole of a cached token's cache time, for nothing
+    if (mf_cache_layer_resident(s->cache, il + 1)) {
+        return;
+    }
+    if (il + 1 >= s->n_layers || s->layers[il + 1].n_xt == 0) {
+        return;
+    }
+    int32_t n;
+    s->pf_rows_n = 0;
+    if (s->predictor) {
+        memset(s->want_next, 0, (size_t) s->n_expert);
+        n = s->predictor(s->predictor_data, il + 1, s->want_next);
+    } else if (s->cfg.prefetch == MF_PREFETCH_HISTORY) {
+        n = mf_history_predict(s, il, ids, s->want_next);
+    } else {
+        n = mf_predict_next(s, il, ids, s->want_next);
+    }
+    if (n <= 0) {
+        return;
+    }
+    int32_t fresh = 0;
+    for (int32_t e = 0; e < s->n_expert; e++) {
+        s->pf_cand[e] = s->want_next[e] && !mf_cache_is_resident(s->cache, il + 1, e);
+        fresh += s->pf_cand[e];
+    }
+    s->pf_cand_layer = fresh > 0 ? il + 1 : -1;
+    if (fresh == 0 || !gate_open(s, il + 1) || mf_cache_prefetch(s->cache, il + 1, s->want_next) < 0) {
+        return;
+    }
+    if (s->cache->n_load == 0 && s->cache->n_evict == 0) {
+        return;
+    }
+    // a prefetch that cannot be queued is not an error: the lanes forgot what they did not queue
+    (void) mf_lanes_queue_route(s, il + 1, false);
+    memset(s->pf_mark, 0, (size_t) s->n_expert);
+    for (int32_t i = 0; i < s->cache->n_load; i++) {
+        s->pf_mark[s->cache->load[i]] = 1;
+    }
+    s->pf_layer = il + 1;
+    ADD(s->st.prefetched, s->cache->n_load);
+}
+
+void mf_streamer_set_predictor(mf_streamer * s, mf_predictor fn, void * user_data) {
+    s->predictor      = fn;
+    s->predictor_data = fn ? user_data : NULL;
+}
