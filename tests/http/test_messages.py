@@ -609,6 +609,26 @@ def test_mapping_onto_chat_messages() -> None:
     assert chat.tools == (ChatTool("get_time", TIME_TOOL["description"], TIME_TOOL["input_schema"]),)
 
 
+def test_a_mid_conversation_system_message_is_served(
+    client: anthropic.Anthropic, server: RunningServer
+) -> None:
+    # Claude Code sends one after the first user turn, as Anthropic's API now allows
+    messages: Any = [
+        {"role": "user", "content": "q"},
+        {"role": "system", "content": [{"type": "text", "text": "be brief"}, {"type": "text", "text": "!"}]},
+    ]
+    chat = to_chat_request(
+        MessagesRequest.model_validate({"model": "m", "max_tokens": 4, "messages": messages})
+    )
+    assert chat.messages == (ChatMessage("user", "q"), ChatMessage("system", "be brief!"))
+    answer = client.messages.create(model=server.model_id, max_tokens=4, messages=messages)
+    assert answer.type == "message" and answer.usage.input_tokens > 0
+    tool_use = {"type": "tool_use", "id": "toolu_9", "name": "get_time", "input": {}}
+    bad: Any = [{"role": "user", "content": "q"}, {"role": "system", "content": [tool_use]}]
+    with pytest.raises(anthropic.BadRequestError, match="cannot be in a system turn"):
+        client.messages.create(model=server.model_id, max_tokens=4, messages=bad)
+
+
 # ---------------------------------------------------------------------- count_tokens
 
 

@@ -94,6 +94,19 @@ def _user_turn(blocks: list[InputBlock], i: int) -> list[ChatMessage]:
     return results
 
 
+def _system_turn(blocks: list[InputBlock], i: int) -> ChatMessage:
+    texts: list[str] = []
+    for j, block in enumerate(blocks):
+        param = f"messages.{i}.content.{j}"
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, MediaBlock):
+            raise _text_only(param, block.type)
+        else:
+            raise _misplaced(param, block.type, "system")
+    return ChatMessage("system", "".join(texts))
+
+
 def _assistant_turn(blocks: list[InputBlock], i: int) -> ChatMessage:
     texts: list[str] = []
     calls: list[ToolCall] = []
@@ -165,6 +178,8 @@ def to_chat_request(body: MessagesRequest | CountTokensRequest) -> ChatRequest:
             messages.append(ChatMessage(message.role, message.content))
         elif message.role == "user":
             messages.extend(_user_turn(message.content, i))
+        elif message.role == "system":
+            messages.append(_system_turn(message.content, i))
         else:
             messages.append(_assistant_turn(message.content, i))
     if isinstance(body, MessagesRequest):

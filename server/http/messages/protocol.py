@@ -70,7 +70,8 @@ InputBlock = Annotated[
 
 
 class InputMessage(_Block):
-    role: Literal["user", "assistant"]
+    # "system": a mid-conversation system message (after a user turn), which Claude Code sends
+    role: Literal["user", "assistant", "system"]
     content: str | list[InputBlock]
 
 
