@@ -136,7 +136,7 @@ def running_server(
 
 @contextlib.contextmanager
 def serve_process(
-    model: Path, *extra: str, log_level: str | None = None
+    model: Path, *extra: str, log_level: str | None = None, env: dict[str, str] | None = None
 ) -> Iterator[tuple[subprocess.Popen[str], int]]:
     """`moeflash serve --model MODEL EXTRA...` as a user runs it, in a process of its own (a crash
     ends that process, never the suite), once /health answers 200; killed when done. Its output
@@ -155,7 +155,7 @@ def serve_process(
         str(port),
         *extra,
     ]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
 
         def ready() -> bool:

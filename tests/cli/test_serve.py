@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.servers import free_port, running_server, serve_process, wait_for
+from tests.servers import running_server, serve_process, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "docs" / "examples.md"
@@ -184,29 +184,13 @@ def test_environment_variables_configure_serve(tiny_model: Any, tmp_path: Path) 
     key_file = tmp_path / "key"
     key_file.write_text("from-file\n")
     env = {**os.environ, "MOEFLASH_API_KEY_FILE": str(key_file), "MOEFLASH_CTX_SIZE": "1280"}
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "server.cli",
-        "serve",
-        "--model",
-        str(tiny_model("tiny-qwen3moe")),
-        "--port",
-        str(port),
-    ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for(lambda: _health(port), "the server to be ready")
+    with serve_process(tiny_model("tiny-qwen3moe"), env=env) as (_, port):
         refused = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10)
         assert refused.status_code == 401
         models = httpx.get(
             f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": "Bearer from-file"}, timeout=10
         )
         assert models.json()["data"][0]["context_length"] == 1280
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=60)
 
 
 def _eog_tokens(model: Path) -> list[int]:
@@ -218,10 +202,3 @@ def _eog_tokens(model: Path) -> list[int]:
         return [t for t in range(llama.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)]
     finally:
         llama.close()
-
-
-def _health(port: int) -> bool:
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-    except httpx.TransportError:
-        return False
