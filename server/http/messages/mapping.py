@@ -174,6 +174,12 @@ def to_chat_request(body: MessagesRequest | CountTokensRequest) -> ChatRequest:
     elif isinstance(body.system, list) and body.system:
         messages.append(ChatMessage("system", "".join(block.text for block in body.system)))
     for i, message in enumerate(body.messages):
+        if message.role == "system" and i == 0:
+            # the top-level field holds the opening system prompt; a system turn only follows others
+            raise InvalidRequest(
+                "a conversation cannot open with a system message: put it in the top-level 'system' field",
+                param="messages.0.role",
+            )
         if isinstance(message.content, str):
             messages.append(ChatMessage(message.role, message.content))
         elif message.role == "user":
