@@ -7,6 +7,8 @@ MoeflashError
  ├── ModelLoadError         a model file could not be loaded (missing, truncated, unsupported)
  ├── ContextLengthExceeded  a prompt does not fit the context window
  ├── ExpertReadError        reading expert weights from flash failed during a request
+ ├── PullError              a model could not be pulled from the Hub (no such repository or
+ │                          quant, a checksum that does not match, not a GGUF, network)
  └── RequestError           an HTTP request refused before or while it is served
       ├── InvalidRequest        bad input (validation, template, grammar, n > 1, ...)
       ├── AuthenticationFailed  missing or wrong API key
@@ -55,6 +57,10 @@ class ContextLengthExceeded(MoeflashError):
 
 class ExpertReadError(MoeflashError):
     """Reading expert weights from storage failed."""
+
+
+class PullError(MoeflashError):
+    """A model could not be pulled from the Hugging Face Hub, or removed from local storage."""
 
 
 class RequestError(MoeflashError):

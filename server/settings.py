@@ -325,6 +325,32 @@ class RouteTraceSettings(BaseSettings):
             raise _invalid(exc) from exc
 
 
+class StoreSettings(BaseSettings):
+    """Where `pull` puts models and `list` and `rm` find them (server/hub)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    models_dir: Path | None = Field(
+        None,
+        description="a directory of GGUF models (default: the Hugging Face cache, HF_HUB_CACHE, "
+        "as huggingface_hub lays it out)",
+    )
+
+    @field_validator("models_dir")
+    @classmethod
+    def _expand_home(cls, value: Path | None) -> Path | None:
+        return value.expanduser() if value is not None else None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> StoreSettings:
+        """The flags a command line gave, over the environment."""
+        given = {name: value for name in cls.model_fields if (value := getattr(args, name, None)) is not None}
+        try:
+            return cls(**given)
+        except ValidationError as exc:
+            raise _invalid(exc) from exc
+
+
 S = TypeVar("S", bound=BaseSettings)
 
 SETTINGS_CLASSES: tuple[type[BaseSettings], ...] = (ServerSettings, ModelSettings)
@@ -378,7 +404,8 @@ def add_arguments(
     tables = " and ".join(
         f"[{cls.__name__.removesuffix('Settings').lower()}]" for cls in classes if cls in SETTINGS_CLASSES
     )
-    parser.add_argument("--config", type=Path, default=None, help=f"TOML file with {tables}")
+    if tables:  # only the server's and the model's settings are read from a TOML file
+        parser.add_argument("--config", type=Path, default=None, help=f"TOML file with {tables}")
     for cls in classes:
         group = parser.add_argument_group(cls.__name__.removesuffix("Settings").lower())
         for name, field in cls.model_fields.items():

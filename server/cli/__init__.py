@@ -37,7 +37,7 @@ def tame_openmp_spin(environ: MutableMapping[str, str]) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full parser; each subcommand module adds itself through `register(subparsers)`."""
-    from server.cli import bench, generate, make_model, serve
+    from server.cli import bench, generate, make_model, models, serve
 
     parser = argparse.ArgumentParser(
         prog="moeflash",
@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.register(subparsers)
     generate.register(subparsers)
     bench.register(subparsers)
+    models.register(subparsers)
     return parser
 
 

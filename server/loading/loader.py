@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from server import __version__
 from server.errors import ConfigError, ModelLoadError
-from server.loading.model_files import split_files
+from server.loading.model_files import model_stem, split_files
 from server.settings import ModelSettings, RouteTraceSettings
 
 if TYPE_CHECKING:
@@ -95,11 +95,7 @@ class LoadedModel:
 
 def _model_names(settings: ModelSettings, path: Path) -> tuple[str, ...]:
     """The id (the first alias, else the file stem without a split suffix), then the other names."""
-    name = path.name.removesuffix(".gguf")
-    marker = name.rfind("-of-")
-    if marker > 6 and name[marker - 6] == "-":
-        name = name[: marker - 6]
-    return tuple(dict.fromkeys([*settings.model_aliases, name]))
+    return tuple(dict.fromkeys([*settings.model_aliases, model_stem(path)]))
 
 
 def _fingerprint(path: Path, size: int) -> str:

@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import re
+from pathlib import Path, PurePath
+
+# the part suffix gguf-split and llama.cpp give a split set's files: x-00001-of-00003.gguf
+_SPLIT = re.compile(r"^(?P<prefix>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def split_part(name: str) -> tuple[str, int, int] | None:
+    """(prefix, index, count) of a split set's file name, None for any other name."""
+    found = _SPLIT.match(name)
+    if found is None:
+        return None
+    return found["prefix"], int(found["index"]), int(found["count"])
 
 
 def split_files(path: Path) -> list[Path]:
     """All files of a model: `x-00001-of-00003.gguf` expands to its three parts."""
-    stem = path.name
-    marker = stem.rfind("-of-")
-    if stem.endswith(".gguf") and marker > 6 and stem[marker - 6] == "-":
-        try:
-            count = int(stem[marker + 4 : -5])
-        except ValueError:
-            return [path]
-        prefix = stem[: marker - 6]
-        return [path.with_name(f"{prefix}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
-    return [path]
+    part = split_part(path.name)
+    if part is None:
+        return [path]
+    prefix, _, count = part
+    return [path.with_name(f"{prefix}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def model_stem(path: PurePath) -> str:
+    """The name a model goes by: its file stem, without a split set's part suffix."""
+    part = split_part(path.name)
+    return part[0] if part is not None else path.name.removesuffix(".gguf")
