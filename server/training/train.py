@@ -1,0 +1,226 @@
+"""Train the qwen3moe model on the corpus, on the CPU, resumably.
+
+A run lives in one directory (outside git, e.g. /work/train-runs/moe-v1):
+  run.json        the run's config and seed, written once; a resume reads it back
+  corpus/         train.txt, heldout.txt, manifest.json (server/training/corpus.py)
+  tokenizer.json  the trained tokenizer; train.bin, heldout.bin: token ids (uint16)
+  ckpt.pt         the latest checkpoint (model, optimizer, step), replaced atomically
+  loss.csv        step, tokens, train loss, balance loss, lr, training seconds, held-out loss
+
+Batches depend only on (seed, step), and the checkpoint holds everything else the next step
+needs, so a run killed at any point and resumed gives the same weights as one never stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from server.training import corpus, tokenizer
+from server.training.model import Config, MoeLM
+
+logger = logging.getLogger(__name__)
+
+LOSS_COLUMNS = ("step", "tokens", "loss", "balance", "lr", "seconds", "heldout_loss")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    model: Config
+    seed: int = 0
+    batch: int = 16
+    seq: int = 256
+    steps: int = 6000  # the cosine schedule's length; a run may stop earlier and resume
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 200
+    weight_decay: float = 0.1
+    balance_coef: float = 0.01
+    checkpoint_every: int = 25
+    eval_every: int = 250
+    eval_batches: int = 8
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> RunConfig:
+        return RunConfig(**{**d, "model": Config(**d["model"])})
+
+
+# a tiny configuration for the tests: trains in seconds
+TINY = RunConfig(
+    model=Config(n_vocab=384, n_embd=64, n_layer=2, n_head=2, n_head_kv=1, head_dim=32, n_expert=8,
+                 n_expert_used=2, n_ff_exp=32, n_ctx=128),
+    batch=4, seq=64, steps=30, warmup=5, checkpoint_every=10, eval_every=10, eval_batches=2,
+)  # fmt: skip
+
+
+def lr_at(rc: RunConfig, step: int) -> float:
+    if step < rc.warmup:
+        return rc.lr * (step + 1) / rc.warmup
+    t = min(1.0, (step - rc.warmup) / max(1, rc.steps - rc.warmup))
+    return rc.lr * (rc.min_lr_ratio + (1 - rc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def prepare(run_dir: Path, rc: RunConfig, corpus_dir: Path | None = None) -> None:
+    """Corpus, tokenizer and token files for a new run (skipped when already there)."""
+    cdir = corpus_dir or run_dir / "corpus"
+    if not (cdir / "train.txt").exists():
+        corpus.build(cdir)
+    if not (run_dir / "tokenizer.json").exists():
+        docs = (cdir / "train.txt").read_text(encoding="utf-8").split(corpus.DOC_SEPARATOR)
+        tok = tokenizer.train(docs, rc.model.n_vocab)
+        tok.save(str(run_dir / "tokenizer.json"))
+    tok = tokenizer.load(run_dir / "tokenizer.json")
+    eos = tok.token_to_id(corpus.DOC_SEPARATOR)
+    if eos is None:
+        raise ValueError(f"the tokenizer has no {corpus.DOC_SEPARATOR} token")
+    for split in ("train", "heldout"):
+        out = run_dir / f"{split}.bin"
+        if out.exists():
+            continue
+        docs = (cdir / f"{split}.txt").read_text(encoding="utf-8").split(corpus.DOC_SEPARATOR)
+        ids: list[int] = []
+        for enc in tok.encode_batch(docs):
+            ids.extend(enc.ids)
+            ids.append(eos)
+        np.asarray(ids, dtype=np.uint16).tofile(out)
+
+
+def batch_at(tokens: np.ndarray, rc: RunConfig, step: int, stream: int = 0) -> torch.Tensor:
+    """(batch, seq + 1) windows at random offsets drawn from (seed, stream, step) alone."""
+    rng = np.random.default_rng([rc.seed, stream, step])
+    starts = rng.integers(0, len(tokens) - rc.seq - 1, size=rc.batch)
+    return torch.from_numpy(np.stack([tokens[s : s + rc.seq + 1] for s in starts]).astype(np.int64))
+
+
+def lm_loss(model: MoeLM, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logits, balance = model(ids[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    return loss, balance
+
+
+@torch.no_grad()
+def heldout_loss(model: MoeLM, heldout: np.ndarray, rc: RunConfig) -> float:
+    model.eval()
+    losses = [lm_loss(model, batch_at(heldout, rc, i, stream=1))[0].item() for i in range(rc.eval_batches)]
+    model.train()
+    return float(np.mean(losses))
+
+
+def new_model(rc: RunConfig) -> MoeLM:
+    model = MoeLM(rc.model)
+    model.init_weights(torch.Generator().manual_seed(rc.seed))
+    return model
+
+
+def make_optimizer(model: MoeLM, rc: RunConfig) -> torch.optim.AdamW:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": rc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=rc.lr, betas=(0.9, 0.95))
+
+
+def save_checkpoint(path: Path, model: MoeLM, opt: torch.optim.Optimizer, step: int, seconds: float) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "seconds": seconds}
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_model(run_dir: Path) -> tuple[MoeLM, RunConfig, int]:
+    """The latest checkpoint's model (eval mode), the run's config and the step it reached."""
+    rc = RunConfig.from_json(json.loads((run_dir / "run.json").read_text()))
+    model = MoeLM(rc.model)
+    ckpt = torch.load(run_dir / "ckpt.pt", weights_only=True)
+    model.load_state_dict(ckpt["model"])
+    model.eval()
+    return model, rc, int(ckpt["step"])
+
+
+def _trim_log(path: Path, step: int) -> None:
+    """Drop loss.csv rows past `step` (written after the checkpoint a resume starts from)."""
+    if not path.exists():
+        return
+    with path.open() as f:
+        rows = [r for r in csv.reader(f)]
+    kept = [rows[0]] + [r for r in rows[1:] if int(r[0]) <= step]
+    with path.open("w", newline="") as f:
+        csv.writer(f).writerows(kept)
+
+
+def train(run_dir: Path, rc: RunConfig, until: int | None = None, corpus_dir: Path | None = None) -> int:
+    """Train from the run's checkpoint (or from scratch) up to step `until` (default rc.steps)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_json = run_dir / "run.json"
+    if run_json.exists():
+        rc = RunConfig.from_json(json.loads(run_json.read_text()))
+    else:
+        run_json.write_text(json.dumps(dataclasses.asdict(rc), indent=2) + "\n")
+    prepare(run_dir, rc, corpus_dir)
+    torch.manual_seed(rc.seed)
+    train_tokens = np.fromfile(run_dir / "train.bin", dtype=np.uint16)
+    held_tokens = np.fromfile(run_dir / "heldout.bin", dtype=np.uint16)
+    model = new_model(rc)
+    opt = make_optimizer(model, rc)
+    ckpt_path, log_path = run_dir / "ckpt.pt", run_dir / "loss.csv"
+    step, seconds = 0, 0.0
+    if ckpt_path.exists():
+        ckpt = torch.load(ckpt_path, weights_only=True)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        step, seconds = int(ckpt["step"]), float(ckpt["seconds"])
+        logger.info("resumed %s at step %d", run_dir, step)
+    _trim_log(log_path, step)
+    if not log_path.exists():
+        log_path.write_text(",".join(LOSS_COLUMNS) + "\n")
+    end = rc.steps if until is None else until
+    model.train()
+    t0 = time.monotonic() - seconds  # seconds: training time of the sessions before this one
+    while step < end:
+        lr = lr_at(rc, step)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        loss, balance = lm_loss(model, batch_at(train_tokens, rc, step))
+        opt.zero_grad(set_to_none=True)
+        torch.autograd.backward(loss + rc.balance_coef * balance)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        held = heldout_loss(model, held_tokens, rc) if step % rc.eval_every == 0 or step == end else None
+        with log_path.open("a") as f:
+            f.write(
+                f"{step},{step * rc.batch * rc.seq},{loss.item():.4f},{balance.item():.4f},{lr:.6g},"
+                f"{time.monotonic() - t0:.1f},{'' if held is None else f'{held:.4f}'}\n"
+            )
+        if step % rc.checkpoint_every == 0 or step == end:
+            save_checkpoint(ckpt_path, model, opt, step, time.monotonic() - t0)
+            logger.info("step %d loss %.4f balance %.3f lr %.2e", step, loss.item(), balance.item(), lr)
+    return step
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run-dir", type=Path, required=True, help="the run's directory (outside git)")
+    p.add_argument("--seed", type=int, default=0, help="a new run's seed (a resume keeps its own)")
+    p.add_argument("--until", type=int, default=None, help="stop at this step (default: the schedule's end)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.set_num_threads(args.threads)
+    train(args.run_dir, RunConfig(model=Config(), seed=args.seed), until=args.until)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
