@@ -43,12 +43,12 @@ ARM_STAMP := $(ARM_LLAMA)/.moeflash-stamp
 ARM_EXT_LIB := streaming_ext/lib/aarch64/libmoeflash_stream.so
 ARM_CTEST := tests/c/build/aarch64
 
-.PHONY: setup setup-dev chromium arm-toolchain arm llama ext serve serve-container require-api-key demo-model test lint bench-small bench bench-warm-start replay clean distclean
+.PHONY: setup setup-dev chromium corpus-packages train arm-toolchain arm llama ext serve serve-container require-api-key demo-model test lint bench-small bench bench-warm-start replay clean distclean
 
 setup: $(VENV)/.deps-stamp llama ext $(VENV)/.install-stamp
 
 setup-dev: setup $(VENV)/.dev-stamp $(VENV)/.instructor-stamp $(VENV)/.aider-stamp tests/js/node_modules/.package-lock.json \
-	tests/agents/node_modules/.package-lock.json chromium
+	tests/agents/node_modules/.package-lock.json chromium $(VENV)/.training-stamp corpus-packages
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -100,6 +100,31 @@ chromium:
 			echo "setup-dev: /usr/bin/chromium is missing: 'sudo apt-get install chromium' for the browser tests" >&2; \
 		fi; \
 	fi
+
+# torch (the CPU wheel on the machines' disk: `+cpu` never resolves to PyPI's CUDA build) and
+# tokenizers, for server/training and tests/training: a dev tool, not a runtime dependency
+$(VENV)/.training-stamp: pyproject.toml | $(VPY)
+	$(VPY) -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml","rb"))["project"]["optional-dependencies"]["training"]))' > $(VENV)/requirements-training.txt
+	$(VPY) -m pip install --quiet -r $(VENV)/requirements-training.txt
+	touch $@
+
+# Debian's packages the training corpus is built from (server/training/corpus.py); installed when run as root
+CORPUS_PACKAGES := python3.11-doc wordnet-base dict-devil
+corpus-packages:
+	@if ! dpkg -s $(CORPUS_PACKAGES) > /dev/null 2>&1; then \
+		if [ "$$(id -u)" = 0 ]; then \
+			apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(CORPUS_PACKAGES); \
+		else \
+			echo "corpus-packages: 'sudo apt-get install $(CORPUS_PACKAGES)' for the training corpus" >&2; \
+			exit 1; \
+		fi; \
+	fi
+
+# Trains the demo model, or resumes its run, in TRAIN_DIR (outside git) on one thread: hours, so
+# start it with nohup (docs/training.md). Neither `make serve` nor the tests train.
+TRAIN_DIR ?= ../train-runs/moe-v1
+train: $(VENV)/.deps-stamp $(VENV)/.training-stamp corpus-packages
+	RAYON_NUM_THREADS=1 $(VPY) -m server.training.train --run-dir $(TRAIN_DIR)
 
 # the moeflash packages themselves, editable, with the `moeflash` console script
 $(VENV)/.install-stamp: pyproject.toml $(VENV)/.deps-stamp
