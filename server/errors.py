@@ -13,6 +13,8 @@ MoeflashError
       ├── InvalidRequest        bad input (validation, template, grammar, n > 1, ...)
       ├── AuthenticationFailed  missing or wrong API key
       ├── ForbiddenOrigin       an Origin header outside the CORS allow-list
+      ├── Forbidden             a route the server's settings keep closed (/api/pull without
+      │                         --allow-pull)
       ├── InvalidHost           a Host header outside the allow-list (DNS rebinding)
       ├── NotFound              unknown route or model
       ├── MethodNotAllowed      a known route with the wrong method
@@ -83,6 +85,10 @@ class AuthenticationFailed(RequestError):
 
 class ForbiddenOrigin(RequestError):
     """A browser Origin that is neither same-origin nor in the CORS allow-list."""
+
+
+class Forbidden(RequestError):
+    """A route the server's settings keep closed."""
 
 
 class InvalidHost(RequestError):

@@ -129,6 +129,11 @@ class ServerSettings(BaseSettings):
     hot_set_save_s: float = Field(
         60.0, ge=1, le=86400, description="seconds between saves of the hot set while the cache changes"
     )
+    allow_pull: bool = Field(
+        False,
+        description="let the Ollama API's /api/pull and /api/delete download and delete models (into "
+        "MOEFLASH_MODELS_DIR, else the Hugging Face cache); beyond loopback only with an API key",
+    )
 
     @field_validator("cors_origins", "allowed_hosts", mode="before")
     @classmethod

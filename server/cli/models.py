@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from server.errors import PullError
@@ -15,15 +14,10 @@ if TYPE_CHECKING:
 
 
 def _storage(args: argparse.Namespace) -> Storage:
-    """--models-dir, else the Hugging Face cache (HF_HUB_CACHE, read when huggingface_hub loads)."""
-    from huggingface_hub import constants
+    """--models-dir, else the Hugging Face cache."""
+    from server.hub import default_storage
 
-    from server.hub import CacheStorage, DirectoryStorage
-
-    directory = StoreSettings.from_args(args).models_dir
-    if directory is not None:
-        return DirectoryStorage(directory)
-    return CacheStorage(Path(constants.HF_HUB_CACHE))
+    return default_storage(StoreSettings.from_args(args).models_dir)
 
 
 def _size(n: int) -> str:

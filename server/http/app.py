@@ -22,6 +22,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from server import __version__
 from server.engine.worker import Engine, EngineState
 from server.errors import InvalidRequest, MethodNotAllowed, MoeflashError, NotFound, RequestError
+from server.http import ollama
 from server.http.chat_completions import create_chat_completion
 from server.http.completions import create_completion
 from server.http.errors import error_response
@@ -214,6 +215,47 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     async def completions(body: Annotated[CompletionRequest, Body()], request: Request) -> Response:
         """Legacy text completion, whole or streamed (SSE)."""
         return await create_completion(ctx, body, request)
+
+    # the Ollama API subset (server/http/ollama), for Ollama clients
+    @app.get("/api/tags", tags=["ollama"])
+    async def ollama_tags() -> Response:
+        """The models served, as Ollama lists its models."""
+        return await ollama.tags(ctx)
+
+    @app.get("/api/ps", tags=["ollama"])
+    async def ollama_ps() -> Response:
+        """The model loaded."""
+        return await ollama.running(ctx)
+
+    @app.get("/api/version", tags=["ollama"])
+    async def ollama_version() -> Response:
+        """This server's version."""
+        return await ollama.version()
+
+    @app.post("/api/show", tags=["ollama"])
+    async def ollama_show(body: Annotated[ollama.ModelRequest, Body()]) -> Response:
+        """A model's details, metadata, template and capabilities."""
+        return await ollama.show(ctx, body)
+
+    @app.post("/api/chat", tags=["ollama"])
+    async def ollama_chat(body: Annotated[ollama.ChatRequest, Body()], request: Request) -> Response:
+        """Ollama chat, whole or streamed (NDJSON)."""
+        return await ollama.chat(ctx, body, request)
+
+    @app.post("/api/generate", tags=["ollama"])
+    async def ollama_generate(body: Annotated[ollama.GenerateRequest, Body()], request: Request) -> Response:
+        """Ollama generate (templated, or raw), whole or streamed (NDJSON)."""
+        return await ollama.generate(ctx, body, request)
+
+    @app.post("/api/pull", tags=["ollama"])
+    async def ollama_pull(body: Annotated[ollama.ModelRequest, Body()]) -> Response:
+        """Pull a model from the Hugging Face Hub (only with --allow-pull)."""
+        return await ollama.pull(ctx, body)
+
+    @app.delete("/api/delete", tags=["ollama"])
+    async def ollama_delete(body: Annotated[ollama.ModelRequest, Body()]) -> Response:
+        """Delete a pulled model (only with --allow-pull)."""
+        return await ollama.delete(ctx, body)
 
     page = index_html()
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -33,6 +32,7 @@ from server.http.serving import (
     check_prompt,
     clamp_max_tokens,
     logit_bias,
+    prompt_tokens,
     respond,
     submit,
     want_timings,
@@ -48,11 +48,7 @@ async def create_completion(ctx: ServeContext, body: CompletionRequest, request:
     if body.suffix:
         raise InvalidRequest("suffix (insertion) is not supported", param="suffix")
     prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-    llama = model.llama
-    add_bos = bool(llama._model.add_bos_token()) and llama.token_bos() >= 0
-    tokens = tuple(await run_in_threadpool(llama.tokenize, prompt.encode("utf-8"), add_bos, True))
-    if not tokens:
-        raise InvalidRequest("the prompt is empty", param="prompt")
+    tokens = await prompt_tokens(model, prompt)
     check_prompt(ctx, model, len(tokens), "prompt")
     params = body.to_sampling_params(
         max_tokens=clamp_max_tokens(ctx, model, body.max_tokens, len(tokens)),

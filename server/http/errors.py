@@ -8,7 +8,8 @@ The OpenAI routes: {"error": {"message", "type", "param", "code"}}. The Anthropi
 for the status (invalid_request_error for any 4xx it has no type for, overloaded_error for
 503, api_error for 500), and a context overflow in Anthropic's words, "prompt is too long:
 N tokens > M maximum", which Claude Code compacts its conversation on. param and code are
-this server's additions to either envelope.
+this server's additions to either envelope. The Ollama routes (/api/...): Ollama's
+{"error": "<message>"}, which the ollama libraries raise as ResponseError.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from server.errors import (
     AuthenticationFailed,
     ContextLengthExceeded,
     ExpertReadError,
+    Forbidden,
     ForbiddenOrigin,
     InvalidHost,
     InvalidRequest,
@@ -28,6 +30,7 @@ from server.errors import (
     ModelLoadError,
     NotFound,
     PayloadTooLarge,
+    PullError,
     QueueFull,
     RequestError,
     ServiceUnavailable,
@@ -37,6 +40,9 @@ logger = logging.getLogger(__name__)
 
 # Anthropic's API: this route and every path under it (count_tokens, unknown ones for their 404)
 ANTHROPIC_PREFIX = "/v1/messages"
+
+# Ollama's API: every path under it
+OLLAMA_PREFIX = "/api/"
 
 # Anthropic's error type per status (docs.anthropic.com/en/api/errors); another 4xx is an
 # invalid_request_error, another 5xx an api_error
@@ -59,6 +65,8 @@ _STATUS: tuple[tuple[type[BaseException], int, str], ...] = (
     (InvalidHost, 400, "invalid_request_error"),
     (AuthenticationFailed, 401, "authentication_error"),
     (ForbiddenOrigin, 403, "permission_error"),
+    (Forbidden, 403, "permission_error"),
+    (PullError, 400, "invalid_request_error"),
     (NotFound, 404, "not_found_error"),
     (MethodNotAllowed, 405, "invalid_request_error"),
     (PayloadTooLarge, 413, "invalid_request_error"),
@@ -74,6 +82,11 @@ def is_anthropic(path: str) -> bool:
     return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
 
 
+def is_ollama(path: str) -> bool:
+    """Whether `path` is a route of the Ollama API (its envelope)."""
+    return path.startswith(OLLAMA_PREFIX)
+
+
 def anthropic_type(status: int) -> str:
     """Anthropic's error type for an HTTP status."""
     return _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
@@ -87,10 +100,10 @@ def error_body(
 
 
 def describe(
-    exc: BaseException, queue_full_status: int = 429, *, anthropic: bool = False
+    exc: BaseException, queue_full_status: int = 429, *, anthropic: bool = False, ollama: bool = False
 ) -> tuple[int, dict[str, object], dict[str, str]]:
     """(status, body, headers) for an exception, in Anthropic's envelope and words if
-    `anthropic`; unknown exceptions are a logged 500."""
+    `anthropic`, in Ollama's if `ollama`; unknown exceptions are a logged 500."""
     headers: dict[str, str] = {}
     match = next(((status, type_) for cls, status, type_ in _STATUS if isinstance(exc, cls)), None)
     if match is None:
@@ -117,10 +130,14 @@ def describe(
         headers["WWW-Authenticate"] = "Bearer"
     if anthropic:
         return status, {"type": "error", **error_body(message, anthropic_type(status), param, code)}, headers
+    if ollama:
+        return status, {"error": message}, headers
     return status, error_body(message, type_, param, code), headers
 
 
 def error_response(exc: BaseException, queue_full_status: int = 429, path: str = "") -> JSONResponse:
     """A JSONResponse for `exc` (see `describe`) to a request for `path`."""
-    status, body, headers = describe(exc, queue_full_status, anthropic=is_anthropic(path))
+    status, body, headers = describe(
+        exc, queue_full_status, anthropic=is_anthropic(path), ollama=is_ollama(path)
+    )
     return JSONResponse(body, status_code=status, headers=headers)

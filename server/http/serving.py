@@ -217,6 +217,17 @@ async def render_chat(
     return prompt, tokens
 
 
+async def prompt_tokens(model: LoadedModel, prompt: str) -> tuple[int, ...]:
+    """A prompt used as it is (legacy completions, Ollama's raw generate): its tokens as llama.cpp
+    reads it, BOS first when the model wants one, special tokens parsed; InvalidRequest if none."""
+    llama = model.llama
+    add_bos = bool(llama._model.add_bos_token()) and llama.token_bos() >= 0
+    tokens = tuple(await run_in_threadpool(llama.tokenize, prompt.encode("utf-8"), add_bos, True))
+    if not tokens:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    return tokens
+
+
 async def prepare_chat(
     ctx: ServeContext, chat: ChatRequest, *, model_id: str, timings: bool = False, include_usage: bool = False
 ) -> Plan:

@@ -7,7 +7,7 @@ removed; pull: the download, resumed after an interruption and checked against t
 
 from server.hub.catalog import HubFile, HubModel, choose, parse_ref
 from server.hub.pull import hub_api, pull, resolve
-from server.hub.storage import CacheStorage, DirectoryStorage, LocalModel, Storage
+from server.hub.storage import CacheStorage, DirectoryStorage, LocalModel, Storage, default_storage
 
 __all__ = [
     "CacheStorage",
@@ -17,6 +17,7 @@ __all__ = [
     "LocalModel",
     "Storage",
     "choose",
+    "default_storage",
     "hub_api",
     "parse_ref",
     "pull",

@@ -109,6 +109,16 @@ def _repo_folder(repo: str) -> str:
     return "models--" + repo.replace("/", "--")
 
 
+def default_storage(models_dir: Path | None) -> Storage:
+    """`models_dir` as a models directory, else the Hugging Face cache (HF_HUB_CACHE, as
+    huggingface_hub read it when it was imported)."""
+    if models_dir is not None:
+        return DirectoryStorage(models_dir)
+    from huggingface_hub import constants
+
+    return CacheStorage(Path(constants.HF_HUB_CACHE))
+
+
 class CacheStorage:
     """The Hugging Face cache, in huggingface_hub's layout."""
 

@@ -1,0 +1,30 @@
+"""The Ollama API subset (/api/tags, /api/show, /api/ps, /api/version, /api/chat,
+/api/generate, and with --allow-pull /api/pull and /api/delete) on the chat path.
+
+Ollama clients (the `ollama` Python and JS libraries, Open WebUI's Ollama connection, phone
+apps) speak it. A chat or generate request is validated (every number bounded: out of range is
+a 400; unknown fields and Ollama-only options accepted and logged once), mapped onto the
+engine's ChatRequest and run by `prepare_chat`, so it is refused, if at all, before the answer
+starts, exactly like a chat completion; errors carry Ollama's {"error": "..."} envelope.
+
+One module per job: protocol.py (the request and answer models), mapping.py (a request -> the
+engine's ChatRequest and sampling), output.py (chat pieces -> message text, thinking, tool calls,
+durations), route.py (the handlers, NDJSON streaming).
+"""
+
+from server.http.ollama.protocol import ChatRequest, GenerateRequest, ModelRequest
+from server.http.ollama.route import chat, delete, generate, pull, running, show, tags, version
+
+__all__ = [
+    "ChatRequest",
+    "GenerateRequest",
+    "ModelRequest",
+    "chat",
+    "delete",
+    "generate",
+    "pull",
+    "running",
+    "show",
+    "tags",
+    "version",
+]
