@@ -59,9 +59,17 @@ def split_paths(out: Path, count: int) -> list[Path]:
     return [out.with_name(f"{stem}-{i:05d}-of-{count:05d}{GGUF_SUFFIX}") for i in range(1, count + 1)]
 
 
-def plan_layout(spec: ModelSpec, out: Path, split_max_size: int | None = None) -> Layout:
-    """The complete file plan for `spec` written to `out` (split when split_max_size is given)."""
-    vocab = build_vocab(spec.arch, spec.n_vocab)
+def plan_layout(
+    spec: ModelSpec, out: Path, split_max_size: int | None = None, vocab: Vocab | None = None
+) -> Layout:
+    """The complete file plan for `spec` written to `out` (split when split_max_size is given).
+
+    `vocab` (default: the synthetic one) is the tokenizer written; a trained model brings its own.
+    """
+    if vocab is None:
+        vocab = build_vocab(spec.arch, spec.n_vocab)
+    elif len(vocab.tokens) != spec.n_vocab:
+        raise ModelGenError(f"the vocabulary has {len(vocab.tokens)} tokens, the model {spec.n_vocab}")
     tensors = tensor_plan(spec)
     kvs = model_kvs(spec, vocab)
     align = spec.alignment

@@ -59,7 +59,7 @@ class RunConfig:
 
 # a tiny configuration for the tests: trains in seconds
 TINY = RunConfig(
-    model=Config(n_vocab=384, n_embd=64, n_layer=2, n_head=2, n_head_kv=1, head_dim=32, n_expert=8,
+    model=Config(n_vocab=512, n_embd=64, n_layer=2, n_head=2, n_head_kv=1, head_dim=32, n_expert=8,
                  n_expert_used=2, n_ff_exp=32, n_ctx=128),
     batch=4, seq=64, steps=30, warmup=5, checkpoint_every=10, eval_every=10, eval_batches=2,
 )  # fmt: skip
