@@ -21,10 +21,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from server.loading.prompt_cache import reuse_live
+
 if TYPE_CHECKING:
     from llama_cpp._internals import LlamaSampler
 
     from server.loading.measured import DecodeStep, MeasuredLlama
+    from server.loading.prompt_cache import PromptCache
 
 logger = logging.getLogger(__name__)
 
@@ -208,37 +211,6 @@ def _token_logprob(llama: MeasuredLlama, token: int, piece: bytes, top_n: int, s
     return TokenLogprob(piece.decode("utf-8", "replace"), float(logprobs[token]), list(piece), top)
 
 
-def _window_kept(llama: MeasuredLlama, n_past: int) -> bool:
-    """Whether the KV cache still holds what a token at position n_past attends to. A sliding-
-    window cache cut to the window (swa_full off) drops positions that fall out of it as decoding
-    goes on, so a prefix that ends far behind the last position has lost its window: it must be
-    decoded again (llama.cpp's server checks the same)."""
-    import llama_cpp
-
-    n_swa = int(llama_cpp.llama_model_n_swa(llama._model.model))
-    if n_swa <= 0 or llama._ctx.memory is None:
-        return True
-    pos_min = int(llama_cpp.llama_memory_seq_pos_min(llama._ctx.memory, 0))
-    return 0 <= pos_min <= max(0, n_past - n_swa)
-
-
-def _reuse_prefix(llama: MeasuredLlama, tokens: tuple[int, ...]) -> int:
-    """Keep the KV cache for the longest common prefix; returns how many tokens are reused."""
-    cached = llama._input_ids.tolist()
-    common = 0
-    for a, b in zip(cached, tokens, strict=False):
-        if a != b:
-            break
-        common += 1
-    # the last prompt token is always decoded again: its logits pick the first new token
-    common = min(common, len(tokens) - 1)
-    if common > 0 and _window_kept(llama, common) and llama._ctx.kv_cache_seq_rm(-1, common, -1):
-        llama.n_tokens = common
-        return common
-    llama.reset()  # type: ignore[no-untyped-call]
-    return 0
-
-
 def generate(
     llama: MeasuredLlama,
     request: GenerationRequest,
@@ -246,8 +218,13 @@ def generate(
     emit: Callable[[TextDelta], None],
     cancelled: Callable[[], bool],
     on_token: Callable[[int, DecodeStep | None], None] | None = None,
+    prompt_cache: PromptCache | None = None,
 ) -> None:
     """Decode `request` on `llama`, calling `emit` for each visible piece of text.
+
+    The prompt's longest prefix already in the KV cache, or kept by `prompt_cache`, is reused or
+    restored and only the rest is prefilled, in micro-batches of n_batch from where it starts (and
+    from a sliding-window model's checkpoint, server/loading/prompt_cache.py).
 
     Returns when a stop condition is met or `cancelled()` turns true (checked before each
     token and between prefill batches); fills `stats`. `on_token(token, step)`, if given, sees
@@ -260,15 +237,25 @@ def generate(
     tokens = request.prompt_tokens
     stats.prompt_tokens = len(tokens)
     start = time.perf_counter_ns()
-    stats.cached_tokens = _reuse_prefix(llama, tokens)
-    rest = list(tokens[stats.cached_tokens :])
+    if prompt_cache is not None:
+        stats.cached_tokens = prompt_cache.prefix(llama, tokens)
+    else:
+        stats.cached_tokens = reuse_live(llama, tokens)
+    # a sliding-window model's prefill stops once where the cache keeps a checkpoint
+    stop = prompt_cache.checkpoint_at(stats.cached_tokens, len(tokens)) if prompt_cache else None
+    spans = (
+        [(stats.cached_tokens, stop), (stop, len(tokens))] if stop else [(stats.cached_tokens, len(tokens))]
+    )
     llama.begin_phase(0)
-    for i in range(0, len(rest), llama.n_batch):
-        if cancelled():
-            stats.finish_reason = "cancelled"
-            # the KV cache holds a partial prompt: _input_ids says which, so it stays reusable
-            return
-        llama.eval(rest[i : i + llama.n_batch])
+    for lo, hi in spans:
+        for i in range(lo, hi, llama.n_batch):
+            if cancelled():
+                stats.finish_reason = "cancelled"
+                # the KV cache holds a partial prompt: _input_ids says which, so it stays reusable
+                return
+            llama.eval(list(tokens[i : min(hi, i + llama.n_batch)]))
+        if prompt_cache is not None and hi == stop:
+            prompt_cache.checkpoint(llama)
     prefilled = time.perf_counter_ns()
     stats.prompt_ns = prefilled - start
     llama.begin_phase(1)

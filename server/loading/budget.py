@@ -8,6 +8,8 @@ Every term is measured where it can be, once the llama.cpp context exists:
 - the context (server/loading/context.py): KV cache, compute buffers reserved for a full micro-batch
   over the whole context, output buffer, and without flash attention ggml's work buffer for the
   attention product (allocated on the first long prompt);
+- prompt cache: the KV states of recent prompt prefixes the server keeps in RAM (server/engine/
+  prompt_cache.py), a bound chosen in the settings (auto: one full context's state);
 - margin: what cannot be measured (page tables, thread stacks, allocator slack, ggml's other
   work buffers, the server's per-request objects): 64 MiB + 3% of the limit.
 auto = limit - all of them, clamped to [one layer's experts, all experts]; below the floor the
@@ -21,7 +23,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from server.errors import ConfigError
 from server.loading.context import ContextBytes
@@ -31,6 +33,9 @@ from server.loading.model_files import split_files
 logger = logging.getLogger(__name__)
 
 _MIB = 2**20
+
+# the prompt cache's RAM as the settings give it: bytes, "auto", or None for no prompt cache
+PromptCacheRam = int | Literal["auto"] | None
 _UNLIMITED = 2**60  # cgroup v1 reports "no limit" as a huge page-rounded number
 
 
@@ -64,10 +69,11 @@ class MemoryTerms:
     dense: int
     context: ContextBytes
     margin: int
+    prompt_cache: int = 0  # RAM for prompt-prefix states (0: no prompt cache)
 
     @property
     def total(self) -> int:
-        return self.in_use + self.dense + self.context.total + self.margin
+        return self.in_use + self.dense + self.context.total + self.prompt_cache + self.margin
 
     def describe(self) -> str:
         c = self.context
@@ -80,6 +86,8 @@ class MemoryTerms:
         ]
         if c.attention_scratch:
             parts.append(f"attention scratch {_mib(c.attention_scratch)}")
+        if self.prompt_cache:
+            parts.append(f"prompt cache {_mib(self.prompt_cache)}")
         parts.append(f"margin {_mib(self.margin)}")
         return " - ".join(parts)
 
@@ -132,9 +140,25 @@ def memory_limit() -> MemoryLimit:
     return MemoryLimit(available, "MemAvailable (/proc/meminfo)")
 
 
-def memory_terms(limit: MemoryLimit, dense: int, context: ContextBytes) -> MemoryTerms:
-    """The terms beside the expert cache under `limit`."""
-    return MemoryTerms(limit.in_use, dense, context, margin_bytes(limit.bytes))
+def memory_terms(
+    limit: MemoryLimit, dense: int, context: ContextBytes, prompt_cache: PromptCacheRam = None
+) -> MemoryTerms:
+    """The terms beside the expert cache under `limit`, the prompt cache's RAM resolved for
+    `context` (prompt_cache_bytes)."""
+    return MemoryTerms(
+        limit.in_use, dense, context, margin_bytes(limit.bytes), prompt_cache_bytes(prompt_cache, context)
+    )
+
+
+def prompt_cache_bytes(setting: PromptCacheRam, context: ContextBytes) -> int:
+    """RAM for the prompt cache: `setting` bytes, or for "auto" one full context's sequence state
+    (the KV cache plus llama.cpp's per-cell record, a position and a sequence id, 12 bytes, rounded
+    up to 16, and 1 MiB for the per-layer headers); None: no prompt cache."""
+    if setting is None:
+        return 0
+    if setting == "auto":
+        return context.kv + context.n_ctx * 16 + _MIB
+    return setting
 
 
 def choose_budget(

@@ -39,6 +39,7 @@ class ContextBytes:
     output: int
     attention_scratch: int  # ggml's work buffer for the attention product (0 with flash attention)
     flash_attn: bool
+    n_ctx: int  # the context's tokens these buffers are for
 
     @property
     def total(self) -> int:
@@ -74,6 +75,7 @@ def context_bytes(llama: Llama, n_head_max: int) -> ContextBytes:
         output=int(measured.output),
         attention_scratch=scratch,
         flash_attn=flash,
+        n_ctx=llama.n_ctx(),
     )
 
 

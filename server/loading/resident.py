@@ -17,7 +17,7 @@ from typing import Any
 import llama_cpp
 
 from server.errors import ModelLoadError
-from server.loading.budget import check_resident, max_heads, memory_limit, memory_terms
+from server.loading.budget import PromptCacheRam, check_resident, max_heads, memory_limit, memory_terms
 from server.loading.context import ContextBytes, check_flash_attn, fit_context
 from server.loading.gguf_header import read_metadata
 from server.loading.measured import MeasuredLlama
@@ -29,10 +29,16 @@ class ResidentLlama(MeasuredLlama):
 
 
 def load_resident_llama(
-    model_path: str | os.PathLike[str], *, n_ctx: int = 4096, flash_attn: str = "auto", **llama_kwargs: Any
+    model_path: str | os.PathLike[str],
+    *,
+    n_ctx: int = 4096,
+    flash_attn: str = "auto",
+    prompt_cache: PromptCacheRam = None,
+    **llama_kwargs: Any,
 ) -> ResidentLlama:
-    """Load `model_path` resident. ConfigError when its context cannot be held in this memory,
-    ModelLoadError when llama.cpp cannot load it."""
+    """Load `model_path` resident. ConfigError when its context (and `prompt_cache`, the RAM the
+    server keeps prompt states in) cannot be held in this memory, ModelLoadError when llama.cpp
+    cannot load it."""
     flash_first = check_flash_attn(flash_attn)
     path = Path(model_path)
     limit = memory_limit()  # before the load: what the process holds now is `in_use`
@@ -53,7 +59,7 @@ def load_resident_llama(
         file_bytes = sum(part.stat().st_size for part in split_files(path))
 
         def fits(context: ContextBytes) -> bool:
-            return limit.bytes - memory_terms(limit, 0, context).total >= file_bytes
+            return limit.bytes - memory_terms(limit, 0, context, prompt_cache).total >= file_bytes
 
         ctx_before = llm._ctx
         context = fit_context(
@@ -61,7 +67,7 @@ def load_resident_llama(
         )
         if llm._ctx is not ctx_before:
             llm.measure_decode()
-        terms = memory_terms(limit, 0, context)
+        terms = memory_terms(limit, 0, context, prompt_cache)
         check_resident(terms, limit, file_bytes, llm.n_ctx())
     except BaseException:
         llm.close()

@@ -22,6 +22,7 @@ import llama_cpp
 from server.errors import ConfigError, ModelLoadError
 from server.loading.budget import (
     BudgetChoice,
+    PromptCacheRam,
     check_budget_floor,
     choose_budget,
     max_heads,
@@ -71,6 +72,7 @@ def load_streaming_llama(
     follow_memory: bool = True,
     n_ctx: int = 4096,
     flash_attn: str = "auto",
+    prompt_cache: PromptCacheRam = None,
     **llama_kwargs: Any,
 ) -> StreamingLlama:
     """Load `model_path` (a GGUF or the first file of a split set) with its experts streamed.
@@ -80,11 +82,11 @@ def load_streaming_llama(
     layer's experts and the budget chosen here (server/loading/pressure.py; not when the budget
     holds every expert, which then lives in the tensors). `flash_attn`: "on", "off", or "auto" (on
     when the context's attention buffers would keep the cache from holding the budget asked for, or
-    every expert for an automatic one). The budget counts what the context holds, measured
-    (server/loading/budget.py). Raises ConfigError for bad options (lanes, budget below one layer's
-    experts, a context the memory cannot hold, ...) and
-    ModelLoadError for a file that cannot be streamed (missing, truncated, not MoE, ...), in both
-    cases before any generation.
+    every expert for an automatic one). The budget counts what the context holds, measured, and
+    `prompt_cache`, the RAM the server keeps prompt states in (server/loading/budget.py). Raises
+    ConfigError for bad options (lanes, budget below one layer's experts, a context the memory
+    cannot hold, ...) and ModelLoadError for a file that cannot be streamed (missing, truncated,
+    not MoE, ...), in both cases before any generation.
     """
     path = Path(model_path)
     if not path.is_file():
@@ -135,7 +137,7 @@ def load_streaming_llama(
             wanted = requested or streamer.expert_bytes
 
             def fits(context: ContextBytes) -> bool:
-                return limit.bytes - memory_terms(limit, dense, context).total >= wanted
+                return limit.bytes - memory_terms(limit, dense, context, prompt_cache).total >= wanted
 
             ctx_before = llm._ctx
             context = fit_context(
@@ -143,7 +145,7 @@ def load_streaming_llama(
             )
             if llm._ctx is not ctx_before:
                 llm.measure_decode()
-            terms = memory_terms(limit, dense, context)
+            terms = memory_terms(limit, dense, context, prompt_cache)
             choice = choose_budget(
                 requested=requested,
                 expert_bytes=streamer.expert_bytes,

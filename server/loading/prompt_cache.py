@@ -1,0 +1,505 @@
+"""The prompt cache: the KV state of recent prompt prefixes, restored instead of prefilled again.
+
+DESIGN (llama-server's prompt cache, server_prompt_cache, in one sequence)
+- The context holds one live sequence (seq 0); `Llama._input_ids` says its tokens. A prompt
+  reuses its longest common prefix with the live tokens or with a kept state, whichever is
+  longer; a kept state is put back with llama_state_seq_set_data, cut to that prefix, and only
+  the rest is prefilled. The KV rows come back as they were computed, so a restored prefix gives
+  what prefilling the same tokens in the same micro-batches gives (the gates check it).
+- A state is kept (llama_state_seq_get_data) when a prompt would throw away more than half of the
+  live tokens (another client's prompt, a side request), when the server stops, and, on a model
+  with sliding-window layers, before a prompt's last micro-batch: such a cache has dropped what
+  fell out of the window, so a state there is only ever restored whole (a checkpoint).
+- States live in RAM up to `ram_bytes` (a term of the memory budget, taken from the expert
+  cache); the least recently used is evicted first and written to flash once, under
+  `directory`, up to `flash_bytes` (least recently used files deleted first). At start the
+  directory's files are indexed (headers only); a file is read back when a prompt needs it.
+- A state is valid for one StateKey: the model files' content, flash attention, KV types and the
+  context's sizes. Files live in a directory named by the key's digest and carry it with a
+  sha256 of their payload: a file for another key, a truncated or corrupt one is ignored with a
+  warning, never restored.
+All methods run on the engine's worker thread (they drive the context); `stats` is read anywhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import struct
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
+
+import llama_cpp
+
+from server.loading.model_files import split_files
+
+if TYPE_CHECKING:
+    from llama_cpp import Llama
+
+logger = logging.getLogger(__name__)
+
+# file layout: magic, format, key digest (32 bytes), payload sha256 (32), n_tokens, state bytes;
+# then the tokens (int32) and the state
+_MAGIC = b"MFPC"
+_FORMAT = 1
+_HEADER = struct.Struct("<4sI32s32sIQ")
+_SUFFIX = ".state"
+# a live sequence shorter than this is not worth a state
+MIN_TOKENS = 32
+# model identity: the first bytes (the GGUF header) and this many samples spread over each file
+_HEAD_BYTES = 1 << 20
+_SAMPLES = 32
+_SAMPLE_BYTES = 64 << 10
+# reads of a state file, hashed while the next chunk is read
+_READ_CHUNK = 8 << 20
+
+
+def model_identity(path: Path) -> str:
+    """A sha256 of the model files' content: sizes, the first MiB and 32 samples of 64 KiB spread
+    over each file. Another file of the same shape (another seed, another fine-tune) differs in
+    every tensor, so in the samples; hashing tens of GB at every start is not an option."""
+    digest = hashlib.sha256()
+    for part in split_files(path):
+        size = part.stat().st_size
+        digest.update(f"{part.name}:{size}".encode())
+        with part.open("rb") as fh:
+            digest.update(fh.read(_HEAD_BYTES))
+            for i in range(_SAMPLES):
+                fh.seek(size * i // _SAMPLES)
+                digest.update(fh.read(_SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class StateKey:
+    """What a saved state is valid for: the same model content and context settings."""
+
+    model: str  # model_identity
+    flash_attn: bool
+    type_k: int
+    type_v: int
+    n_ctx: int
+    n_batch: int
+    n_ubatch: int
+    swa_full: bool
+
+    @classmethod
+    def of(cls, llama: Llama, model: str) -> StateKey:
+        params = llama.context_params
+        return cls(
+            model=model,
+            flash_attn=params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+            type_k=int(params.type_k),
+            type_v=int(params.type_v),
+            n_ctx=llama.n_ctx(),
+            n_batch=int(params.n_batch),
+            n_ubatch=int(params.n_ubatch),
+            swa_full=bool(params.swa_full),
+        )
+
+    def digest(self) -> bytes:
+        fields = {**asdict(self), "format": _FORMAT, "llama_state": llama_cpp.LLAMA_STATE_SEQ_VERSION}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest()
+
+
+def window_kept(llama: Llama, n_past: int) -> bool:
+    """Whether the KV cache still holds what a token at position n_past attends to. A sliding-
+    window cache cut to the window (swa_full off) drops positions that fall out of it as decoding
+    goes on, so a prefix that ends far behind the last position has lost its window (llama.cpp's
+    server checks the same)."""
+    if not sliding_window(llama) or llama._ctx.memory is None:
+        return True
+    n_swa = int(llama_cpp.llama_model_n_swa(llama._model.model))
+    pos_min = int(llama_cpp.llama_memory_seq_pos_min(llama._ctx.memory, 0))
+    return 0 <= pos_min <= max(0, n_past - n_swa)
+
+
+def sliding_window(llama: Llama) -> bool:
+    """Whether the context has sliding-window layers cut to the window (states restore whole only)."""
+    return int(llama_cpp.llama_model_n_swa(llama._model.model)) > 0 and not llama.context_params.swa_full
+
+
+@dataclass(frozen=True)
+class Window:
+    """A sliding-window cache cut to the window: `n_swa` positions, in a ring of `ring` cells (None
+    when the ring holds the whole context and never wraps).
+
+    Decoding puts position p in cell p % ring. A saved state holds the window's cells only, and
+    llama.cpp puts them back from cell 0 in their order: the same cells as decoding gave them
+    only when the window starts at a multiple of the ring, and attention sums the cells in their
+    order, so only such a state continues bit for bit as its prefill did (`restorable`). A live
+    sequence cut back stays in place only within the ring lap it ends in (`cut_in_place`)."""
+
+    n_swa: int
+    ring: int | None
+
+    @classmethod
+    def of(cls, llama: Llama) -> Window | None:
+        if not sliding_window(llama):
+            return None
+        n_swa = int(llama_cpp.llama_model_n_swa(llama._model.model))
+        # llama_kv_cache_iswa: the window plus a micro-batch, in whole 256-cell pages
+        ring = -(-min(llama.n_ctx(), n_swa + int(llama.context_params.n_ubatch)) // 256) * 256
+        return cls(n_swa, ring if ring < llama.n_ctx() else None)
+
+    def restorable(self, n: int) -> bool:
+        return n <= self.n_swa or self.ring is None or (n - self.n_swa) % self.ring == 0
+
+    def cut_in_place(self, n: int, length: int) -> bool:
+        return n == length or self.ring is None or n // self.ring == (length - 1) // self.ring
+
+
+def _common(a: tuple[int, ...] | list[int], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def live_prefix(llama: Llama, tokens: tuple[int, ...]) -> int:
+    """How much of `tokens` the live sequence can give: their common prefix, never the last
+    token (its logits pick the next one), 0 when its window is gone."""
+    n = min(_common(llama._input_ids.tolist(), tokens), len(tokens) - 1)
+    return n if n > 0 and window_kept(llama, n) else 0
+
+
+def cut_live(llama: Llama, n: int) -> int:
+    """Cut the live sequence to its first `n` tokens (0: empty it); returns what it holds."""
+    if n > 0 and llama._ctx.kv_cache_seq_rm(-1, n, -1):
+        llama.n_tokens = n
+        return n
+    llama.reset()  # type: ignore[no-untyped-call]
+    return 0
+
+
+def reuse_live(llama: Llama, tokens: tuple[int, ...]) -> int:
+    """Without a prompt cache: keep the live sequence's share of `tokens`; returns its length."""
+    return cut_live(llama, live_prefix(llama, tokens))
+
+
+@dataclass
+class _State:
+    """One kept state: its tokens, its bytes in RAM and/or its file on flash."""
+
+    tokens: tuple[int, ...]
+    size: int  # bytes of the llama.cpp state
+    used: int  # LRU clock
+    data: bytearray | None = None
+    path: Path | None = None
+
+
+@dataclass(frozen=True)
+class PromptCacheStats:
+    """What the prompt cache did and holds (for /metrics)."""
+
+    hits: int  # prompts that restored a kept state
+    restored_tokens: int  # tokens those restores brought back
+    ram_bytes: int
+    flash_bytes: int
+    states: int
+
+
+class PromptCache:
+    """Keeps prompt states of one loaded model (module docstring). `directory` None: RAM only."""
+
+    def __init__(
+        self,
+        key: StateKey,
+        *,
+        ram_bytes: int,
+        flash_bytes: int,
+        directory: Path | None,
+        window: Window | None,
+    ) -> None:
+        self.key = key
+        self._digest = key.digest()
+        self.ram_limit = ram_bytes
+        self.flash_limit = flash_bytes if directory is not None else 0
+        self.directory = directory
+        self.window = window  # a sliding-window model's states restore whole only
+        self._states: list[_State] = []
+        self._clock = 0
+        self.hits = 0
+        self.restored_tokens = 0
+        if directory is not None and self.flash_limit > 0:
+            self._index()
+
+    # -- the token loop's calls --------------------------------------------------------
+
+    def prefix(self, llama: Llama, tokens: tuple[int, ...]) -> int:
+        """Make the context hold the longest prefix of `tokens` it can have without decoding (the
+        live sequence's, or a kept state's), never the last token (its logits pick the next one);
+        returns its length. The live sequence is kept first when this throws most of it away."""
+        live = llama._input_ids.tolist()
+        n_live = live_prefix(llama, tokens)
+        if self.window is not None and not self.window.cut_in_place(n_live, len(live)):
+            n_live = 0  # its cells would move: what follows would not be what a prefill gives
+        best, n_best = self._best(tokens, len(tokens) - 1)
+        # of the live sequence only its first n_live tokens stay (restored or kept)
+        if len(live) >= MIN_TOKENS and 2 * n_live < len(live):
+            self._keep(llama, tuple(live))
+        if best is not None and n_best > n_live and self._restore(llama, best, n_best):
+            self.hits += 1
+            self.restored_tokens += n_best
+            return n_best
+        return cut_live(llama, n_live)
+
+    def checkpoint_at(self, start: int, end: int) -> int | None:
+        """Where a sliding-window model's prefill of positions [start, end) stops for a
+        checkpoint: the last restorable length before the prompt's last token; None elsewhere."""
+        window = self.window
+        if window is None:
+            return None
+        for n in range(end - 1, start, -1):
+            if n >= MIN_TOKENS and window.restorable(n):
+                return n
+        return None
+
+    def checkpoint(self, llama: Llama) -> None:
+        """Keep the live sequence as a state (at checkpoint_at)."""
+        self._keep(llama, tuple(llama._input_ids.tolist()))
+
+    def close(self, llama: Llama) -> None:
+        """At shutdown: keep the live sequence, then write every state not yet on flash."""
+        try:
+            if llama.n_tokens >= MIN_TOKENS:
+                self._keep(llama, tuple(llama._input_ids.tolist()))
+            for state in sorted(self._states, key=lambda s: s.used):
+                if state.path is None and state.data is not None:
+                    self._spill(state)
+        except OSError as exc:
+            logger.warning("prompt cache: cannot write the states to %s: %s", self.directory, exc)
+        for state in self._states:
+            state.data = None
+
+    def stats(self) -> PromptCacheStats:
+        states = list(self._states)
+        return PromptCacheStats(
+            hits=self.hits,
+            restored_tokens=self.restored_tokens,
+            ram_bytes=sum(s.size for s in states if s.data is not None),
+            flash_bytes=sum(s.size + _HEADER.size + 4 * len(s.tokens) for s in states if s.path is not None),
+            states=len(states),
+        )
+
+    # -- choosing, keeping, restoring --------------------------------------------------
+
+    def _best(self, tokens: tuple[int, ...], cap: int) -> tuple[_State | None, int]:
+        best: _State | None = None
+        n_best = 0
+        for state in self._states:
+            n = min(_common(state.tokens, tokens), cap)
+            if self.window is not None and n != len(state.tokens):
+                continue  # a sliding-window state cannot be cut back
+            if n > n_best:
+                best, n_best = state, n
+        return best, n_best
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _keep(self, llama: Llama, tokens: tuple[int, ...]) -> None:
+        """Copy the live sequence (`tokens`) into RAM as a state, unless one holds it already or
+        it cannot be restored as it was decoded."""
+        if self.window is not None and not self.window.restorable(len(tokens)):
+            return
+        for state in self._states:
+            if state.tokens == tokens or (self.window is None and state.tokens[: len(tokens)] == tokens):
+                state.used = self._tick()
+                return
+        ctx = llama._ctx.ctx
+        size = int(llama_cpp.llama_state_seq_get_size(ctx, 0))
+        if size > self.ram_limit:
+            logger.debug("prompt cache: a %d-token state (%d bytes) exceeds its RAM bound", len(tokens), size)
+            return
+        self._make_room(size)
+        data = bytearray(size)
+        got = llama_cpp.llama_state_seq_get_data(ctx, (ctypes.c_uint8 * size).from_buffer(data), size, 0)
+        if got != size:
+            logger.warning("prompt cache: llama.cpp copied %d of a %d-byte state", got, size)
+            return
+        if self.window is None:
+            # a state that can be cut back holds every shorter state of the same prefix
+            for state in [s for s in self._states if tokens[: len(s.tokens)] == s.tokens]:
+                self._drop(state)
+        self._states.append(_State(tokens, size, self._tick(), data=data))
+        logger.debug("prompt cache: kept a %d-token state (%d bytes)", len(tokens), size)
+
+    def _restore(self, llama: Llama, state: _State, n: int) -> bool:
+        """Put `state` back into seq 0 and cut it to `n` tokens; False (the context empty) if it
+        cannot be."""
+        data = state.data
+        if state not in self._states:
+            return False  # evicted to make room for the live sequence, with no flash to go to
+        if data is None:
+            self._make_room(state.size)
+            data = self._read(state)
+            if data is None:
+                self._drop(state)
+                return False
+            state.data = data
+        ctx = llama._ctx.ctx
+        llama.reset()  # type: ignore[no-untyped-call]
+        # an empty memory: the state's cells go in from the first one, as they were decoded
+        llama_cpp.llama_memory_clear(llama._ctx.memory, True)
+        buffer = (ctypes.c_uint8 * state.size).from_buffer(data)
+        got = llama_cpp.llama_state_seq_set_data(ctx, buffer, state.size, 0)
+        if got != state.size:
+            logger.warning("prompt cache: llama.cpp refused a %d-token state; dropped", len(state.tokens))
+            llama_cpp.llama_memory_clear(llama._ctx.memory, True)
+            self._drop(state)
+            return False
+        llama.input_ids[: len(state.tokens)] = state.tokens
+        llama.n_tokens = len(state.tokens)
+        if n < len(state.tokens):
+            llama._ctx.kv_cache_seq_rm(-1, n, -1)
+            llama.n_tokens = n
+        state.used = self._tick()
+        if state.path is not None:
+            os.utime(state.path)  # the flash copy's LRU order survives a restart
+        return True
+
+    def _make_room(self, size: int) -> None:
+        """Evict the least recently used states from RAM (to flash) until `size` more bytes fit."""
+        in_ram = sorted((s for s in self._states if s.data is not None), key=lambda s: s.used)
+        held = sum(s.size for s in in_ram)
+        for state in in_ram:
+            if held + size <= self.ram_limit:
+                break
+            held -= state.size
+            if state.path is None and self.flash_limit > 0:
+                try:
+                    self._spill(state)
+                except OSError as exc:
+                    logger.warning("prompt cache: cannot write a state to %s: %s", self.directory, exc)
+            state.data = None
+            if state.path is None:
+                self._states.remove(state)
+
+    def _drop(self, state: _State) -> None:
+        if state in self._states:
+            self._states.remove(state)
+        if state.path is not None:
+            state.path.unlink(missing_ok=True)
+
+    # -- flash -------------------------------------------------------------------------
+
+    def _spill(self, state: _State) -> None:
+        """Write `state` to its file once (atomically), then keep the files within the bound."""
+        assert self.directory is not None and state.data is not None
+        size = _HEADER.size + 4 * len(state.tokens) + state.size
+        if size > self.flash_limit:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        token_bytes = struct.pack(f"<{len(state.tokens)}i", *state.tokens)
+        payload = hashlib.sha256(token_bytes)
+        payload.update(state.data)
+        header = _HEADER.pack(_MAGIC, _FORMAT, self._digest, payload.digest(), len(state.tokens), state.size)
+        name = hashlib.sha256(token_bytes).hexdigest()[:24] + _SUFFIX
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(header)
+                fh.write(token_bytes)
+                fh.write(state.data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.directory / name)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        state.path = self.directory / name
+        self._bound_flash(keep=state)
+
+    def _bound_flash(self, keep: _State) -> None:
+        on_flash = sorted((s for s in self._states if s.path is not None), key=lambda s: s.used)
+        held = sum(s.size + _HEADER.size + 4 * len(s.tokens) for s in on_flash)
+        for state in on_flash:
+            if held <= self.flash_limit:
+                break
+            if state is keep:
+                continue
+            held -= state.size + _HEADER.size + 4 * len(state.tokens)
+            assert state.path is not None
+            state.path.unlink(missing_ok=True)
+            state.path = None
+            if state.data is None:
+                self._states.remove(state)
+
+    def _index(self) -> None:
+        """The states on flash from earlier runs, oldest use first (file times)."""
+        assert self.directory is not None
+        found: list[tuple[int, _State]] = []
+        for path in self.directory.glob("*" + _SUFFIX) if self.directory.is_dir() else []:
+            try:
+                with path.open("rb") as fh:
+                    tokens, size, _ = self._header(fh, path)
+                mtime = path.stat().st_mtime_ns
+            except (OSError, ValueError, struct.error) as exc:
+                logger.warning("prompt cache: ignoring %s: %s", path, exc)
+                continue
+            found.append((mtime, _State(tokens, size, 0, path=path)))
+        for _, state in sorted(found, key=lambda f: f[0]):
+            state.used = self._tick()
+            self._states.append(state)
+        if found:
+            logger.info("prompt cache: %d states on flash in %s", len(found), self.directory)
+
+    def _header(self, fh: BinaryIO, path: Path) -> tuple[tuple[int, ...], int, bytes]:
+        """(tokens, state bytes, payload sha256) of an open state file, read up to the state;
+        ValueError when it is not a whole state of this key."""
+        raw = fh.read(_HEADER.size)
+        if len(raw) != _HEADER.size:
+            raise ValueError("shorter than a state file's header")
+        magic, fmt, digest, checksum, n_tokens, size = _HEADER.unpack(raw)
+        if magic != _MAGIC or fmt != _FORMAT:
+            raise ValueError(f"not a prompt state of format {_FORMAT}")
+        if digest != self._digest:
+            raise ValueError("a state of another model or other context settings, refused")
+        if path.stat().st_size != _HEADER.size + 4 * n_tokens + size:
+            raise ValueError("truncated (its size does not match its header)")
+        tokens = tuple(struct.unpack(f"<{n_tokens}i", fh.read(4 * n_tokens)))
+        return tokens, int(size), bytes(checksum)
+
+    def _read(self, state: _State) -> bytearray | None:
+        """The state's bytes from its file, its checksum verified; None (with a warning) if not."""
+        if state.path is None:
+            return None
+        try:
+            with state.path.open("rb", buffering=0) as fh:
+                tokens, size, expected = self._header(fh, state.path)
+                if tokens != state.tokens or size != state.size:
+                    raise ValueError("it changed since it was indexed")
+                data = bytearray(size)
+                view = memoryview(data)
+                digest = hashlib.sha256(struct.pack(f"<{len(tokens)}i", *tokens))
+                at = 0
+                while at < size:
+                    n = fh.readinto(view[at : at + _READ_CHUNK])
+                    if not n:
+                        raise ValueError("truncated")
+                    digest.update(view[at : at + n])
+                    at += n
+                # the page cache is charged to a cgroup: the bytes are in `data` now
+                os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        except (OSError, ValueError, struct.error) as exc:
+            logger.warning("prompt cache: ignoring %s: %s", state.path, exc)
+            return None
+        if digest.digest() != expected:
+            logger.warning("prompt cache: ignoring %s: its checksum does not match (corrupt)", state.path)
+            return None
+        return data
+
+
+def state_directory(state_dir: Path, path: Path, key: StateKey) -> Path:
+    """Where a model's prompt states live: its stem and its key's digest."""
+    stem = path.name.removesuffix(".gguf")
+    return state_dir / "prompt-cache" / f"{stem}-{key.digest().hex()[:16]}"
