@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -307,3 +308,21 @@ def test_pull_and_delete_with_allow_pull(tiny_model: Any, tmp_path: Path) -> Non
                 assert gone.value.status_code == 404
             finally:
                 client.close()
+
+
+def test_the_ollama_npm_library_in_node(server: RunningServer) -> None:
+    js = Path(__file__).resolve().parents[1] / "js"
+    assert (js / "node_modules" / "ollama").is_dir(), "make setup-dev installs tests/js (npm ci)"
+    run = subprocess.run(
+        ["node", str(js / "ollama-node.mjs"), server.base_url, server.model_id],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout)
+    assert got["models"] == [f"{server.model_id}:latest"]
+    assert got["wholeDone"] and got["lastDone"]
+    assert got["streamed"] == got["whole"]
+    assert isinstance(json.loads(got["shaped"])["ok"], bool)
