@@ -1,0 +1,231 @@
+"""How good the trained model is, and how it routes: perplexity, continuations, route statistics.
+
+- perplexity: held-out text through llama.cpp in windows of `window` tokens, resident and with
+  its experts streamed under a cap (the two must give byte-identical logits), against a unigram
+  model of the training tokens (add-one smoothed) on the same predicted tokens.
+- continuations: greedy text from a few prompts, raw and as chat turns.
+- route statistics per layer, of a recorded route trace (`moeflash generate
+  --record-route-trace`, prompt and decode tokens in order) and of the real traces in
+  bench/route-traces: `skew` (the most used expert's share over the uniform share 1/n_expert:
+  1 is uniform, n_expert/k is collapsed; a few hundred tokens put it well above 1 by chance
+  alone) and `reuse` (the mean fraction of a token's experts that the token before it also
+  used in that layer: k/n_expert for independent uniform routing).
+
+`python -m server.training.measure --run-dir RUN --model FILE.gguf` prints all three as
+Markdown; docs/training.md shows its output for the committed model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import numpy as np
+
+from server.loading.route_trace import ModelShape, Trace, load_trace
+from server.loading.streaming import load_streaming_llama
+from server.training import corpus, tokenizer
+from streaming_ext import Policy, StreamerConfig
+
+PROMPTS = (
+    "The for statement in Python",
+    "A dictionary is",
+    "The Devil's Dictionary says that",
+)
+CHAT_PROMPTS = ('What does "river" mean?', "What is a function?")
+REAL_TRACES = (Path("bench/route-traces/qwen.route.csv"), Path("bench/route-traces/gemma.route.csv"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Perplexity:
+    tokens: int  # predicted tokens
+    model: float
+    unigram: float
+    logits_sha256: str  # of every logits row evaluated (resident and streamed must agree)
+
+
+def heldout_windows(ids: np.ndarray, window: int, max_tokens: int) -> list[list[int]]:
+    ids = ids[: max_tokens + 1]
+    return [
+        ids[i : i + window].tolist() for i in range(0, len(ids) - 1, window) if len(ids[i : i + window]) > 1
+    ]
+
+
+def _nll(llm: llama_cpp.Llama, windows: list[list[int]], digest: hashlib._Hash) -> list[float]:
+    out: list[float] = []
+    for w in windows:
+        llm.reset()  # type: ignore[no-untyped-call]
+        llm.eval(w)
+        scores = np.asarray(llm.scores[: len(w)], dtype=np.float32)
+        digest.update(scores.tobytes())
+        logp = scores.astype(np.float64)
+        logp -= logp.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        out.extend(-logp[np.arange(len(w) - 1), w[1:]])
+    return out
+
+
+def unigram_nll(train_ids: np.ndarray, windows: list[list[int]], n_vocab: int) -> list[float]:
+    counts = np.bincount(train_ids, minlength=n_vocab).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    return [-logp[t] for w in windows for t in w[1:]]
+
+
+def perplexity(
+    model: Path, run_dir: Path, *, window: int = 256, max_tokens: int = 16384, budget: int | None = None
+) -> tuple[Perplexity, Perplexity]:
+    """(resident, streamed with `budget` bytes of experts, default a quarter of them)."""
+    held = np.fromfile(run_dir / "heldout.bin", dtype=np.uint16).astype(np.int64)
+    train = np.fromfile(run_dir / "train.bin", dtype=np.uint16).astype(np.int64)
+    windows = heldout_windows(held, window, max_tokens)
+    n_vocab = tokenizer.load(run_dir / "tokenizer.json").get_vocab_size()
+    unigram = float(np.exp(np.mean(unigram_nll(train, windows, n_vocab))))
+    settings: dict[str, Any] = {
+        "n_ctx": window,
+        "n_batch": window,
+        "n_threads": 1,
+        "n_threads_batch": 1,
+        "logits_all": True,
+    }
+    results = []
+    for streamed in (False, True):
+        digest = hashlib.sha256()
+        if streamed:
+            llm: llama_cpp.Llama = load_streaming_llama(
+                model, StreamerConfig(policy=Policy.LAYER), budget=budget or _quarter(model),
+                flash_attn="off", verbose=False, **settings,
+            )  # fmt: skip
+        else:
+            llm = llama_cpp.Llama(str(model), use_extra_bufts=False, verbose=False, **settings)
+        try:
+            nll = _nll(llm, windows, digest)
+        finally:
+            llm.close()
+        results.append(Perplexity(len(nll), float(np.exp(np.mean(nll))), unigram, digest.hexdigest()))
+    return results[0], results[1]
+
+
+def _quarter(model: Path) -> int:
+    """A quarter of the experts' bytes, at least one layer's experts (the streamer's floor)."""
+    shape = ModelShape.of(model)
+    return max(sum(shape.entry_bytes) * shape.n_expert // 4, max(shape.entry_bytes) * shape.n_expert)
+
+
+def _last_logits(llm: llama_cpp.Llama) -> np.ndarray:
+    ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
+
+
+def continuations(model: Path, run_dir: Path, n: int = 40) -> list[tuple[str, str]]:
+    """(prompt, greedy continuation) for PROMPTS and CHAT_PROMPTS (as one user turn)."""
+    tok = tokenizer.load(run_dir / "tokenizer.json")
+    llm = llama_cpp.Llama(str(model), n_ctx=512, n_threads=1, use_extra_bufts=False, verbose=False)
+    stop = {tok.token_to_id("<|im_end|>"), tok.token_to_id(corpus.DOC_SEPARATOR)}
+    out = []
+    try:
+        prompts = [(p, p) for p in PROMPTS]
+        prompts += [(p, f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n") for p in CHAT_PROMPTS]
+        for shown, text in prompts:
+            llm.reset()  # type: ignore[no-untyped-call]
+            llm.eval(tok.encode(text).ids)
+            ids: list[int] = []
+            for _ in range(n):
+                nxt = int(np.argmax(_last_logits(llm)))
+                if nxt in stop:
+                    break
+                ids.append(nxt)
+                llm.eval([nxt])
+            out.append((shown, tok.decode(ids)))
+    finally:
+        llm.close()
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRouting:
+    layer: int
+    skew: float  # the most used expert's share / (1 / n_expert)
+    reuse: float  # mean |E_t & E_t-1| / k over consecutive tokens
+
+
+def route_stats(trace: Trace) -> list[LayerRouting]:
+    """Per layer, over the trace's tokens (each turn's prompt, then its decode)."""
+    by_layer: dict[int, list[tuple[int, ...]]] = {}
+    for r in sorted(trace.routes, key=lambda r: (r.layer, r.turn, r.decode, r.step)):
+        by_layer.setdefault(r.layer, []).append(r.experts)
+    out = []
+    for layer, routes in sorted(by_layer.items()):
+        counts = np.bincount([e for r in routes for e in r], minlength=trace.n_expert)
+        skew = float(counts.max() / counts.sum() * trace.n_expert)
+        pairs = [len(set(a) & set(b)) / len(b) for a, b in zip(routes, routes[1:], strict=False)]
+        out.append(LayerRouting(layer, skew, float(np.mean(pairs)) if pairs else 0.0))
+    return out
+
+
+def record_trace(model: Path, prompt: str, out: Path, n_predict: int = 128) -> Trace:
+    """Greedy decode through `moeflash generate --record-route-trace` (streamed), parsed."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+        f.write(prompt)
+        f.flush()
+        cmd = [sys.executable, "-m", "server.cli", "generate", "-m", str(model), "--mode", "streaming",
+               "--threads", "1", "--temp", "0", "--ignore-eos", "--n-predict", str(n_predict),
+               "--prompt-file", f.name, "--record-route-trace", str(out)]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"moeflash generate failed: {done.stderr[-2000:]}")
+    return load_trace(out)
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.2f} / {float(np.median(values)):.2f} / {max(values):.2f}"
+
+
+def _routing_table(traces: Sequence[tuple[str, Trace]]) -> list[str]:
+    lines = [
+        "| trace | tokens | experts (k) | skew | reuse |",
+        "|---|---|---|---|---|",
+    ]
+    for name, trace in traces:
+        s = route_stats(trace)
+        spread = [_spread([x.skew for x in s]), _spread([x.reuse for x in s])]
+        tokens = len(trace.steps(False)) + len(trace.steps(True))
+        lines.append(f"| {name} | {tokens} | {trace.n_expert} ({trace.k}) | {spread[0]} | {spread[1]} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Measure a trained model: perplexity, continuations, routing")
+    p.add_argument("--run-dir", type=Path, required=True, help="the training run (tokenizer, token files)")
+    p.add_argument("--model", type=Path, required=True, help="the run exported as GGUF")
+    p.add_argument("--max-tokens", type=int, default=16384, help="held-out tokens to score")
+    p.add_argument(
+        "--trace-out", type=Path, default=Path("trained.route.csv"), help="where the route trace goes"
+    )
+    args = p.parse_args(argv)
+    res, stream = perplexity(args.model, args.run_dir, max_tokens=args.max_tokens)
+    if res.logits_sha256 != stream.logits_sha256:
+        raise SystemExit("streamed logits differ from resident ones")
+    print(f"## Perplexity ({res.tokens} held-out tokens)\n")
+    print(f"model {res.model:.2f}, unigram {res.unigram:.2f}, ratio {res.model / res.unigram:.3f} "
+          f"(streamed: identical logits, sha256 {res.logits_sha256[:16]})\n")  # fmt: skip
+    print("## Greedy continuations\n")
+    for prompt, text in continuations(args.model, args.run_dir):
+        print(f"- {prompt!r} -> {text!r}")
+    held = (args.run_dir / "corpus" / "heldout.txt").read_text(encoding="utf-8")
+    trace = record_trace(args.model, held.split(corpus.DOC_SEPARATOR)[0][:1000], args.trace_out)
+    print("\n## Routing (skew and reuse per layer: min / median / max)\n")
+    real = [(t.name, load_trace(t)) for t in REAL_TRACES if t.exists()]
+    print("\n".join(_routing_table([("trained", trace), *real])))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
