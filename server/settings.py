@@ -123,11 +123,22 @@ class ServerSettings(BaseSettings):
     )
     state_dir: Path = Field(
         default_factory=_default_state_dir,
-        description="where the server keeps what outlives a run, the hot sets of warm start "
+        description="where the server keeps what outlives a run: the hot sets of warm start, prompt states "
         "(default: $XDG_STATE_HOME/moeflash, else ~/.local/state/moeflash)",
     )
     hot_set_save_s: float = Field(
         60.0, ge=1, le=86400, description="seconds between saves of the hot set while the cache changes"
+    )
+    prompt_cache_ram: int | Literal["auto"] = Field(
+        "auto",
+        description="RAM for the prompt cache, the KV states of recent prompt prefixes restored instead of "
+        "prefilled again: a size (512M), auto (one full context's state) or 0 (no prompt cache); taken out "
+        "of the expert budget",
+    )
+    prompt_cache_flash: int = Field(
+        8 << 30,
+        description="flash for prompt states evicted from RAM or kept at shutdown, under the state directory "
+        "(a size; 0: none, the prompt cache does not outlive the process)",
     )
     allow_pull: bool = Field(
         False,
@@ -142,6 +153,18 @@ class ServerSettings(BaseSettings):
         if isinstance(value, str):
             return [item.strip() for item in value.split(",") if item.strip()]
         return value
+
+    @field_validator("prompt_cache_ram", mode="before")
+    @classmethod
+    def _parse_ram(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        return parse_size(value) if isinstance(value, str | int) and not isinstance(value, bool) else value
+
+    @field_validator("prompt_cache_flash", mode="before")
+    @classmethod
+    def _parse_flash(cls, value: Any) -> Any:
+        return parse_size(value) if isinstance(value, str | int) and not isinstance(value, bool) else value
 
     @field_validator("state_dir")
     @classmethod

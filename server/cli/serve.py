@@ -6,12 +6,15 @@ import argparse
 import logging
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from server.errors import ConfigError, ModelLoadError, MoeflashError
 from server.loading.loader import LoadedModel, load_model
 from server.loading.model_files import split_files
 from server.settings import ModelSettings, ServerSettings, add_arguments, settings_from_args
+
+if TYPE_CHECKING:
+    from server.loading.prompt_cache import PromptCache
 
 logger = logging.getLogger(__name__)
 
@@ -34,21 +37,25 @@ def _size(n: int) -> str:
 
 
 def load_served_model(server_settings: ServerSettings, settings: ModelSettings) -> LoadedModel:
-    """The engine's loader in `serve`: the model, warm-started when streamed (and asked for)."""
-    model = load_model(settings)
+    """The engine's loader in `serve`: the model with its prompt cache, warm-started when streamed
+    (and asked for)."""
+    ram = server_settings.prompt_cache_ram
+    model = load_model(settings, prompt_cache=None if ram == 0 else ram)
     info = model.info
     streamer = model.llama.streamer
-    if server_settings.warm_start and streamer is not None:
-        from server.loading.hot_set import WarmStart
+    try:
+        if ram != 0:
+            model.prompt_cache = _prompt_cache(server_settings, model)
+        if server_settings.warm_start and streamer is not None:
+            from server.loading.hot_set import WarmStart
 
-        try:
             model.warm_start = WarmStart(
                 streamer, info.path, server_settings.state_dir, save_every_s=server_settings.hot_set_save_s
             )
-        except BaseException:
-            model.close()
-            raise
-        logger.info("warm start: the hot set is kept in %s", model.warm_start.path)
+            logger.info("warm start: the hot set is kept in %s", model.warm_start.path)
+    except BaseException:
+        model.close()
+        raise
     budget = "no budget (resident)" if info.budget_bytes is None else f"budget {_size(info.budget_bytes)}"
     logger.info(
         "model ready: %s (architecture %s, file %s, %s, mode %s, context %d tokens)",
@@ -60,6 +67,31 @@ def load_served_model(server_settings: ServerSettings, settings: ModelSettings) 
         info.n_ctx,
     )
     return model
+
+
+def _prompt_cache(server_settings: ServerSettings, model: LoadedModel) -> PromptCache:
+    """The model's prompt cache, in the RAM its memory budget counted, its states on flash under
+    the state directory."""
+    from server.loading.prompt_cache import PromptCache, StateKey, Window, model_identity, state_directory
+
+    memory = model.llama.memory
+    key = StateKey.of(model.llama, model_identity(model.info.path))
+    flash = server_settings.prompt_cache_flash
+    directory = state_directory(server_settings.state_dir, model.info.path, key) if flash else None
+    cache = PromptCache(
+        key,
+        ram_bytes=memory.prompt_cache if memory is not None else 0,
+        flash_bytes=flash,
+        directory=directory,
+        window=Window.of(model.llama),
+    )
+    logger.info(
+        "prompt cache: %s in RAM, %s on flash%s",
+        _size(cache.ram_limit),
+        _size(flash),
+        f" in {directory}" if directory is not None else "",
+    )
+    return cache
 
 
 def run(args: argparse.Namespace) -> int:

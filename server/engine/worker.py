@@ -286,7 +286,14 @@ class Engine:
             return Finished(job.stats, None)
         before = model.llama.totals()
         try:
-            generate(model.llama, job.request, job.stats, job._post, lambda: job.cancelled)
+            generate(
+                model.llama,
+                job.request,
+                job.stats,
+                job._post,
+                lambda: job.cancelled,
+                prompt_cache=model.prompt_cache,
+            )
         except Exception as exc:  # noqa: BLE001 - handed to the request, which maps it to HTTP
             logger.exception("generation %s failed", job.id)
             # the KV cache may hold a half-decoded batch: start the next request clean

@@ -23,8 +23,10 @@ from server.loading.model_files import model_stem, split_files
 from server.settings import ModelSettings, RouteTraceSettings
 
 if TYPE_CHECKING:
+    from server.loading.budget import PromptCacheRam
     from server.loading.hot_set import WarmStart
     from server.loading.measured import MeasuredLlama
+    from server.loading.prompt_cache import PromptCache
     from server.loading.route_trace import ModelShape
 
 logger = logging.getLogger(__name__)
@@ -67,6 +69,8 @@ class LoadedModel:
     route_shape: ModelShape | None = None
     # the server's warm start of a streamed model (server/loading/hot_set.py), None elsewhere
     warm_start: WarmStart | None = None
+    # the server's prompt cache (server/loading/prompt_cache.py), None elsewhere
+    prompt_cache: PromptCache | None = None
     _closed: bool = field(default=False, repr=False)
 
     def idle(self) -> bool:
@@ -83,12 +87,14 @@ class LoadedModel:
             self.warm_start.save_if_due()
 
     def close(self) -> None:
-        """Save the hot set, then free the context and the model (idempotent)."""
+        """Save the hot set and the prompt states, then free the context and the model (idempotent)."""
         if not self._closed:
             self._closed = True
             try:
                 if self.warm_start is not None:
                     self.warm_start.close()
+                if self.prompt_cache is not None:
+                    self.prompt_cache.close(self.llama)
             finally:
                 self.llama.close()
 
@@ -129,9 +135,12 @@ def choose_mode(settings: ModelSettings, file_size: int) -> tuple[str, str]:
     return "streaming", f"auto: the file ({file_size / 2**30:.1f} GiB) exceeds 60% of {limit.source}"
 
 
-def load_model(settings: ModelSettings, routing: RouteTraceSettings | None = None) -> LoadedModel:
+def load_model(
+    settings: ModelSettings, routing: RouteTraceSettings | None = None, prompt_cache: PromptCacheRam = None
+) -> LoadedModel:
     """Load the model `settings` names, its routing replayed from or recorded to a route trace
-    as `routing` says; ModelLoadError/ConfigError when it cannot be."""
+    as `routing` says, `prompt_cache` RAM counted in its memory (the server's prompt cache, made
+    by the caller); ModelLoadError/ConfigError when it cannot be."""
     if settings.model is None:
         raise ConfigError("no model given (--model PATH or MOEFLASH_MODEL)")
     path = settings.model.expanduser().resolve()
@@ -165,7 +174,7 @@ def load_model(settings: ModelSettings, routing: RouteTraceSettings | None = Non
     if traced is not None:
         kwargs["tracer"] = traced[0]
     try:
-        llama = _load(settings, path, mode, kwargs)
+        llama = _load(settings, path, mode, {**kwargs, "prompt_cache": prompt_cache})
     except BaseException:
         if traced is not None:
             traced[0].close()

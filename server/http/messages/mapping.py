@@ -13,7 +13,11 @@ The mapping:
   output_config.format (a JSON schema)  -> the json_schema output format; its effort (low,
                                          medium, high) -> the template's reasoning_effort
 `thinking` and `metadata` are accepted and ignored, and so is `cache_control` wherever Anthropic
-allows it (system and content blocks, tool definitions): the KV cache reuses prefixes unasked.
+allows it (system and content blocks, tool definitions): the prompt cache keeps prefixes unasked.
+Claude Code opens its system prompt with an `x-anthropic-billing-header: ...; cch=...;` line
+whose checksum changes on every request: it would make every prompt differ from the first tokens
+on and defeat the prompt cache, so that block (or line) is dropped before rendering (llama.cpp's
+PR #20623 does the same).
 count_tokens renders its request through this same mapping, template and tokenizer, so its
 count is the prompt a Messages request with those fields is served.
 """
@@ -165,14 +169,27 @@ def _tool_choice(choice: ToolChoiceParam, has_tools: bool) -> ToolChoice:
     return choice.type
 
 
+_BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def _system_text(system: str | list[TextBlock] | None) -> str:
+    """The top-level system prompt's text without Claude Code's billing-header block (a text block,
+    or the first line of a string, that starts with `x-anthropic-billing-header:`)."""
+    if isinstance(system, str):
+        first, _, rest = system.partition("\n")
+        return rest if first.startswith(_BILLING_HEADER) else system
+    if not system:
+        return ""
+    return "".join(block.text for block in system if not block.text.startswith(_BILLING_HEADER))
+
+
 def to_chat_request(body: MessagesRequest | CountTokensRequest) -> ChatRequest:
     """The chat request that `body` means; InvalidRequest (naming the Messages field) if none.
     A count_tokens request has no sampling fields: its prompt is the same, its sampling unused."""
     messages: list[ChatMessage] = []
-    if isinstance(body.system, str) and body.system:
-        messages.append(ChatMessage("system", body.system))
-    elif isinstance(body.system, list) and body.system:
-        messages.append(ChatMessage("system", "".join(block.text for block in body.system)))
+    system = _system_text(body.system)
+    if system:
+        messages.append(ChatMessage("system", system))
     for i, message in enumerate(body.messages):
         if message.role == "system" and i == 0:
             # the top-level field holds the opening system prompt; a system turn only follows others
