@@ -4,6 +4,9 @@
   its experts streamed under a cap (the two must give byte-identical logits), against a unigram
   model of the training tokens (add-one smoothed) on the same predicted tokens.
 - continuations: greedy text from a few prompts, raw and as chat turns.
+- prefetch: a greedy decode streamed under a cap (a quarter of the experts' bytes), with no
+  read-ahead, the routing-history predictor and the router predictor (the default): hit rate,
+  how many experts each read ahead and how many of those were used, bytes read, decode speed.
 - route statistics per layer, of a recorded route trace (`moeflash generate
   --record-route-trace`, prompt and decode tokens in order) and of the real traces in
   bench/route-traces: `skew` (the most used expert's share over the uniform share 1/n_expert:
@@ -11,7 +14,7 @@
   alone) and `reuse` (the mean fraction of a token's experts that the token before it also
   used in that layer: k/n_expert for independent uniform routing).
 
-`python -m server.training.measure --run-dir RUN --model FILE.gguf` prints all three as
+`python -m server.training.measure --run-dir RUN --model FILE.gguf` prints them as
 Markdown; docs/training.md shows its output for the committed model.
 """
 
@@ -23,6 +26,7 @@ import hashlib
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,7 +37,7 @@ import numpy as np
 from server.loading.route_trace import ModelShape, Trace, load_trace
 from server.loading.streaming import load_streaming_llama
 from server.training import corpus, tokenizer
-from streaming_ext import Policy, StreamerConfig
+from streaming_ext import Policy, Prefetch, StreamerConfig
 
 PROMPTS = (
     "The for statement in Python",
@@ -150,6 +154,65 @@ def continuations(model: Path, run_dir: Path, n: int = 40) -> list[tuple[str, st
 
 
 @dataclasses.dataclass(frozen=True)
+class PrefetchRun:
+    """One greedy decode streamed under a cap: the decode's counters and time."""
+
+    prefetch: Prefetch
+    tokens: int
+    hits: int
+    misses: int
+    prefetched: int
+    prefetch_hits: int
+    bytes_read: int
+    flash_wait_s: float
+    seconds: float
+
+
+_COUNTED = ("hits", "misses", "prefetched", "prefetch_hits", "bytes_read", "flash_wait_ns")
+
+
+def prefetch_runs(model: Path, prompt_ids: list[int], n: int, budget: int) -> list[PrefetchRun]:
+    """Decode `n` tokens after the prompt with each predictor, `budget` bytes of experts."""
+    runs = []
+    for prefetch in (Prefetch.OFF, Prefetch.HISTORY, Prefetch.ROUTER):
+        config = StreamerConfig(policy=Policy.LAYER, prefetch=prefetch)
+        llm = load_streaming_llama(
+            model, config, budget=budget, follow_memory=False, n_ctx=512, n_threads=1,
+            n_threads_batch=1, flash_attn="off", verbose=False,
+        )  # fmt: skip
+        try:
+            llm.eval(prompt_ids)
+            before = {k: int(getattr(llm.stats(), k)) for k in _COUNTED}
+            start = time.perf_counter()
+            for _ in range(n):
+                llm.eval([int(np.argmax(_last_logits(llm)))])
+            seconds = time.perf_counter() - start
+            d = {k: int(getattr(llm.stats(), k)) - before[k] for k in _COUNTED}
+        finally:
+            llm.close()
+        runs.append(
+            PrefetchRun(prefetch, n, d["hits"], d["misses"], d["prefetched"], d["prefetch_hits"],
+                        d["bytes_read"], d["flash_wait_ns"] / 1e9, seconds)
+        )  # fmt: skip
+    return runs
+
+
+def _prefetch_table(runs: list[PrefetchRun]) -> list[str]:
+    lines = [
+        "| prefetch | hit rate | read ahead | of them used | MB read | flash wait s | decode tok/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        rate = r.hits / max(1, r.hits + r.misses)
+        used = f"{r.prefetch_hits / r.prefetched:.0%}" if r.prefetched else "-"
+        lines.append(
+            f"| {r.prefetch.name.lower()} | {rate:.1%} | {r.prefetched} | {used} | {r.bytes_read / 1e6:.1f} "
+            f"| {r.flash_wait_s:.2f} | {r.tokens / r.seconds:.1f} |"
+        )
+    return lines
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerRouting:
     layer: int
     skew: float  # the most used expert's share / (1 / n_expert)
@@ -219,8 +282,14 @@ def main(argv: list[str] | None = None) -> int:
     print("## Greedy continuations\n")
     for prompt, text in continuations(args.model, args.run_dir):
         print(f"- {prompt!r} -> {text!r}")
-    held = (args.run_dir / "corpus" / "heldout.txt").read_text(encoding="utf-8")
-    trace = record_trace(args.model, held.split(corpus.DOC_SEPARATOR)[0][:1000], args.trace_out)
+    held = (
+        (args.run_dir / "corpus" / "heldout.txt").read_text(encoding="utf-8").split(corpus.DOC_SEPARATOR)[0]
+    )
+    trace = record_trace(args.model, held[:1000], args.trace_out)
+    budget = _quarter(args.model)
+    prompt_ids = tokenizer.load(args.run_dir / "tokenizer.json").encode(held[:1000]).ids
+    print(f"\n## Prefetch under a cap of a quarter of the experts ({budget / 2**20:.1f} MiB), 128 tokens\n")
+    print("\n".join(_prefetch_table(prefetch_runs(args.model, prompt_ids, 128, budget))))
     print("\n## Routing (skew and reuse per layer: min / median / max)\n")
     real = [(t.name, load_trace(t)) for t in REAL_TRACES if t.exists()]
     print("\n".join(_routing_table([("trained", trace), *real])))

@@ -12,6 +12,7 @@ import torch
 from server.loading.route_trace import Route, Trace
 from server.modelgen.spec import QType
 from server.training import measure, train
+from tests.models import expert_layer_bytes
 
 
 def _trace(routes: list[tuple[int, ...]], n_expert: int) -> Trace:
@@ -58,3 +59,12 @@ def test_perplexity_is_the_torch_models(tiny_run: Path, tiny_gguf: Callable[[QTy
     assert resident.tokens == len(nll)
     assert resident.model == pytest.approx(float(np.exp(np.mean(nll))), rel=1e-2)
     assert resident.model < resident.unigram * 1.5
+
+
+def test_prefetch_runs_count_each_predictor(tiny_run: Path, tiny_gguf: Callable[[QType], Path]) -> None:
+    path = tiny_gguf(QType.Q8_0)
+    ids = np.fromfile(tiny_run / "heldout.bin", dtype=np.uint16)[:40].tolist()
+    runs = {r.prefetch.name: r for r in measure.prefetch_runs(path, ids, 8, expert_layer_bytes(path))}
+    assert runs["OFF"].prefetched == 0 and runs["OFF"].misses > 0
+    assert runs["ROUTER"].prefetched > 0 and 0 < runs["ROUTER"].prefetch_hits <= runs["ROUTER"].prefetched
+    assert all(r.tokens == 8 and r.hits + r.misses > 0 for r in runs.values())
