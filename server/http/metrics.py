@@ -125,6 +125,7 @@ class Metrics:
             "moeflash_request_decode_seconds", "decode time per request", registry=self.registry
         )
         self.registry.register(_EngineCollector(engine))
+        self.registry.register(_PromptCacheCollector(engine))
         # process_resident_memory_bytes (RSS) and friends, read from /proc at scrape time
         ProcessCollector(registry=self.registry)
 
@@ -139,3 +140,35 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PromptCacheCollector(Collector):
+    """The prompt cache's counters and bytes (server/loading/prompt_cache.py), read at scrape time;
+    0 without one."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def collect(self):  # type: ignore[no-untyped-def]  # prometheus_client's signature
+        model = self._engine.model
+        cache = model.prompt_cache if model is not None else None
+        stats = cache.stats() if cache is not None else None
+        hits, restored = (stats.hits, stats.restored_tokens) if stats else (0, 0)
+        yield CounterMetricFamily(
+            "moeflash_prompt_cache_hits", "prompts that restored a kept state", value=hits
+        )
+        yield CounterMetricFamily(
+            "moeflash_prompt_cache_restored_tokens",
+            "prompt tokens restored instead of prefilled",
+            value=restored,
+        )
+        yield GaugeMetricFamily(
+            "moeflash_prompt_cache_ram_bytes",
+            "prompt states held in RAM",
+            value=stats.ram_bytes if stats else 0,
+        )
+        yield GaugeMetricFamily(
+            "moeflash_prompt_cache_flash_bytes",
+            "prompt states on flash",
+            value=stats.flash_bytes if stats else 0,
+        )

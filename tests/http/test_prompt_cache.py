@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 
 from tests.servers import RunningServer, running_server
@@ -31,6 +32,14 @@ def _ask(server: RunningServer, messages: list[dict[str, str]]) -> tuple[str, in
     )
 
 
+def _metrics(server: RunningServer) -> dict[str, float]:
+    """/metrics' unlabelled samples by name."""
+    lines = httpx.get(server.base_url + "/metrics").text.splitlines()
+    return {
+        name: float(value) for name, _, value in (line.partition(" ") for line in lines if line[:1] != "#")
+    }
+
+
 def test_alternating_agents_keep_their_prefixes(tiny_model: Any, tmp_path: Path) -> None:
     """A, A, B, A (issue 40's table): the third A request restores A's state, saved when B came,
     and prefills only its last turn; after a restart its states come back from flash."""
@@ -46,6 +55,10 @@ def test_alternating_agents_keep_their_prefixes(tiny_model: Any, tmp_path: Path)
         answer, a3, a3_cached = _ask(server, a)
         cache = server.model.prompt_cache
         assert cache is not None and cache.hits == 1
+        metrics = _metrics(server)
+        assert metrics["moeflash_prompt_cache_hits_total"] == 1
+        assert metrics["moeflash_prompt_cache_restored_tokens_total"] == a3_cached
+        assert metrics["moeflash_prompt_cache_ram_bytes"] == cache.stats().ram_bytes > 0
     assert a1_cached == 0 and a1 > 300 and b1 > 300
     assert a2_cached >= a1 - 8  # the live KV cache: the first answer's rendering may differ at its end
     assert b1_cached < 16  # only the template's opening is shared
