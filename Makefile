@@ -28,6 +28,7 @@ CTEST_CFLAGS := -std=c11 -O1 -g -Wall -Wextra -Werror -Wshadow -D_GNU_SOURCE -Is
 	-I$(LLAMA_SRC)/ggml/include -I$(LLAMA_SRC)/include
 EXT_LIB := streaming_ext/lib/libmoeflash_stream.so
 EXT_ASAN_LIB := streaming_ext/lib/libmoeflash_stream_asan.so
+EXT_DECLARED := streaming_ext/_declared.py
 CTEST_BIN := tests/c/build/test_ready_hook
 CTEST_FRAMES := tests/c/build/test_frames
 CTEST_IDENTITY := tests/c/build/test_stream_identity
@@ -135,7 +136,11 @@ $(VENV)/.install-stamp: pyproject.toml $(VENV)/.deps-stamp
 llama: $(VENV)/.deps-stamp
 	vendor/llama.cpp/build.sh $(VPY)
 
-ext: $(EXT_LIB) $(EXT_ASAN_LIB) $(CTEST_BIN) $(CTEST_FRAMES) $(CTEST_IDENTITY)
+ext: $(EXT_LIB) $(EXT_DECLARED) $(EXT_ASAN_LIB) $(CTEST_BIN) $(CTEST_FRAMES) $(CTEST_IDENTITY)
+
+# the counters and enums moeflash_stream.h declares, as Python (the typed record every figure reads)
+$(EXT_DECLARED): $(EXT_LIB) streaming_ext/declarations.py
+	$(VPY) streaming_ext/declarations.py $(EXT_LIB) $@
 
 $(EXT_LIB): $(EXT_SRC) $(EXT_HDR) $(LLAMA_STAMP) Makefile
 	@mkdir -p $(dir $@)
@@ -272,7 +277,7 @@ lint: setup-dev
 	$(VENV)/bin/hadolint Dockerfile
 
 clean:
-	rm -rf streaming_ext/lib tests/c/build .pytest_cache .mypy_cache .ruff_cache
+	rm -rf streaming_ext/lib streaming_ext/_declared.py tests/c/build .pytest_cache .mypy_cache .ruff_cache
 
 distclean: clean
 	rm -rf $(VENV) vendor/llama.cpp/llama-cpp-python vendor/llama.cpp/build vendor/llama.cpp/.cache models

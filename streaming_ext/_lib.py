@@ -8,6 +8,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from streaming_ext._declared import DIGEST, STATS
+from streaming_ext.declarations import read_declarations
+
 logger = logging.getLogger(__name__)
 
 LIB_ENV = "MOEFLASH_STREAM_LIB"
@@ -36,36 +39,9 @@ class MfConfig(ctypes.Structure):
 
 
 class MfStats(ctypes.Structure):
-    """struct mf_stats (moeflash_stream.h): cumulative counters, under the C names."""
+    """struct mf_stats (moeflash_stream.h): every declared counter, a uint64_t, in C order."""
 
-    _fields_ = [
-        (name, ctypes.c_uint64)
-        for name in (
-            "routes",
-            "hits",
-            "misses",
-            "evictions",
-            "bytes_read",
-            "reads",
-            "flash_wait_ns",
-            "cache_ns",
-            "read_ns",
-            "dense_bytes",
-            "resident_bytes",
-            "violations",
-            "errors",
-            "direct_io",
-            "prefetched",
-            "prefetch_hits",
-            "mapped_bytes",
-            "hold_all",
-            "routing_off",
-            "expert_memory_bytes",
-            "frames_released",
-            "budget_bytes",
-            "restored",
-        )
-    ]
+    _fields_ = [(stat.name, ctypes.c_uint64) for stat in STATS]
 
 
 class MfRouteRecord(ctypes.Structure):
@@ -81,9 +57,6 @@ class MfRouteRecord(ctypes.Structure):
         ("weight", ctypes.c_float),
     ]
 
-
-# the counters' names, in struct order (StreamerStats has the same fields)
-STAT_FIELDS: tuple[str, ...] = tuple(field[0] for field in MfStats._fields_)
 
 # the ctypes structs shared with C, by the name the library's layout functions use (mf_<name>_*)
 SHARED_STRUCTS: tuple[tuple[str, type[ctypes.Structure]], ...] = (
@@ -243,6 +216,9 @@ def load_library(path: Path | None = None) -> StreamLib:
     if not lib.patched_build():
         raise StreamLibError(f"{lib_path} is linked against an unpatched llama.cpp; run `make setup`")
     problems = [p for name, struct in SHARED_STRUCTS for p in layout_mismatches(cdll, name, struct)]
+    declared = read_declarations(cdll).digest()
+    if declared != DIGEST:
+        problems.append(f"its counters and enums (digest {declared}) differ from _declared.py's ({DIGEST})")
     if problems:
         detail = "; ".join(problems)
         raise StreamLibError(

@@ -1,8 +1,10 @@
 """The expert streamer as a Python object: configuration, life cycle, callback, counters.
 
-A Streamer is created for one GGUF before the model loads; its two buffer types go into the
-model's tensor_buft_overrides and its C callback into the context's cb_eval (see
-server/loading/streaming.py, which builds the llama_cpp.Llama). Nothing here runs per graph node:
+The counters (StreamerStats) and the enums (Policy, Prefetch, Reader) are generated from the C
+header's declarations (streaming_ext/declarations.py). A Streamer is created for one GGUF before
+the model loads; its two buffer types go into the model's tensor_buft_overrides and its C
+callback into the context's cb_eval (see server/loading/streaming.py, which builds the
+llama_cpp.Llama). Nothing here runs per graph node:
 the per-node path is entirely in C.
 """
 
@@ -13,38 +15,15 @@ import errno
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from enum import IntEnum
+from dataclasses import dataclass
 from pathlib import Path
 
-from streaming_ext._lib import STAT_FIELDS, MfConfig, MfStats, StreamLib, load_library
+from streaming_ext._declared import Policy, Prefetch, Reader, StreamerStats
+from streaming_ext._lib import MfConfig, MfStats, StreamLib, load_library
 
 logger = logging.getLogger(__name__)
 
 _ERR_LEN = 512
-
-
-class Policy(IntEnum):
-    """enum mf_policy: how the expert cache chooses what to evict."""
-
-    LRU = 0
-    LAYER = 1  # expected next use from the layer cycle and decayed routing frequency (default)
-    NONE = 2  # no cache: only the running layer's experts stay
-
-
-class Prefetch(IntEnum):
-    """enum mf_prefetch: what predicts the next layer's experts for prefetch."""
-
-    OFF = 0
-    ROUTER = 1  # the next layer's router on this layer's input (default)
-    HISTORY = 2  # which experts followed this layer's in past tokens (routing alone)
-
-
-class Reader(IntEnum):
-    """enum mf_reader: how expert bytes are read."""
-
-    DIRECT = 0  # O_DIRECT, straight into place; buffered when the file system refuses it
-    BUFFERED = 1
 
 
 class StreamerError(Exception):
@@ -75,59 +54,6 @@ class StreamerConfig:
     skip_expert: int = 0
     # read the next layer's predicted experts while this layer computes, predicted by
     prefetch: Prefetch = Prefetch.ROUTER
-
-
-@dataclass(frozen=True)
-class StreamerStats:
-    """Cumulative counters of a streamer: struct mf_stats, same names and order (STAT_FIELDS).
-
-    Subtract two for a delta.
-    """
-
-    routes: int
-    hits: int
-    misses: int
-    evictions: int
-    bytes_read: int
-    reads: int
-    flash_wait_ns: int  # time the computation waited for expert reads
-    cache_ns: int  # time spent in cache bookkeeping on the decode path
-    read_ns: int
-    dense_bytes: int
-    resident_bytes: int
-    violations: int
-    errors: int
-    direct_io: int
-    prefetched: int
-    prefetch_hits: int  # of the prefetched entries, those routed by the layer they were read for
-    mapped_bytes: int
-    hold_all: int  # 1: the budget holds every expert (in place, huge pages, no evictions)
-    routing_off: int  # 1: all of them resident, routing is no longer observed (hits stop counting)
-    expert_memory_bytes: int  # expert memory with pages now: frames in use and free ones kept warm
-    frames_released: int  # free frames whose pages went back to the kernel
-    budget_bytes: int  # the expert budget now (it follows memory pressure)
-    restored: int  # entries read back by warm start (Streamer.restore)
-
-    def __sub__(self, other: StreamerStats) -> StreamerStats:
-        a, b = asdict(self), asdict(other)
-        # gauges stay as they are now; counters become deltas
-        gauges = {
-            "resident_bytes",
-            "direct_io",
-            "dense_bytes",
-            "expert_memory_bytes",
-            "budget_bytes",
-            "mapped_bytes",
-            "hold_all",
-            "routing_off",
-        }
-        return StreamerStats(**{k: a[k] if k in gauges else a[k] - b[k] for k in a})
-
-    @property
-    def hit_rate(self) -> float:
-        """Hits over routed entries (0 when nothing was routed)."""
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
 
 
 class Streamer:
@@ -226,7 +152,7 @@ class Streamer:
         """The cumulative counters (a lock-free copy)."""
         raw = MfStats()
         self.lib.cdll.mf_streamer_get_stats(self.handle, ctypes.byref(raw))
-        return StreamerStats(**{name: int(getattr(raw, name)) for name in STAT_FIELDS})
+        return StreamerStats(**{stat.name: int(getattr(raw, stat.name)) for stat in StreamerStats.declared()})
 
     def preload(self) -> None:
         """Read every expert now (the budget must hold them all)."""

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from server.bench.targets import check_targets
+from server.loading.measured import DecodeStep
 from server.loading.route_trace import load_trace
 
 if TYPE_CHECKING:
@@ -19,44 +20,44 @@ if TYPE_CHECKING:
 
 
 def decode_figures(run: Run) -> dict[str, float] | None:
-    """Per-token means of a run's decode steps (seconds, bytes, hits).
+    """Per-token means of a run's decode steps (seconds, bytes) and its hit rates, read from the
+    steps' records (server/loading/measured.py DecodeStep, which defines each figure).
 
     Hit rates are over the tokens whose routing was watched, and absent when none was (every
-    expert resident: the streamer stops watching).
+    expert resident: the streamer stops watching). bytes_read is the streamer's expert reads,
+    or for a resident run what the process read from storage (its page faults).
     """
     if not run.ok:
         return None
     toks = run.report.get("per_token") or []
     if not toks:
         return None
-    n = len(toks)
-
-    def mean(key: str) -> float:
-        return sum(float(t.get(key) or 0) for t in toks) / n
-
+    steps = [DecodeStep.from_json(t) for t in toks]
+    n = len(steps)
+    total = sum(steps[1:], steps[0])
+    s = total.streamer
+    reads = s.bytes_read if s is not None else sum(int(t.get("storage_read_bytes") or 0) for t in toks)
     # the report's records are in ns (streaming_ext's names); these figures in seconds
     out = {
-        "tok_s_median": 1e9 / statistics.median(float(t["wall_ns"]) for t in toks),
-        "tok_s_mean": n * 1e9 / sum(float(t["wall_ns"]) for t in toks),
-        "seconds": mean("wall_ns") / 1e9,
-        "compute_s": mean("compute_ns") / 1e9,
-        "flash_wait_s": mean("flash_wait_ns") / 1e9,
-        "cache_s": mean("cache_ns") / 1e9,
-        "bytes_read": mean("bytes_read"),
+        "tok_s_median": 1e9 / statistics.median(step.wall_ns for step in steps),
+        "tok_s_mean": n * 1e9 / total.wall_ns,
+        "seconds": total.wall_ns / n / 1e9,
+        "compute_s": (total.compute_ns or 0) / n / 1e9,
+        "flash_wait_s": (s.flash_wait_ns if s is not None else 0) / n / 1e9,
+        "cache_s": (s.cache_ns if s is not None else 0) / n / 1e9,
+        "bytes_read": reads / n,
     }
-    watched = [t for t in toks if t.get("hits") is not None]
-    if not watched and run.report.get("mode") == "streaming":
+    watched = [step for step in steps if step.routed]
+    if not watched:
         return out
-    hits = sum(float(t.get("hits") or 0) for t in watched)
-    misses = sum(float(t.get("misses") or 0) for t in watched)
-    used = sum(float(t.get("prefetch_hits") or 0) for t in watched)
-    routed = hits + misses
-    return out | {
-        "miss_rate": misses / routed if routed else 0.0,
-        # resident before any read of this token: the cache's own hits, prefetches apart
-        "cache_hit_rate": (hits - used) / routed if routed else 0.0,
-        "prefetch_hit_rate": used / routed if routed else 0.0,
+    routed = sum(watched[1:], watched[0])
+    figures = {
+        "hit_rate": routed.hit_rate,
+        "cache_hit_rate": routed.cache_hit_rate,
+        "prefetch_hit_rate": routed.prefetch_hit_rate,
+        "prefetch_accuracy": routed.prefetch_accuracy,
     }
+    return out | {name: value for name, value in figures.items() if value is not None}
 
 
 def _median_tok_s(run: Run) -> float | None:
@@ -254,7 +255,7 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
             "overlap_efficiency": _ratio(ideal, sd["seconds"] if sd else None),
             "memory_discipline": memory,
             "memory_discipline_full_context": memory_full,
-            "hit_rate": 1.0 - sd["miss_rate"] if sd and "miss_rate" in sd else None,
+            "hit_rate": sd.get("hit_rate") if sd else None,
             "cache_hit_rate": sd.get("cache_hit_rate") if sd else None,
             "prefetch_hit_rate": sd.get("prefetch_hit_rate") if sd else None,
             "read_fraction": sd["bytes_read"] / routed if sd and routed else None,
@@ -271,18 +272,14 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
 def _prefetch_figures(run: Run | None) -> dict[str, Any] | None:
     """Decode rate, hit rates and the prefetch's accuracy of one capped run."""
     d = decode_figures(run) if run else None
-    if not d or "miss_rate" not in d or run is None:
+    if not d or "hit_rate" not in d:
         return None
-    toks = run.report["per_token"]
-    prefetched = sum(int(t.get("prefetched") or 0) for t in toks)
-    used = sum(int(t.get("prefetch_hits") or 0) for t in toks)
     return {
         "tok_s": d["tok_s_median"],
-        "hit_rate": 1.0 - d["miss_rate"],
+        "hit_rate": d["hit_rate"],
         "cache_hit_rate": d["cache_hit_rate"],
         "prefetch_hit_rate": d["prefetch_hit_rate"],
-        # of the entries read ahead, the share their layer then routed
-        "prefetch_accuracy": used / prefetched if prefetched else None,
+        "prefetch_accuracy": d.get("prefetch_accuracy"),
         "bytes_read": d["bytes_read"],
         "per_token_split_s": {k: d[k] for k in ("compute_s", "flash_wait_s", "cache_s")},
     }

@@ -93,14 +93,10 @@ def markdown(result: BenchResult, command: str) -> str:
         r = run.report
         d = decode_figures(run)
         n_dec = max(1, r.get("decode_tokens", 1))
-        # per decoded token; a report from before resident runs recorded their reads per token
-        # spreads the whole run's (load and prompt too) over every token
-        has_reads = bool(r.get("per_token")) and r["per_token"][0].get("bytes_read") is not None
-        read_per_tok = (
-            d["bytes_read"] / 1e6
-            if d and has_reads
-            else r.get("storage_read_bytes", 0) / (r["prompt_tokens"] + n_dec) / 1e6
-        )
+        # per decoded token; a run without decode records spreads the whole run's reads (load
+        # and prompt too) over every token
+        spread = r.get("storage_read_bytes", 0) / (r["prompt_tokens"] + n_dec)
+        read_per_tok = (d["bytes_read"] if d else spread) / 1e6
         cgroup_peak = _fmt(run.cgroup_peak_bytes / _MIB if run.cgroup_peak_bytes else None, ".0f")
         split = (
             f"{d['compute_s'] * 1e3:.0f} / {d['flash_wait_s'] * 1e3:.0f} / {d['cache_s'] * 1e3:.0f}"
@@ -301,7 +297,7 @@ def _mb(n: float | None) -> str:
 
 def _hits(d: dict[str, float]) -> str:
     """Routed experts found resident: by the cache's own keeping + by a prefetch."""
-    if "miss_rate" not in d:
+    if "hit_rate" not in d:
         return "all resident"  # the streamer stops watching routing once it holds every expert
     return f"{d['cache_hit_rate']:.1%} + {d['prefetch_hit_rate']:.1%}"
 

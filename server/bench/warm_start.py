@@ -269,7 +269,7 @@ def _restart(
             while server.metric("moeflash_warm_start_pending_experts") > 0:
                 time.sleep(_POLL_S)
             read_back_s = time.monotonic() - server.started - ready_s
-        restored = int(server.metric("moeflash_experts_restored_total"))
+        restored = int(server.metric("moeflash_streamer_restored_total"))
         got = _chat(server.url, messages, tokens, bias)
     finally:
         server.stop()

@@ -9,6 +9,7 @@ the benchmark harness runs this command under memory caps, so what it measures i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import resource
@@ -30,26 +31,19 @@ logger = logging.getLogger(__name__)
 _MB = 1e6
 
 
-@dataclass
+@dataclass(frozen=True)
 class TokenRecord:
-    """The decode step that produced one token (after the first): its wall time and, streamed, the
-    streamer's counters over it, named as in C (streaming_ext.StreamerStats). A resident step's
-    bytes_read is what the kernel read for the process (its page faults)."""
+    """One token (after the first) and the decode step that produced it (the record every figure
+    reads: server/loading/measured.py), with what the process read from storage meanwhile
+    (/proc/self/io: a resident model's page faults; a streamed model's expert reads are the
+    step's bytes_read)."""
 
     token: int
-    wall_ns: int
-    compute_ns: int | None = None
-    flash_wait_ns: int | None = None
-    cache_ns: int | None = None
-    bytes_read: int | None = None
-    # None: routing was not watched (every expert resident), not "no hits"
-    hits: int | None = None
-    misses: int | None = None
-    evictions: int | None = None
-    prefetched: int | None = None
-    prefetch_hits: int | None = None
-    expert_memory_bytes: int | None = None
-    budget_bytes: int | None = None  # the expert budget during the step (it follows memory pressure)
+    step: DecodeStep
+    storage_read_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"token": self.token, "storage_read_bytes": self.storage_read_bytes, **self.step.to_json()}
 
 
 @dataclass
@@ -77,12 +71,21 @@ class GenerateReport:
     budget_reason: str | None = None
     # what the process holds beside the expert cache (server/loading/budget.py MemoryTerms), bytes
     memory: dict[str, Any] = field(default_factory=dict)
-    prompt_bytes_read: int | None = None  # the prompt's reads, as TokenRecord.bytes_read
-    # the streamer's counters over the whole run (streaming_ext.StreamerStats)
-    totals: dict[str, Any] = field(default_factory=dict)
+    # the prompt's reads: the streamer's expert reads, or a resident model's page faults
+    prompt_bytes_read: int | None = None
+    # every decode call of the run (the prompt's included) as one record; None for a resident model
+    totals: DecodeStep | None = None
     per_token: list[TokenRecord] = field(default_factory=list)
     # the trace every token was routed by (lossy: not the model's own output), None for its own
     route_trace: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The --json report: its fields, the records in their JSON form (DecodeStep.to_json)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return fields | {
+            "totals": self.totals.to_json() if self.totals is not None else {},
+            "per_token": [record.to_json() for record in self.per_token],
+        }
 
 
 def register(subparsers: Any) -> None:
@@ -163,41 +166,19 @@ def _storage_read_bytes() -> int:
     return 0
 
 
-def _record(token: int, step: DecodeStep, storage_read: int) -> TokenRecord:
-    """A token's record: its step's streamer counters, or for a resident model its page faults."""
-    s = step.streamer
-    if s is None:
-        return TokenRecord(token=token, wall_ns=step.wall_ns, bytes_read=storage_read)
-    return TokenRecord(
-        token=token,
-        wall_ns=step.wall_ns,
-        compute_ns=step.compute_ns,
-        flash_wait_ns=s.flash_wait_ns,
-        cache_ns=s.cache_ns,
-        bytes_read=s.bytes_read,
-        hits=s.hits if step.routed else None,
-        misses=s.misses if step.routed else None,
-        evictions=s.evictions,
-        prefetched=s.prefetched,
-        prefetch_hits=s.prefetch_hits if step.routed else None,
-        expert_memory_bytes=s.expert_memory_bytes,
-        budget_bytes=s.budget_bytes,
-    )
-
-
 def _telemetry_line(i: int, r: TokenRecord) -> str:
-    line = f"tok {i:4d} {r.token:7d} | {r.wall_ns / 1e6:8.1f} ms"
-    if r.compute_ns is not None:
+    step, s = r.step, r.step.streamer
+    line = f"tok {i:4d} {r.token:7d} | {step.wall_ns / 1e6:8.1f} ms"
+    if s is not None:
         line += (
-            f" | compute {r.compute_ns / 1e6:7.1f} ms | flash wait {(r.flash_wait_ns or 0) / 1e6:7.1f} ms"
-            f" | cache {(r.cache_ns or 0) / 1e6:6.1f} ms | read {(r.bytes_read or 0) / _MB:7.1f} MB"
+            f" | compute {(step.compute_ns or 0) / 1e6:7.1f} ms | flash wait {s.flash_wait_ns / 1e6:7.1f} ms"
+            f" | cache {s.cache_ns / 1e6:6.1f} ms | read {s.bytes_read / _MB:7.1f} MB"
             + (
-                f" | hits {r.hits}/{(r.hits or 0) + (r.misses or 0)}"
-                f" (prefetched {r.prefetch_hits}/{r.prefetched})"
-                if r.hits is not None
+                f" | hits {s.hits}/{s.hits + s.misses} (prefetched {s.prefetch_hits}/{s.prefetched})"
+                if step.routed
                 else " | every expert resident"
             )
-            + f" | budget {(r.budget_bytes or 0) / _MB:7.1f} MB"
+            + f" | budget {s.budget_bytes / _MB:7.1f} MB"
         )
     return line
 
@@ -230,7 +211,7 @@ def run_generation(
                 prompt_work.streamer.bytes_read if prompt_work.streamer is not None else storage - storage0
             )
         else:
-            records.append(_record(tokens[-1], step, storage - storage_step))
+            records.append(TokenRecord(tokens[-1], step, storage - storage_step))
             if args.telemetry and not args.json:
                 print(_telemetry_line(len(records), records[-1]), file=sys.stderr)
         storage_step = storage
@@ -246,8 +227,8 @@ def run_generation(
     )
     stats = GenerationStats()
     generate(llama, GenerationRequest(prompt, params), stats, emit, lambda: False, on_token)
-    decode_s = sum(r.wall_ns for r in records) / 1e9
-    per_tok = sorted(r.wall_ns for r in records)
+    decode_s = sum(r.step.wall_ns for r in records) / 1e9
+    per_tok = sorted(r.step.wall_ns for r in records)
     median_s = per_tok[len(per_tok) // 2] / 1e9 if per_tok else 0.0
     usage = resource.getrusage(resource.RUSAGE_SELF)
     run_totals = llama.totals() - totals0
@@ -276,7 +257,7 @@ def run_generation(
     if model.info.budget_bytes is not None and run_totals.streamer is not None:
         report.budget_bytes = model.info.budget_bytes
         report.budget_reason = model.info.budget_reason
-        report.totals = asdict(run_totals.streamer)
+        report.totals = run_totals
     return report
 
 
@@ -289,21 +270,20 @@ def _summary(r: GenerateReport) -> str:
     ]
     if r.route_trace:
         lines.append(f"routing replayed from {r.route_trace}: the text is not the model's own")
-    if r.budget_bytes is not None:
-        t = r.totals
-        routed = max(1, t["hits"] + t["misses"])
+    if r.budget_bytes is not None and r.totals is not None and r.totals.streamer is not None:
+        step, t = r.totals, r.totals.streamer
         hits = (
-            f"hit rate {t['hits'] / routed:.1%} (cache {(t['hits'] - t['prefetch_hits']) / routed:.1%}, "
-            f"prefetch {t['prefetch_hits']} of {t['prefetched']} read ahead used)"
+            f"hit rate {step.hit_rate or 0:.1%} (cache {step.cache_hit_rate or 0:.1%}, "
+            f"prefetch {t.prefetch_hits} of {t.prefetched} read ahead used)"
         )
-        if t["routing_off"]:
-            watched = f": before, over {t['routes']} routes, {hits}" if t["routes"] else ""
+        if t.routing_off:
+            watched = f": before, over {t.routes} routes, {hits}" if t.routes else ""
             hits = f"every expert resident, routing no longer watched{watched}"
         lines.append(
             f"experts: budget {r.budget_bytes / 2**20:.0f} MiB ({r.budget_reason}); {hits}; "
-            f"read {t['bytes_read'] / _MB:.0f} MB; "
-            f"flash wait {t['flash_wait_ns'] / 1e9:.2f} s; cache {t['cache_ns'] / 1e9:.2f} s; "
-            f"O_DIRECT {'on' if t['direct_io'] else 'off'}"
+            f"read {t.bytes_read / _MB:.0f} MB; "
+            f"flash wait {t.flash_wait_ns / 1e9:.2f} s; cache {t.cache_ns / 1e9:.2f} s; "
+            f"O_DIRECT {'on' if t.direct_io else 'off'}"
         )
     return "\n".join(lines)
 
@@ -327,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         model.close()
     if args.json:
-        print(json.dumps(asdict(report)))
+        print(json.dumps(report.to_json()))
     else:
         print()
         print(_summary(report), file=sys.stderr)

@@ -9,6 +9,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.engine.token_loop import GenerationStats
 from server.engine.worker import Engine
+from streaming_ext import StreamerStats
+from streaming_ext.declarations import Stat
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -21,58 +23,44 @@ class _EngineCollector(Collector):
 
     def collect(self):  # type: ignore[no-untyped-def]  # prometheus_client's signature
         yield GaugeMetricFamily(
-            "moeflash_queue_depth", "requests waiting for the model", value=self._engine.queue_depth
+            "moeflash_queue_depth", "requests waiting for the model (now)", value=self._engine.queue_depth
         )
         yield GaugeMetricFamily(
-            "moeflash_busy", "1 while a generation runs", value=int(self._engine.running_job is not None)
+            "moeflash_busy",
+            "1 while a generation runs (now)",
+            value=int(self._engine.running_job is not None),
         )
         yield GaugeMetricFamily(
             "moeflash_model_ready",
-            "1 once the model is loaded",
+            "1 once the model is loaded (now)",
             value=int(self._engine.state.value == "ready"),
         )
+        # every counter the streamer declares (moeflash_stream.h), under its C name; nanoseconds
+        # become seconds (Prometheus's base unit). Resident models stream nothing: their values
+        # are 0, so that dashboards still work.
         totals = self._engine.totals()
-        # resident models stream nothing: the counters are exported as 0 so dashboards still work
         s = totals.streamer if totals is not None else None
-        yield CounterMetricFamily("moeflash_expert_cache_hits", "expert cache hits", value=s.hits if s else 0)
-        yield CounterMetricFamily(
-            "moeflash_expert_cache_misses", "expert cache misses", value=s.misses if s else 0
-        )
-        yield CounterMetricFamily(
-            "moeflash_expert_bytes_read", "expert bytes read from flash", value=s.bytes_read if s else 0
-        )
-        yield CounterMetricFamily(
-            "moeflash_flash_wait_seconds",
-            "time decode waited for expert reads",
-            value=s.flash_wait_ns / 1e9 if s else 0.0,
-        )
-        yield CounterMetricFamily(
-            "moeflash_cache_seconds",
-            "time decode spent managing the expert cache",
-            value=s.cache_ns / 1e9 if s else 0.0,
-        )
-        yield GaugeMetricFamily(
-            "moeflash_expert_memory_bytes",
-            "expert cache memory in use (frames of resident experts and free ones kept warm)",
-            value=s.expert_memory_bytes if s else 0,
-        )
-        yield CounterMetricFamily(
-            "moeflash_experts_restored",
-            "experts read back by warm start (the last run's hot set)",
-            value=s.restored if s else 0,
-        )
+        for stat in StreamerStats.declared():
+            name, value = metric_of(stat, s)
+            family = CounterMetricFamily if stat.kind == "COUNTER" else GaugeMetricFamily
+            scope = "since the model loaded" if stat.kind == "COUNTER" else "now"
+            yield family(name, f"{stat.text} ({scope})", value=value)
         model = self._engine.model
         warm = model.warm_start if model is not None else None
         yield GaugeMetricFamily(
             "moeflash_warm_start_pending_experts",
-            "experts of the last run's hot set still to be read back",
+            "experts of the last run's hot set still to be read back (now)",
             value=warm.pending_experts if warm is not None else 0,
         )
-        yield GaugeMetricFamily(
-            "moeflash_expert_budget_bytes",
-            "the expert cache's budget now (it follows memory pressure)",
-            value=s.budget_bytes if s else 0,
-        )
+
+
+def metric_of(stat: Stat, stats: StreamerStats | None) -> tuple[str, float]:
+    """A streamer counter's Prometheus name (moeflash_streamer_<C name>, `_ns` as `_seconds`) and
+    value (0 without a streamer)."""
+    value = float(getattr(stats, stat.name)) if stats is not None else 0.0
+    if stat.unit == "NS":
+        return f"moeflash_streamer_{stat.name.removesuffix('_ns')}_seconds", value / 1e9
+    return f"moeflash_streamer_{stat.name}", value
 
 
 class MetricsMiddleware:

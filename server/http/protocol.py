@@ -400,18 +400,26 @@ class ChoiceLogprobs(OutModel):
 
 
 class Timings(BaseModel):
-    """moeflash extension: where the time of one response went. Streamed chunks carry the same
-    for the token(s) they hold (prompt_ms null), plus prefetch_hits, expert_memory_bytes and
-    budget_bytes."""
+    """moeflash extension: where the time of a response went, at the scope it names: "request"
+    (the final response or chunk: every decode call of the request) or "token" (a streamed chunk:
+    the decode step of the token(s) it carries; prompt_ms null). Streamer figures are null for a
+    resident model; gauges (expert_memory_bytes, budget_bytes) are as at the scope's end."""
 
-    prompt_ms: float
+    scope: Literal["token", "request"]
+    prompt_ms: float | None
     decode_ms: float
     tok_per_s: float | None
     flash_wait_ms: float | None
     compute_ms: float | None
     cache_ms: float | None
+    # routed experts found resident, cached or read ahead (null when routing was not watched)
     hit_rate: float | None
     bytes_read: int | None
+    # routed experts that a read-ahead had brought in
+    prefetch_hits: int | None
+    # the expert cache's memory with pages, and its budget (which follows memory pressure)
+    expert_memory_bytes: int | None
+    budget_bytes: int | None
 
 
 # the timings as server/http/timings.py makes them, passed through (documented as Timings)

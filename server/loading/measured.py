@@ -4,7 +4,9 @@ A decode step is one llama_decode: its tokens, its wall time and, for a streamed
 expert streamer's counters over it (streaming_ext.StreamerStats, named as in C). The token loop
 hands a step to whoever watches the tokens (the HTTP timings, `moeflash generate`'s telemetry);
 `totals()` is the same record summed since the load, which the engine subtracts around a job and
-/metrics exports. One record, one set of names, from the C counters to the API timings.
+/metrics exports. One record, one set of names, from the C counters (declared once in
+moeflash_stream.h) to the API timings, and each derived figure (compute time, the hit rates)
+defined once, on the record.
 """
 
 from __future__ import annotations
@@ -12,16 +14,17 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import llama_cpp
 
 from server.errors import ConfigError, ExpertReadError
+from streaming_ext import StreamerStats
 
 if TYPE_CHECKING:
     from server.loading.budget import MemoryTerms
     from server.loading.pressure import MemoryWatch
-    from streaming_ext import RouteTracer, Streamer, StreamerStats
+    from streaming_ext import RouteTracer, Streamer
 
 # decode steps kept: the server reads the latest, `generate` one per token of a run
 _STEPS_KEPT = 4096
@@ -29,11 +32,17 @@ _STEPS_KEPT = 4096
 
 @dataclass(frozen=True)
 class DecodeStep:
-    """One llama_decode call (or, from `totals()` and subtraction, a sum of them)."""
+    """One llama_decode call, or a span of them (summed with +, or `totals()` differences): the
+    record every figure of the server, `generate --json` and the benchmarks is read from.
+
+    The figures below are each defined here once. Their scope is the record's: a token's step, a
+    request's decode calls, a benchmark run. A gauge among the counters (declared GAUGE in C) is
+    the value at the end of the span.
+    """
 
     n_tokens: int
     wall_ns: int
-    # the streamer's counters over the call (gauges as after it); None for a resident model
+    # the streamer's counters over the span; None for a resident model
     streamer: StreamerStats | None = None
 
     @property
@@ -44,15 +53,86 @@ class DecodeStep:
 
     @property
     def routed(self) -> bool:
-        """Whether the streamer watched routing in the call (not once every expert is resident:
+        """Whether the streamer watched routing in the span (not once every expert is resident:
         then hits and misses are not counted, which is not "no hits")."""
         return self.streamer is not None and self.streamer.routes > 0
+
+    def _of_routed(self, count: int) -> float | None:
+        s = self.streamer
+        if s is None or not self.routed or s.hits + s.misses == 0:
+            return None
+        return count / (s.hits + s.misses)
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Routed experts found resident, whether cached or read ahead for this span's tokens:
+        hits / (hits + misses). None when routing was not watched."""
+        return self._of_routed(self.streamer.hits) if self.streamer is not None else None
+
+    @property
+    def cache_hit_rate(self) -> float | None:
+        """Routed experts the cache already held, read-aheads apart: (hits - prefetch_hits) /
+        (hits + misses). hit_rate = cache_hit_rate + prefetch_hit_rate."""
+        s = self.streamer
+        return self._of_routed(s.hits - s.prefetch_hits) if s is not None else None
+
+    @property
+    def prefetch_hit_rate(self) -> float | None:
+        """Routed experts that a read-ahead had brought in: prefetch_hits / (hits + misses)."""
+        return self._of_routed(self.streamer.prefetch_hits) if self.streamer is not None else None
+
+    @property
+    def prefetch_accuracy(self) -> float | None:
+        """Of the entries read ahead, the share their layer then routed: prefetch_hits /
+        prefetched. None when nothing was read ahead or routing was not watched."""
+        s = self.streamer
+        if s is None or not self.routed or s.prefetched == 0:
+            return None
+        return s.prefetch_hits / s.prefetched
+
+    # the figures to_json() adds to the counters, in this order
+    FIGURES: ClassVar[tuple[str, ...]] = (
+        "compute_ns",
+        "hit_rate",
+        "cache_hit_rate",
+        "prefetch_hit_rate",
+        "prefetch_accuracy",
+    )
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as JSON: n_tokens, wall_ns, every counter under its C name (null for a
+        resident model) and the figures above."""
+        counters: dict[str, int | None] = dict.fromkeys((s.name for s in StreamerStats.declared()), None)
+        if self.streamer is not None:
+            counters.update(self.streamer.as_dict())
+        return {
+            "n_tokens": self.n_tokens,
+            "wall_ns": self.wall_ns,
+            **counters,
+            **{name: getattr(self, name) for name in self.FIGURES},
+        }
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> DecodeStep:
+        """The record to_json() wrote (a resident one has null counters)."""
+        streamed = record.get("routes") is not None
+        return cls(
+            int(record.get("n_tokens") or 0),
+            int(record["wall_ns"]),
+            StreamerStats.from_dict(record) if streamed else None,
+        )
 
     def __sub__(self, before: DecodeStep) -> DecodeStep:
         streamer = None
         if self.streamer is not None and before.streamer is not None:
             streamer = self.streamer - before.streamer
         return DecodeStep(self.n_tokens - before.n_tokens, self.wall_ns - before.wall_ns, streamer)
+
+    def __add__(self, later: DecodeStep) -> DecodeStep:
+        streamer = None
+        if self.streamer is not None and later.streamer is not None:
+            streamer = self.streamer + later.streamer
+        return DecodeStep(self.n_tokens + later.n_tokens, self.wall_ns + later.wall_ns, streamer)
 
 
 class MeasuredLlama(llama_cpp.Llama):

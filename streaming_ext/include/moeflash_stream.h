@@ -44,23 +44,34 @@ MF_API int mf_patched_build(void);
 
 typedef struct mf_streamer mf_streamer;
 
-enum mf_policy {
-    MF_POLICY_LRU    = 0,  // least recently used (layer, expert) entry first
-    MF_POLICY_LAYER  = 1,  // evict the fewest expected hits per byte and layer step held, from
-                           // the layer cycle and a reuse model learned online (the default)
-    MF_POLICY_NONE   = 2,  // no cache: only the running layer's experts are kept
-};
+// The enums shared with Python, each member listed once: X(name, value, description).
+// streaming_ext/declarations.py turns these lists (read back through mf_enum_*) into Python enums
+// at build time; the server's settings name the members in lower case.
+#define MF_POLICY_MEMBERS(X)                                                                             \
+    X(LRU, 0, "least recently used (layer, expert) entry first")                                       \
+    X(LAYER, 1,                                                                                         \
+      "evict the fewest expected hits per byte and layer step held, from the layer cycle and a reuse " \
+      "model learned online (the default)")                                                             \
+    X(NONE, 2, "no cache: only the running layer's experts are kept")
 
-enum mf_prefetch {
-    MF_PREFETCH_OFF     = 0,
-    MF_PREFETCH_ROUTER  = 1,  // the next layer's router on this layer's input (the default)
-    MF_PREFETCH_HISTORY = 2,  // which experts followed this layer's in past tokens (routing alone)
-};
+#define MF_PREFETCH_MEMBERS(X)                                                                  \
+    X(OFF, 0, "no read-ahead")                                                                  \
+    X(ROUTER, 1, "the next layer's router on this layer's input (the default)")                 \
+    X(HISTORY, 2, "which experts followed this layer's in past tokens (routing alone)")
 
-enum mf_reader {
-    MF_READER_DIRECT   = 0,  // O_DIRECT (page-aligned reads straight into place); buffered if refused
-    MF_READER_BUFFERED = 1,  // plain pread through the page cache
-};
+#define MF_READER_MEMBERS(X)                                                                       \
+    X(DIRECT, 0, "O_DIRECT (page-aligned reads straight into place); buffered if refused")        \
+    X(BUFFERED, 1, "plain pread through the page cache")
+
+#define MF_POLICY_MEMBER(name, value, text)   MF_POLICY_##name = value,
+#define MF_PREFETCH_MEMBER(name, value, text) MF_PREFETCH_##name = value,
+#define MF_READER_MEMBER(name, value, text)   MF_READER_##name = value,
+enum mf_policy { MF_POLICY_MEMBERS(MF_POLICY_MEMBER) };
+enum mf_prefetch { MF_PREFETCH_MEMBERS(MF_PREFETCH_MEMBER) };
+enum mf_reader { MF_READER_MEMBERS(MF_READER_MEMBER) };
+#undef MF_POLICY_MEMBER
+#undef MF_PREFETCH_MEMBER
+#undef MF_READER_MEMBER
 
 // The streamer's options. Every field is read; the expert budget is not one of them: it is set
 // with mf_streamer_set_budget once its floor (mf_streamer_layer_bytes) and the memory the model
@@ -85,41 +96,49 @@ typedef struct mf_config {
 
 #define MF_MAX_LANES 16
 
-// Cumulative counters; read with mf_streamer_get_stats (no lock on the hot path).
+// The streamer's counters, each declared once here: X(name, kind, unit, description). This list
+// is struct mf_stats, its layout check (mf_layout.c), the Python record and every figure built on
+// it (API timings, /metrics, `moeflash generate --json`, the benchmarks): a counter added here
+// shows up in all of them after `make ext`. Every counter is a uint64_t.
+// kind: COUNTER (cumulative since the streamer was made: a span's value is a difference) or
+// GAUGE (the value now: a span's value is the one at its end).
+// unit: COUNT, BYTES, NS (nanoseconds) or FLAG (0 or 1).
+#define MF_STATS_FIELDS(X)                                                                                     \
+    X(routes, COUNTER, COUNT, "ffn_moe_topk callbacks handled (one per MoE layer per micro-batch)")          \
+    X(hits, COUNTER, COUNT, "routed (layer, expert) entries found resident, read ahead or cached")          \
+    X(misses, COUNTER, COUNT, "routed entries that had to be read")                                          \
+    X(evictions, COUNTER, COUNT, "entries evicted")                                                          \
+    X(bytes_read, COUNTER, BYTES, "expert bytes read from storage (payload, not alignment padding)")       \
+    X(reads, COUNTER, COUNT, "slice reads issued")                                                           \
+    X(flash_wait_ns, COUNTER, NS, "time the computation waited for expert reads")                          \
+    X(cache_ns, COUNTER, NS, "time spent in cache bookkeeping on the decode path")                         \
+    X(read_ns, COUNTER, NS, "time lanes spent inside read calls (summed over lanes)")                     \
+    X(dense_bytes, GAUGE, BYTES, "non-expert bytes read at load into anonymous memory")                    \
+    X(resident_bytes, GAUGE, BYTES, "expert bytes resident now")                                            \
+    X(violations, COUNTER, COUNT, "expert matmuls that found a routed slice absent (must stay 0)")         \
+    X(errors, COUNTER, COUNT, "failures recorded: failed reads, refused uses, calls that failed")          \
+    X(direct_io, GAUGE, FLAG, "1 when O_DIRECT is in use, 0 when reads are buffered")                      \
+    X(prefetched, COUNTER, COUNT, "entries read ahead of their layer's routing (predicted)")               \
+    X(prefetch_hits, COUNTER, COUNT, "read-ahead entries routed by the layer they were read for")          \
+    X(mapped_bytes, GAUGE, BYTES, "bytes of tensors mapped from the file (row buffer type), not read")     \
+    X(hold_all, GAUGE, FLAG,                                                                                 \
+      "1 when the budget holds every expert (fixed at mf_streamer_check_loaded): nothing is evicted, "      \
+      "slices are read into the tensors' own memory (transparent huge pages) and no frames are used")      \
+    X(routing_off, GAUGE, FLAG,                                                                              \
+      "1 while routing is not watched: every expert is resident under hold_all, so the callback asks for " \
+      "no routing node and routes, hits and misses stop counting (until mf_streamer_drop_cache)")          \
+    X(expert_memory_bytes, GAUGE, BYTES,                                                                     \
+      "expert memory with pages: frames of resident entries and free frames kept for the next loads")      \
+    X(frames_released, COUNTER, COUNT,                                                                       \
+      "free frames whose pages went back to the kernel (mf_streamer_drop_cache, a budget moved down)")     \
+    X(budget_bytes, GAUGE, BYTES, "the expert budget now (mf_streamer_set_budget; it follows memory pressure)") \
+    X(restored, COUNTER, COUNT, "entries read back by mf_streamer_restore (warm start)")
+
+// Read with mf_streamer_get_stats (no lock on the hot path).
 typedef struct mf_stats {
-    uint64_t routes;         // ffn_moe_topk callbacks handled (one per MoE layer per micro-batch)
-    uint64_t hits;           // routed (layer, expert) entries found resident
-    uint64_t misses;         // routed entries that had to be read
-    uint64_t evictions;      // entries evicted
-    uint64_t bytes_read;     // expert bytes read from storage (payload, not alignment padding)
-    uint64_t reads;          // slice reads issued
-    uint64_t flash_wait_ns;  // time the computation waited for expert reads
-    uint64_t cache_ns;       // time spent in cache bookkeeping on the decode path
-    uint64_t read_ns;        // time lanes spent inside read calls (summed over lanes)
-    uint64_t dense_bytes;    // non-expert bytes read at load into anonymous memory
-    uint64_t resident_bytes; // expert bytes resident now
-    uint64_t violations;     // expert matmuls that found a routed slice absent (must stay 0)
-    uint64_t errors;         // failures recorded: failed reads, refused uses, calls that failed
-    uint64_t direct_io;      // 1 when O_DIRECT is in use, 0 when reads are buffered
-    uint64_t prefetched;     // entries read ahead of their layer's routing (predicted)
-    uint64_t prefetch_hits;  // of them, routed by the layer they were read for
-    uint64_t mapped_bytes;   // bytes of tensors mapped from the file (row buffer type), not read
-    // 1 when the budget holds every expert (fixed at mf_streamer_check_loaded): nothing is ever
-    // evicted, so slices are read into the tensors' own memory, plain read-write anonymous memory
-    // with transparent huge pages (MADV_HUGEPAGE), and no frames are used
-    uint64_t hold_all;
-    // 1 while routing is not watched: the budget holds every expert and all are resident, so the
-    // callback asks for no routing node and routes, hits and misses stop counting (until
-    // mf_streamer_drop_cache, which turns watching back on)
-    uint64_t routing_off;
-    // bytes of expert memory with pages: frames of resident entries and free frames kept for the
-    // next loads (0 under hold_all)
-    uint64_t expert_memory_bytes;
-    // free frames whose pages were given back to the kernel (by mf_streamer_drop_cache, or a
-    // budget moved down)
-    uint64_t frames_released;
-    uint64_t budget_bytes;   // the expert budget now (mf_streamer_set_budget)
-    uint64_t restored;       // entries read back by mf_streamer_restore (warm start)
+#define MF_STATS_MEMBER(name, kind, unit, text) uint64_t name;
+    MF_STATS_FIELDS(MF_STATS_MEMBER)
+#undef MF_STATS_MEMBER
 } mf_stats;
 
 // Thread contract of the calls below: one thread at a time per streamer (the thread that loads
@@ -218,8 +237,8 @@ MF_API const char * mf_streamer_memory_note(const mf_streamer * s);
 
 // ---------------------------------------------------------------------------------------------
 // Layout of the structs shared with Python (mf_config, mf_stats, mf_route_record), checked by
-// streaming_ext/_lib.py // when it loads the library. Neither struct has padding: every byte belongs to a listed field.
-// Thread-safe; constant answers.
+// streaming_ext/_lib.py when it loads the library. Neither struct has padding: every byte belongs
+// to a listed field. Thread-safe; constant answers.
 
 MF_API size_t  mf_config_size(void);
 MF_API size_t  mf_stats_size(void);
@@ -231,6 +250,19 @@ MF_API int32_t mf_route_record_n_fields(void);
 MF_API int64_t mf_config_offset(const char * field);
 MF_API int64_t mf_stats_offset(const char * field);
 MF_API int64_t mf_route_record_offset(const char * field);
+
+// The declarations above as data, for streaming_ext/declarations.py: the i-th counter of
+// MF_STATS_FIELDS (0 <= i < mf_stats_n_fields()) as its name, kind ("COUNTER", "GAUGE"), unit
+// ("COUNT", "BYTES", "NS", "FLAG") and description; the i-th member of an enum ("policy",
+// "prefetch", "reader") as its name, value and description. NULL past the end or for an unknown
+// enum. Thread-safe; static strings.
+MF_API const char * mf_stats_field_name(int32_t i);
+MF_API const char * mf_stats_field_kind(int32_t i);
+MF_API const char * mf_stats_field_unit(int32_t i);
+MF_API const char * mf_stats_field_text(int32_t i);
+MF_API const char * mf_enum_member_name(const char * enum_name, int32_t i);
+MF_API int32_t      mf_enum_member_value(const char * enum_name, int32_t i);
+MF_API const char * mf_enum_member_text(const char * enum_name, int32_t i);
 
 // ---------------------------------------------------------------------------------------------
 // The cache policy on its own, for trace replay (the same code the streamer runs). A cache is

@@ -1,7 +1,8 @@
 // The layout of the structs shared with Python (moeflash_stream.h), which streaming_ext/_lib.py
 // compares with its ctypes declarations when it loads the library.
 //
-// Each struct's fields are listed once, below. The static assertions make each list complete:
+// Each struct's fields are listed once: mf_stats's in moeflash_stream.h (MF_STATS_FIELDS, with
+// each counter's kind, unit and description), the others below. The static assertions make each list complete:
 // the struct's size must equal the sum of its listed fields' sizes, so a struct with padding, a
 // field added to the struct but not to its list, or one listed twice fails the build; a listed
 // field the struct lacks fails offsetof. Python then only has to match the lists.
@@ -14,12 +15,6 @@
     X(model_path) X(n_lanes) X(reader) X(overlap) X(policy) X(prefetch) X(fault_errno) X(fault_after_bytes) \
         X(skip_expert) X(reserved)
 
-#define STATS_FIELDS(X)                                                                                         \
-    X(routes) X(hits) X(misses) X(evictions) X(bytes_read) X(reads) X(flash_wait_ns) X(cache_ns) X(read_ns)   \
-        X(dense_bytes) X(resident_bytes) X(violations) X(errors) X(direct_io) X(prefetched) X(prefetch_hits) \
-            X(mapped_bytes) X(hold_all) X(routing_off) X(expert_memory_bytes) X(frames_released) X(budget_bytes) \
-                X(restored)
-
 #define ROUTE_RECORD_FIELDS(X) X(turn) X(phase) X(step) X(layer) X(slot) X(expert) X(weight)
 
 typedef struct mf_field {
@@ -28,20 +23,20 @@ typedef struct mf_field {
 } mf_field;
 
 #define CONFIG_ENTRY(f) { #f, offsetof(mf_config, f) },
-#define STATS_ENTRY(f)  { #f, offsetof(mf_stats, f) },
+#define STATS_ENTRY(f, kind, unit, text) { #f, offsetof(mf_stats, f) },
 #define RECORD_ENTRY(f) { #f, offsetof(mf_route_record, f) },
 #define CONFIG_BYTES(f) +sizeof(((mf_config *) 0)->f)
-#define STATS_BYTES(f)  +sizeof(((mf_stats *) 0)->f)
+#define STATS_BYTES(f, kind, unit, text) +sizeof(((mf_stats *) 0)->f)
 #define RECORD_BYTES(f) +sizeof(((mf_route_record *) 0)->f)
 
 static const mf_field config_fields[] = { CONFIG_FIELDS(CONFIG_ENTRY) };
-static const mf_field stats_fields[]  = { STATS_FIELDS(STATS_ENTRY) };
+static const mf_field stats_fields[]  = { MF_STATS_FIELDS(STATS_ENTRY) };
 static const mf_field record_fields[] = { ROUTE_RECORD_FIELDS(RECORD_ENTRY) };
 
 _Static_assert(sizeof(mf_config) == 0 CONFIG_FIELDS(CONFIG_BYTES),
                "mf_config has padding, or a field missing from CONFIG_FIELDS");
-_Static_assert(sizeof(mf_stats) == 0 STATS_FIELDS(STATS_BYTES),
-               "mf_stats has padding, or a field missing from STATS_FIELDS");
+_Static_assert(sizeof(mf_stats) == 0 MF_STATS_FIELDS(STATS_BYTES),
+               "mf_stats has padding, or a field missing from MF_STATS_FIELDS");
 _Static_assert(sizeof(mf_route_record) == 0 ROUTE_RECORD_FIELDS(RECORD_BYTES),
                "mf_route_record has padding, or a field missing from ROUTE_RECORD_FIELDS");
 
@@ -90,4 +85,82 @@ int32_t mf_route_record_n_fields(void) {
 
 int64_t mf_route_record_offset(const char * field) {
     return offset_of(record_fields, N_OF(record_fields), field);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The declarations as data (streaming_ext/declarations.py reads them at build time and _lib.py
+// checks them at load)
+
+typedef struct mf_stat_info {
+    const char * name;
+    const char * kind;
+    const char * unit;
+    const char * text;
+} mf_stat_info;
+
+#define STATS_INFO(f, kind, unit, text) { #f, #kind, #unit, text },
+static const mf_stat_info stats_info[] = { MF_STATS_FIELDS(STATS_INFO) };
+
+static const mf_stat_info * stat_info(int32_t i) {
+    return i >= 0 && i < N_OF(stats_info) ? &stats_info[i] : NULL;
+}
+
+const char * mf_stats_field_name(int32_t i) {
+    return stat_info(i) ? stat_info(i)->name : NULL;
+}
+
+const char * mf_stats_field_kind(int32_t i) {
+    return stat_info(i) ? stat_info(i)->kind : NULL;
+}
+
+const char * mf_stats_field_unit(int32_t i) {
+    return stat_info(i) ? stat_info(i)->unit : NULL;
+}
+
+const char * mf_stats_field_text(int32_t i) {
+    return stat_info(i) ? stat_info(i)->text : NULL;
+}
+
+typedef struct mf_enum_info {
+    const char * name;
+    int32_t      value;
+    const char * text;
+} mf_enum_info;
+
+#define ENUM_INFO(name, value, text) { #name, value, text },
+static const mf_enum_info policy_members[]   = { MF_POLICY_MEMBERS(ENUM_INFO) };
+static const mf_enum_info prefetch_members[] = { MF_PREFETCH_MEMBERS(ENUM_INFO) };
+static const mf_enum_info reader_members[]   = { MF_READER_MEMBERS(ENUM_INFO) };
+
+static const mf_enum_info * enum_member(const char * enum_name, int32_t i) {
+    static const struct {
+        const char *         name;
+        const mf_enum_info * members;
+        int32_t              n;
+    } enums[] = {
+        { "policy",   policy_members,   N_OF(policy_members)   },
+        { "prefetch", prefetch_members, N_OF(prefetch_members) },
+        { "reader",   reader_members,   N_OF(reader_members)   },
+    };
+    for (int32_t e = 0; enum_name && e < N_OF(enums); e++) {
+        if (strcmp(enums[e].name, enum_name) == 0) {
+            return i >= 0 && i < enums[e].n ? &enums[e].members[i] : NULL;
+        }
+    }
+    return NULL;
+}
+
+const char * mf_enum_member_name(const char * enum_name, int32_t i) {
+    const mf_enum_info * m = enum_member(enum_name, i);
+    return m ? m->name : NULL;
+}
+
+int32_t mf_enum_member_value(const char * enum_name, int32_t i) {
+    const mf_enum_info * m = enum_member(enum_name, i);
+    return m ? m->value : -1;
+}
+
+const char * mf_enum_member_text(const char * enum_name, int32_t i) {
+    const mf_enum_info * m = enum_member(enum_name, i);
+    return m ? m->text : NULL;
 }

@@ -83,8 +83,9 @@ def test_the_bars_move_while_the_answer_streams(server: RunningServer, browser: 
         const draw = window.timings;
         window.timings = t => {
           const answers = document.querySelectorAll('.msg.assistant .text');
-          window.barLog.push([t.prompt_ms, answers[answers.length - 1].textContent.length]);
           draw(t);
+          window.barLog.push([t.scope, answers[answers.length - 1].textContent.length,
+                              document.getElementById('scope').textContent]);
         };
       }"""
     page.evaluate(watch)
@@ -93,12 +94,16 @@ def test_the_bars_move_while_the_answer_streams(server: RunningServer, browser: 
     page.screenshot(path=str(tmp_path / "bars.png"))
     log = page.evaluate("window.barLog")
     final = page.evaluate("[...document.querySelectorAll('.msg.assistant .text')].pop().textContent.length")
-    per_token = [length for prompt_ms, length in log if prompt_ms is None]
+    per_token = [length for scope, length, _ in log if scope == "token"]
     assert len(per_token) > 1 and min(per_token) < final, "the bars only changed once the answer was complete"
+    # one scope at a time, named beside the figures: the last token's while streaming, then the answer's
+    assert {(scope, shown) for scope, _, shown in log} == {("token", "last token"), ("request", "whole answer")}
+    assert log[-1][0] == "request" and page.text_content("#scope") == "whole answer"
     assert page.text_content("#v-compute").endswith(" ms")
-    assert (page.text_content("#v-read") or "").endswith("iB")  # bytes read for the last token
+    assert (page.text_content("#v-read") or "").endswith("iB")  # bytes read for the answer
+    assert "now: budget" in (page.text_content("#mode") or "")  # gauges: as they are now
     assert "in memory" in (page.text_content("#mode") or "")  # the expert cache's memory in use
-    assert (page.text_content("#v-prefetch") or "").isdigit()  # routed experts read ahead, last token
+    assert (page.text_content("#v-prefetch") or "").isdigit()  # routed experts read ahead, the answer
 
 
 @pytest.fixture(scope="module")

@@ -418,7 +418,9 @@ def test_timings_extension_is_opt_in(client: openai.OpenAI, server: RunningServe
     for result in (flagged, by_header):
         assert result.model_extra is not None
         timings = result.model_extra["timings"]
+        # the documented fields, at the scope named
         assert set(timings) == {
+            "scope",
             "prompt_ms",
             "decode_ms",
             "tok_per_s",
@@ -427,7 +429,11 @@ def test_timings_extension_is_opt_in(client: openai.OpenAI, server: RunningServe
             "cache_ms",
             "hit_rate",
             "bytes_read",
+            "prefetch_hits",
+            "expert_memory_bytes",
+            "budget_bytes",
         }
+        assert timings["scope"] == "request"
         assert timings["prompt_ms"] >= 0 and timings["decode_ms"] >= 0
         # a resident model streams nothing: the streamer's numbers are absent, not invented
         assert timings["flash_wait_ms"] is None and timings["bytes_read"] is None
@@ -501,8 +507,10 @@ def test_streamed_chunks_carry_their_tokens_timings(tiny_model: Any, endpoint: s
     # every token after the first (whose step is the prompt) and the final aggregate
     assert len(per_token) >= 7, per_token
     for timing in per_token[:-1]:
+        assert timing["scope"] == "token"
         assert timing["prompt_ms"] is None and timing["decode_ms"] > 0
         assert timing["compute_ms"] is not None and timing["flash_wait_ms"] is not None
         assert timing["bytes_read"] is not None and timing["prefetch_hits"] is not None
         assert timing["expert_memory_bytes"] > 0 and timing["budget_bytes"] == int(budget)
     assert per_token[-1]["prompt_ms"] is not None  # the final chunk's totals
+    assert per_token[-1]["scope"] == "request" and set(per_token[-1]) == set(per_token[0])

@@ -155,7 +155,7 @@ def test_metrics_count_requests_and_tokens(tiny_model: Any) -> None:
     assert 2 <= value("moeflash_completion_tokens_total") <= 6
     assert value("moeflash_prompt_tokens_total") > 0
     assert value("moeflash_queue_depth") == 0
-    assert value("moeflash_expert_cache_hits_total") == 0  # resident: nothing streamed
+    assert value("moeflash_streamer_hits_total") == 0  # resident: nothing streamed
     assert value("process_resident_memory_bytes") > 0
     assert value("moeflash_tokens_per_second") > 0
 

@@ -83,7 +83,7 @@ def test_the_next_server_reads_the_hot_set_back(tiny_model: Any, tmp_path: Path)
         warm = second.model.warm_start
         assert warm is not None
         wait_for(lambda: not warm.reading, "the hot set to be read back")
-        restored = _metric(second.base_url, "moeflash_experts_restored_total")
+        restored = _metric(second.base_url, "moeflash_streamer_restored_total")
         assert restored == len(saved["experts"])
         got = _complete(second.base_url)
     assert got["choices"][0]["text"] == reference["choices"][0]["text"]

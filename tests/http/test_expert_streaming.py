@@ -44,10 +44,10 @@ def test_streamed_server_answers_like_the_resident_one(tiny_model: Callable[...,
         assert 0.0 <= timings["hit_rate"] <= 1.0
         metrics = httpx.get(f"{server.base_url}/metrics", timeout=30).text
         card = httpx.get(f"{server.base_url}/v1/models", timeout=30).json()["data"][0]
-    misses = re.search(r"^moeflash_expert_cache_misses_total (\S+)$", metrics, flags=re.M)
+    misses = re.search(r"^moeflash_streamer_misses_total (\S+)$", metrics, flags=re.M)
     assert misses and float(misses.group(1)) > 0
     # the budget now, as the streamer reports it (it follows memory pressure)
-    gauge = re.search(r"^moeflash_expert_budget_bytes (\S+)$", metrics, flags=re.M)
+    gauge = re.search(r"^moeflash_streamer_budget_bytes (\S+)$", metrics, flags=re.M)
     assert gauge and float(gauge.group(1)) == int(budget)
     assert card["budget_bytes"] == int(budget)
 
