@@ -80,7 +80,9 @@ def prepare(run_dir: Path, rc: RunConfig, corpus_dir: Path | None = None) -> Non
     if not (run_dir / "tokenizer.json").exists():
         docs = (cdir / "train.txt").read_text(encoding="utf-8").split(corpus.DOC_SEPARATOR)
         tok = tokenizer.train(docs, rc.model.n_vocab)
-        tok.save(str(run_dir / "tokenizer.json"))
+        tmp = run_dir / "tokenizer.json.tmp"
+        tok.save(str(tmp))
+        os.replace(tmp, run_dir / "tokenizer.json")
     tok = tokenizer.load(run_dir / "tokenizer.json")
     eos = tok.token_to_id(corpus.DOC_SEPARATOR)
     if eos is None:
@@ -94,7 +96,9 @@ def prepare(run_dir: Path, rc: RunConfig, corpus_dir: Path | None = None) -> Non
         for enc in tok.encode_batch(docs):
             ids.extend(enc.ids)
             ids.append(eos)
-        np.asarray(ids, dtype=np.uint16).tofile(out)
+        # written whole, then renamed: a run killed here redoes the file instead of training on a part
+        np.asarray(ids, dtype=np.uint16).tofile(out.with_name(out.name + ".tmp"))
+        os.replace(out.with_name(out.name + ".tmp"), out)
 
 
 def batch_at(tokens: np.ndarray, rc: RunConfig, step: int, stream: int = 0) -> torch.Tensor:
@@ -192,6 +196,9 @@ def train(run_dir: Path, rc: RunConfig, until: int | None = None, corpus_dir: Pa
         for group in opt.param_groups:
             group["lr"] = lr
         loss, balance = lm_loss(model, batch_at(train_tokens, rc, step))
+        if not torch.isfinite(loss):
+            # stop before a bad step reaches the checkpoint: the last good one stays
+            raise FloatingPointError(f"loss is {loss.item()} at step {step + 1}")
         opt.zero_grad(set_to_none=True)
         torch.autograd.backward(loss + rc.balance_coef * balance)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
