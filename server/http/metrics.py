@@ -140,23 +140,14 @@ class _PromptCacheCollector(Collector):
     def collect(self):  # type: ignore[no-untyped-def]  # prometheus_client's signature
         model = self._engine.model
         cache = model.prompt_cache if model is not None else None
-        stats = cache.stats() if cache is not None else None
-        hits, restored = (stats.hits, stats.restored_tokens) if stats else (0, 0)
-        yield CounterMetricFamily(
-            "moeflash_prompt_cache_hits", "prompts that restored a kept state", value=hits
-        )
-        yield CounterMetricFamily(
-            "moeflash_prompt_cache_restored_tokens",
-            "prompt tokens restored instead of prefilled",
-            value=restored,
-        )
-        yield GaugeMetricFamily(
-            "moeflash_prompt_cache_ram_bytes",
-            "prompt states held in RAM",
-            value=stats.ram_bytes if stats else 0,
-        )
-        yield GaugeMetricFamily(
-            "moeflash_prompt_cache_flash_bytes",
-            "prompt states on flash",
-            value=stats.flash_bytes if stats else 0,
-        )
+        s = cache.stats() if cache is not None else None
+        for family, name, text, value in (
+            (CounterMetricFamily, "hits", "prompts that restored a kept state", s and s.hits),
+            (CounterMetricFamily, "restored_tokens", "prompt tokens restored", s and s.restored_tokens),
+            (GaugeMetricFamily, "ram_bytes", "prompt states held in RAM", s and s.ram_bytes),
+            (GaugeMetricFamily, "flash_bytes", "prompt states on flash", s and s.flash_bytes),
+            (CounterMetricFamily, "read_bytes", "prompt states read from flash", s and s.read_bytes),
+            (CounterMetricFamily, "read_seconds", "time reading them back", s and s.read_ns / 1e9),
+            (CounterMetricFamily, "written_bytes", "prompt states written to flash", s and s.written_bytes),
+        ):
+            yield family(f"moeflash_prompt_cache_{name}", text, value=value or 0)

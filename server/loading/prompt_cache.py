@@ -30,6 +30,8 @@ import logging
 import os
 import struct
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
@@ -204,6 +206,9 @@ class PromptCacheStats:
     ram_bytes: int
     flash_bytes: int
     states: int
+    read_bytes: int  # states read back from flash, and the time it took (checksum included)
+    read_ns: int
+    written_bytes: int  # states written to flash
 
 
 class PromptCache:
@@ -228,6 +233,9 @@ class PromptCache:
         self._clock = 0
         self.hits = 0
         self.restored_tokens = 0
+        self.read_bytes = 0
+        self.read_ns = 0
+        self.written_bytes = 0
         if directory is not None and self.flash_limit > 0:
             self._index()
 
@@ -287,6 +295,9 @@ class PromptCache:
             ram_bytes=sum(s.size for s in states if s.data is not None),
             flash_bytes=sum(s.size + _HEADER.size + 4 * len(s.tokens) for s in states if s.path is not None),
             states=len(states),
+            read_bytes=self.read_bytes,
+            read_ns=self.read_ns,
+            written_bytes=self.written_bytes,
         )
 
     # -- choosing, keeping, restoring --------------------------------------------------
@@ -417,6 +428,7 @@ class PromptCache:
             Path(tmp).unlink(missing_ok=True)
             raise
         state.path = self.directory / name
+        self.written_bytes += size
         self._bound_flash(keep=state)
 
     def _bound_flash(self, keep: _State) -> None:
@@ -473,6 +485,7 @@ class PromptCache:
         """The state's bytes from its file, its checksum verified; None (with a warning) if not."""
         if state.path is None:
             return None
+        start = time.monotonic_ns()
         try:
             with state.path.open("rb", buffering=0) as fh:
                 tokens, size, expected = self._header(fh, state.path)
@@ -482,12 +495,14 @@ class PromptCache:
                 view = memoryview(data)
                 digest = hashlib.sha256(struct.pack(f"<{len(tokens)}i", *tokens))
                 at = 0
-                while at < size:
-                    n = fh.readinto(view[at : at + _READ_CHUNK])
-                    if not n:
-                        raise ValueError("truncated")
-                    digest.update(view[at : at + n])
-                    at += n
+                # one thread hashes each chunk, in order, while the next is read (both release the GIL)
+                with ThreadPoolExecutor(1, thread_name_prefix="moeflash-prompt-hash") as hasher:
+                    while at < size:
+                        n = fh.readinto(view[at : at + _READ_CHUNK])
+                        if not n:
+                            raise ValueError("truncated")
+                        hasher.submit(digest.update, view[at : at + n])
+                        at += n
                 # the page cache is charged to a cgroup: the bytes are in `data` now
                 os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         except (OSError, ValueError, struct.error) as exc:
@@ -496,6 +511,8 @@ class PromptCache:
         if digest.digest() != expected:
             logger.warning("prompt cache: ignoring %s: its checksum does not match (corrupt)", state.path)
             return None
+        self.read_bytes += size
+        self.read_ns += time.monotonic_ns() - start
         return data
 
 
