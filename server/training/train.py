@@ -6,6 +6,7 @@ A run lives in one directory (outside git, e.g. /work/train-runs/moe-v1):
   tokenizer.json  the trained tokenizer; train.bin, heldout.bin: token ids (uint16)
   ckpt.pt         the latest checkpoint (model, optimizer, step), replaced atomically
   loss.csv        step, tokens, train loss, balance loss, lr, training seconds, held-out loss
+  lock            held (flock) by the process training there; a second one is refused
 
 Batches depend only on (seed, step), and the checkpoint holds everything else the next step
 needs, so a run killed at any point and resumed gives the same weights as one never stopped.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import fcntl
 import json
 import logging
 import math
@@ -164,8 +166,24 @@ def _trim_log(path: Path, step: int) -> None:
 
 
 def train(run_dir: Path, rc: RunConfig, until: int | None = None, corpus_dir: Path | None = None) -> int:
-    """Train from the run's checkpoint (or from scratch) up to step `until` (default rc.steps)."""
+    """Train from the run's checkpoint (or from scratch) up to step `until` (default rc.steps).
+
+    Raises RunBusyError when another process is training in `run_dir`."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    with (run_dir / "lock").open("w") as lock:
+        try:
+            # released when the process ends, however it ends
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunBusyError(f"another process is training in {run_dir}") from None
+        return _train_locked(run_dir, rc, until, corpus_dir)
+
+
+class RunBusyError(RuntimeError):
+    """Two trainers in one run directory would overwrite each other's checkpoints."""
+
+
+def _train_locked(run_dir: Path, rc: RunConfig, until: int | None, corpus_dir: Path | None) -> int:
     run_json = run_dir / "run.json"
     if run_json.exists():
         rc = RunConfig.from_json(json.loads(run_json.read_text()))

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import fcntl
 from pathlib import Path
 
+import pytest
 import torch
 
 from server.training import train
@@ -54,3 +56,10 @@ def test_dispatch_runs_only_the_chosen_experts() -> None:
             dense[r] += top_w[r, j] * (moe.down[e] @ h)
     torch.testing.assert_close(out, dense)
     assert isinstance(cfg, Config)
+
+
+def test_a_second_trainer_is_refused(tiny_run: Path, small_corpus: Path) -> None:
+    with (tiny_run / "lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(train.RunBusyError, match="another process is training"):
+            train.train(tiny_run, train.TINY, corpus_dir=small_corpus)
