@@ -4,6 +4,7 @@ moeflash bench --shape qwen30b-shape --caps 0.25,0.5          # generates (or re
 moeflash bench --model m.gguf --caps 4G,8G --tokens 32
 moeflash bench --replay bench/route-traces/qwen.route.csv
 moeflash bench --warm-start --shape qwen30b-shape --caps 0.25  # the first answer after a restart
+moeflash bench --prompt-cache --shape qwen30b-8l-shape --caps 0.5  # agents taking turns, cache on/off
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 # the context of every run unless --ctx-size says otherwise (a full-context run fills it)
 BENCH_CTX_SIZE = 1024
+# the prompt-cache replay's: its conversations grow to about 3,500 tokens
+PROMPT_CACHE_CTX_SIZE = 8192
 
 
 def register(subparsers: Any) -> None:
@@ -53,6 +56,12 @@ def register(subparsers: Any) -> None:
         "(server/bench/warm_start.py)",
     )
     p.add_argument("--rounds", type=int, default=3, help="--warm-start: restarts per cap and schedule")
+    p.add_argument(
+        "--prompt-cache",
+        action="store_true",
+        help="measure instead an agent-like replay of `serve` with and without the prompt cache "
+        f"(server/bench/prompt_cache.py; --ctx-size {PROMPT_CACHE_CTX_SIZE} unless given)",
+    )
     p.add_argument("--ceiling-seconds", type=float, default=8.0, help="seconds per disk-ceiling pattern")
     p.add_argument("--models-dir", type=Path, default=Path("models"), help="where --shape models live")
     p.add_argument("--delete-model", action="store_true", help="delete a generated model afterwards")
@@ -125,6 +134,27 @@ def _warm_start(
     return 0
 
 
+def _prompt_cache(
+    args: argparse.Namespace, path: Path, info: dict[str, Any], flags: list[str], tokens: int, command: str
+) -> int:
+    from server.bench.harness import environment
+    from server.bench.prompt_cache import run_prompt_cache, write_prompt_cache_report
+
+    data = run_prompt_cache(
+        path,
+        _parse_caps(args.caps, info["file_bytes"]),
+        tokens=tokens,
+        ctx_size=int(args.ctx_size or PROMPT_CACHE_CTX_SIZE),
+        settings_flags=tuple(flags),
+        progress=_progress,
+    )
+    data = {"model": info, "environment": environment(), **data}
+    out = args.out or Path("bench/reports") / f"prompt-cache-{info['name']}"
+    for p in write_prompt_cache_report(data, out, command):
+        print(p)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """The `bench` subcommand."""
     command = "moeflash " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -165,6 +195,10 @@ def run(args: argparse.Namespace) -> int:
             if routing.route_trace is not None:
                 raise ConfigError("--warm-start measures `serve`, which runs the model's own routing")
             return _warm_start(args, path, info, flags, tokens, command)
+        if args.prompt_cache:
+            if routing.route_trace is not None:
+                raise ConfigError("--prompt-cache measures `serve`, which runs the model's own routing")
+            return _prompt_cache(args, path, info, flags, args.tokens or 16, command)
         if routing.route_trace is not None:
             flags += _trace_flags(routing.route_trace, path, info)
             # what the replay of each run's routes needs to judge its hit rate (ratios.py)

@@ -1,0 +1,330 @@
+"""The prompt-cache benchmark: an agent-like replay, with and without the prompt cache.
+
+    moeflash bench --prompt-cache --shape qwen30b-8l-shape --caps 0.5
+
+Real `moeflash serve` processes under a memory cgroup, streamed chat completions over HTTP.
+Three agents with long system prompts of their own (A, B, C: about 3,000, 2,300 and 1,900
+tokens on Qwen's vocabulary) take turns the way coding agents do, each conversation growing by
+its answers and a short question (`STEPS`); the server restarts (SIGTERM, then a new process on
+the same state directory) in the middle. The replay runs twice, on fresh state directories: with
+the prompt cache (the defaults) and without (`--prompt-cache-ram 0`, only the live KV cache is
+reused). The page cache is dropped before every request, so a state read back comes from the
+disk.
+
+Per request: TTFT (request sent to the first content delta), prompt and cached tokens (usage),
+and from /metrics the tokens restored and the bytes read back from flash with the time it took.
+A request that resumes a conversation after another one's request or after the restart is
+"resumed": its TTFT with the cache over its TTFT without (which prefilled it whole) is the
+figure the target is written in (<= 0.2), and the restore's bytes per second over the disk's
+sequential read rate on the model file (server/bench/disk.py) the other (>= 0.5). The cgroup's
+peak memory over the cap says the memory discipline.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from server.bench.cgroup import MemoryCgroup, drop_page_cache, probe
+from server.bench.disk import sequential_read
+from server.bench.warm_start import _eog_bias, _Server
+from server.errors import MoeflashError
+
+_RESTART = "restart"
+# (agent, its next question) in order; _RESTART restarts the server
+STEPS: tuple[tuple[str, str], ...] = (
+    ("A", "Review the diff of the parser and list the risky changes."),
+    ("A", "Which of them would break the tests?"),
+    ("B", "Write a five-word title for this session."),
+    ("A", "Propose a fix for the first one."),
+    ("C", "Summarise what the team decided today."),
+    ("B", "Now a one-line summary of it."),
+    (_RESTART, ""),
+    ("A", "After the restart: what is left to do?"),
+    ("C", "And what should happen tomorrow?"),
+    ("B", "A title for tomorrow's session, please."),
+)
+_TOPICS = ("parser", "scheduler", "cache", "network layer", "storage engine", "build system", "test suite")
+_VERBS = ("review", "refactor", "document", "benchmark", "profile", "simplify", "harden")
+
+
+def system_prompt(agent: str, rules: int) -> str:
+    """An agent's long system prompt: numbered rules, different per agent."""
+    seed = ord(agent)
+    lines = [f"You are agent {agent}, a coding assistant working in a large repository. Follow these rules."]
+    for i in range(rules):
+        topic = _TOPICS[(i * 3 + seed) % len(_TOPICS)]
+        verb = _VERBS[(i * 5 + seed) % len(_VERBS)]
+        lines.append(
+            f"Rule {i + 1}: before you {verb} the {topic}, read module {seed * 7 + i} and its tests, keep "
+            f"the house style of file number {i * 13 % 97}, and say which functions you changed."
+        )
+    return "\n".join(lines)
+
+
+# rules per agent: about 3,000, 2,300 and 1,900 prompt tokens on Qwen's vocabulary
+_RULES = {"A": 75, "B": 57, "C": 47}
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of the replay on one server."""
+
+    cache: bool
+    step: int
+    agent: str
+    resumed: bool  # the agent's conversation resumes after another's request or the restart
+    after_restart: bool
+    prompt_tokens: int
+    cached_tokens: int
+    restored_tokens: int  # brought back from a kept state (not the live KV cache)
+    read_bytes: int  # of it read from flash
+    read_s: float
+    ttft_s: float
+
+
+def _chat(url: str, messages: list[dict[str, str]], tokens: int, bias: dict[str, float]) -> dict[str, Any]:
+    """A streamed chat completion: TTFT, the answer, the usage."""
+    body = {
+        "model": "bench",
+        "messages": messages,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "logit_bias": bias,
+    }
+    sent = time.monotonic()
+    first: float | None = None
+    text, usage = "", None
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=3600) as response:
+        if response.status_code != 200:
+            raise MoeflashError(f"chat request failed: {response.status_code} {response.read()!r}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                piece = choice.get("delta", {}).get("content")
+                if piece:
+                    first = first if first is not None else time.monotonic()
+                    text += piece
+            usage = chunk.get("usage") or usage
+    if first is None or usage is None:
+        raise MoeflashError("the answer had no content or no usage")
+    return {"ttft_s": first - sent, "text": text, "usage": usage}
+
+
+def _replay(
+    cgroup: MemoryCgroup,
+    argv: list[str],
+    state: Path,
+    log: Path,
+    cache: bool,
+    tokens: int,
+    bias: dict[str, float],
+    progress: Callable[[str], None],
+) -> list[Request]:
+    flags = ["--state-dir", str(state)] + ([] if cache else ["--prompt-cache-ram", "0"])
+    server = _Server(cgroup, [*argv, *flags], log)
+    server.wait_ready()
+    talks = {agent: [{"role": "system", "content": system_prompt(agent, n)}] for agent, n in _RULES.items()}
+    last, restarted, done = None, False, []
+    try:
+        for i, (agent, question) in enumerate(STEPS):
+            if agent == _RESTART:
+                server.stop()
+                server = _Server(cgroup, [*argv, *flags], log)
+                server.wait_ready()
+                restarted, last = True, None
+                continue
+            talk = talks[agent]
+            resumed = len(talk) > 1 and last != agent
+            talk.append({"role": "user", "content": question})
+            reason = drop_page_cache()
+            if reason is not None:
+                raise MoeflashError(reason)
+            before = {
+                k: server.metric(f"moeflash_prompt_cache_{k}")
+                for k in ("restored_tokens_total", "read_bytes_total", "read_seconds_total")
+            }
+            got = _chat(server.url, talk, tokens, bias)
+            after = {k: server.metric(f"moeflash_prompt_cache_{k}") for k in before}
+            talk.append({"role": "assistant", "content": got["text"]})
+            usage = got["usage"]
+            done.append(
+                Request(
+                    cache=cache,
+                    step=i,
+                    agent=agent,
+                    resumed=resumed,
+                    after_restart=restarted,
+                    prompt_tokens=usage["prompt_tokens"],
+                    cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+                    restored_tokens=int(after["restored_tokens_total"] - before["restored_tokens_total"]),
+                    read_bytes=int(after["read_bytes_total"] - before["read_bytes_total"]),
+                    read_s=after["read_seconds_total"] - before["read_seconds_total"],
+                    ttft_s=got["ttft_s"],
+                )
+            )
+            r = done[-1]
+            progress(
+                f"{'cache' if cache else 'no cache'}: step {i + 1} agent {agent}: TTFT {r.ttft_s:.2f} s, "
+                f"{r.cached_tokens}/{r.prompt_tokens} cached, {r.read_bytes / 2**20:.0f} MiB from flash"
+            )
+            last = agent
+    finally:
+        server.stop()
+    return done
+
+
+def run_prompt_cache(
+    model: Path,
+    caps: list[int],
+    *,
+    tokens: int,
+    ctx_size: int,
+    settings_flags: tuple[str, ...],
+    progress: Callable[[str], None],
+) -> dict[str, Any]:
+    """The replay with and without the prompt cache per cap (the module docstring says what)."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    support = probe()
+    if support.version is None:
+        raise MoeflashError(f"the prompt-cache benchmark needs a memory cgroup: {support.reason}")
+    bias = _eog_bias(model)
+    argv = [
+        sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--alias", "bench",
+        "--mode", "streaming", "--ctx-size", str(ctx_size), "--no-warm-start", *settings_flags,
+    ]  # fmt: skip
+    drop_page_cache()
+    disk = sequential_read(model, 5.0)
+    work = Path(tempfile.mkdtemp(prefix="moeflash-prompt-cache-bench-"))
+    results: list[dict[str, Any]] = []
+    try:
+        for cap in caps:
+            requests: list[Request] = []
+            with MemoryCgroup(cap, support) as cgroup:
+                for cache in (True, False):
+                    state = work / f"cap{cap}-{'cache' if cache else 'none'}"
+                    requests += _replay(
+                        cgroup, argv, state, work / "serve.log", cache, tokens, bias, progress
+                    )
+                results.append(
+                    {
+                        "cap_bytes": cap,
+                        "peak_bytes": cgroup.peak_bytes(),
+                        "oom_kills": cgroup.oom_kills(),
+                        "requests": [asdict(r) for r in requests],
+                    }
+                )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {
+        "tokens": tokens,
+        "ctx_size": ctx_size,
+        "disk_bytes_per_s": disk.bytes_per_s,
+        "disk_direct_io": disk.direct_io,
+        "caps": results,
+    }
+
+
+def summarize(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per cap and step: TTFT with and without the cache, their ratio, the restore's speed."""
+    rows = []
+    for cap in data["caps"]:
+        with_cache = [r for r in cap["requests"] if r["cache"]]
+        without = {r["step"]: r for r in cap["requests"] if not r["cache"]}
+        for r in with_cache:
+            cold = without[r["step"]]
+            speed = r["read_bytes"] / r["read_s"] if r["read_s"] > 0 else None
+            rows.append(
+                {
+                    "cap_bytes": cap["cap_bytes"],
+                    **{k: r[k] for k in ("step", "agent", "resumed", "after_restart", "prompt_tokens")},
+                    "cached_tokens": r["cached_tokens"],
+                    "cold_cached_tokens": cold["cached_tokens"],
+                    "ttft_s": r["ttft_s"],
+                    "cold_ttft_s": cold["ttft_s"],
+                    "ttft_ratio": r["ttft_s"] / cold["ttft_s"],
+                    "read_bytes": r["read_bytes"],
+                    "read_bytes_per_s": speed,
+                    "read_over_disk": speed / data["disk_bytes_per_s"] if speed else None,
+                }
+            )
+    return rows
+
+
+def markdown(data: dict[str, Any], rows: list[dict[str, Any]], command: str) -> str:
+    """The report's tables."""
+    disk = data["disk_bytes_per_s"]
+    lines = [
+        f"# Prompt cache: {data['model']['name']}",
+        "",
+        f"Command: `{command}`",
+        "",
+        "An agent-like replay (server/bench/prompt_cache.py): three agents with long system prompts "
+        "take turns, each conversation growing by its answers, and `moeflash serve` restarts in the "
+        f"middle; {data['tokens']} tokens per answer, the page cache dropped before every request. "
+        "With the prompt cache (the defaults) and without it (`--prompt-cache-ram 0`), under a memory "
+        f"cgroup. The disk reads the model file sequentially at {disk / 1e9:.2f} GB/s "
+        f"({'O_DIRECT' if data['disk_direct_io'] else 'buffered'}). A resumed request continues its "
+        "agent's conversation after another agent's request or the restart.",
+        "",
+        "| cap | step | agent | resumed | prompt | cached with / without | TTFT with / without (s) | "
+        "with / without | read back | GB/s | of the disk's |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        speed = f"{r['read_bytes_per_s'] / 1e9:.2f}" if r["read_bytes_per_s"] else "-"
+        share = f"{r['read_over_disk']:.2f}" if r["read_over_disk"] else "-"
+        resumed = ("after the restart" if r["after_restart"] else "yes") if r["resumed"] else "no"
+        lines.append(
+            f"| {r['cap_bytes'] / 2**30:.2f} GiB | {r['step'] + 1} | {r['agent']} | {resumed} | "
+            f"{r['prompt_tokens']} | {r['cached_tokens']} / {r['cold_cached_tokens']} | "
+            f"{r['ttft_s']:.2f} / {r['cold_ttft_s']:.2f} | {r['ttft_ratio']:.3f} | "
+            f"{r['read_bytes'] / 2**20:.0f} MiB | {speed} | {share} |"
+        )
+    lines += [
+        "",
+        "| cap | resumed: TTFT with / without, median (worst) | restore / disk rate, median (worst) "
+        "| peak memory / cap | OOM kills |",
+        "|---|---|---|---|---|",
+    ]
+    for cap in data["caps"]:
+        mine = [r for r in rows if r["cap_bytes"] == cap["cap_bytes"] and r["resumed"]]
+        ratios = [r["ttft_ratio"] for r in mine]
+        shares = [r["read_over_disk"] for r in mine if r["read_over_disk"]]
+        shown = f"{statistics.median(shares):.2f} ({min(shares):.2f})" if shares else "no read from flash"
+        lines.append(
+            f"| {cap['cap_bytes'] / 2**30:.2f} GiB | {statistics.median(ratios):.3f} ({max(ratios):.3f}) | "
+            f"{shown} | {cap['peak_bytes'] / cap['cap_bytes']:.3f} | {cap['oom_kills']} |"
+        )
+    lines += [
+        "",
+        "Targets (issue 40): a resumed request's TTFT <= 0.2 of its cold prefill; a restore from flash "
+        ">= 0.5 of the disk's sequential rate; peak memory <= 1.1 of the cap.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_prompt_cache_report(data: dict[str, Any], out: Path, command: str) -> list[Path]:
+    """<out>.json and <out>.md; returns their paths."""
+    rows = summarize(data)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    paths = [out.with_suffix(".json"), out.with_suffix(".md")]
+    paths[0].write_text(json.dumps({"command": command, **data, "summary": rows}, indent=1) + "\n")
+    paths[1].write_text(markdown(data, rows, command))
+    return paths
