@@ -10,7 +10,8 @@ Sources (each redistributable, see docs/training.md for the licences):
 A document goes to the held-out split when the first byte of sha256(its key) is below
 HELDOUT_PER_256, so the split is stable whatever else changes. The output is two text files,
 documents separated by the <|endoftext|> token's text, plus manifest.json with the sha256 of
-every input package file set and of each output. Same packages -> same bytes.
+every input package file set and of each output, and the packages' versions. Same packages ->
+same bytes; MANIFEST (server/training/corpus-manifest.json) is the committed model's.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import hashlib
 import json
 import random
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +34,9 @@ DEVIL_INDEX = Path("/usr/share/dictd/devil.index")
 DEBIAN_PACKAGES = ("python3.11-doc", "wordnet-base", "dict-devil")
 
 DOC_SEPARATOR = "<|endoftext|>"
+# the manifest of the corpus the committed model was trained on; tests/training checks a build
+# against it
+MANIFEST = Path(__file__).with_name("corpus-manifest.json")
 HELDOUT_PER_256 = 5  # ~2% of documents
 SEED = 20261205
 
@@ -237,6 +243,15 @@ def input_hashes() -> dict[str, str]:
     }
 
 
+def package_versions() -> dict[str, str]:
+    """The installed version of each Debian package the corpus reads."""
+    out = subprocess.run(
+        ["dpkg-query", "-W", "-f=${Package} ${Version}\n", *DEBIAN_PACKAGES],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return dict(line.split(" ", 1) for line in out.splitlines())
+
+
 def build(out_dir: Path) -> dict[str, object]:
     """Write train.txt, heldout.txt and manifest.json into out_dir; return the manifest."""
     missing = [str(p) for p in (PYTHON_DOC_SOURCES, WORDNET_DIR, DEVIL_DICT) if not p.exists()]
@@ -261,10 +276,23 @@ def build(out_dir: Path) -> dict[str, object]:
         (out_dir / f"{split}.txt").write_bytes(body)
         outputs[f"{split}.txt"] = hashlib.sha256(body).hexdigest()
     manifest: dict[str, object] = {
-        "debian_packages": list(DEBIAN_PACKAGES),
+        "debian_packages": package_versions(),
         "inputs_sha256": input_hashes(),
         "sources": counts,
         "outputs_sha256": outputs,
     }
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
+
+
+def main(argv: list[str]) -> int:
+    """corpus.py DIR: build the corpus into DIR and print its manifest."""
+    if len(argv) != 1:
+        print("usage: python -m server.training.corpus DIR", file=sys.stderr)
+        return 2
+    print(json.dumps(build(Path(argv[0])), indent=2, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

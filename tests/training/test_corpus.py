@@ -56,3 +56,13 @@ A second paragraph that is long enough to be kept as a sentence of prose, see :r
         "The len function returns the number of items of an object, and x is a name:",
         "A second paragraph that is long enough to be kept as a sentence of prose, see the tutorial.",
     ]
+
+
+def test_build_is_the_committed_models_corpus(built_corpus: Path) -> None:
+    built = json.loads((built_corpus / "manifest.json").read_text())
+    committed = json.loads(corpus.MANIFEST.read_text())
+    assert built["debian_packages"] == committed["debian_packages"], (
+        "the installed corpus packages are not the committed model's: "
+        "rebuild server/training/corpus-manifest.json (docs/training.md) when retraining"
+    )
+    assert built == committed
