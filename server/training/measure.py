@@ -233,7 +233,18 @@ def route_stats(trace: Trace) -> list[LayerRouting]:
     return out
 
 
-def record_trace(model: Path, prompt: str, out: Path, n_predict: int = 128) -> Trace:
+def heldout_prompt(path: Path, chars: int = 1000) -> str:
+    """The first held-out documents, joined by blank lines, cut to about `chars` characters."""
+    docs = path.read_text(encoding="utf-8").split(corpus.DOC_SEPARATOR)
+    out = ""
+    for doc in docs:
+        if len(out) >= chars:
+            break
+        out += doc.replace("<|im_start|>", "").replace("<|im_end|>", "") + "\n\n"
+    return out[:chars]
+
+
+def record_trace(model: Path, prompt: str, out: Path, n_predict: int = 256) -> Trace:
     """Greedy decode through `moeflash generate --record-route-trace` (streamed), parsed."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
         f.write(prompt)
@@ -282,12 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     print("## Greedy continuations\n")
     for prompt, text in continuations(args.model, args.run_dir):
         print(f"- {prompt!r} -> {text!r}")
-    held = (
-        (args.run_dir / "corpus" / "heldout.txt").read_text(encoding="utf-8").split(corpus.DOC_SEPARATOR)[0]
-    )
-    trace = record_trace(args.model, held[:1000], args.trace_out)
+    prompt = heldout_prompt(args.run_dir / "corpus" / "heldout.txt")
+    trace = record_trace(args.model, prompt, args.trace_out)
     budget = _quarter(args.model)
-    prompt_ids = tokenizer.load(args.run_dir / "tokenizer.json").encode(held[:1000]).ids
+    prompt_ids = tokenizer.load(args.run_dir / "tokenizer.json").encode(prompt).ids
     print(f"\n## Prefetch under a cap of a quarter of the experts ({budget / 2**20:.1f} MiB), 128 tokens\n")
     print("\n".join(_prefetch_table(prefetch_runs(args.model, prompt_ids, 128, budget))))
     print("\n## Routing (skew and reuse per layer: min / median / max)\n")
