@@ -177,8 +177,8 @@ def prefetch_runs(model: Path, prompt_ids: list[int], n: int, budget: int) -> li
     for prefetch in (Prefetch.OFF, Prefetch.HISTORY, Prefetch.ROUTER):
         config = StreamerConfig(policy=Policy.LAYER, prefetch=prefetch)
         llm = load_streaming_llama(
-            model, config, budget=budget, follow_memory=False, n_ctx=512, n_threads=1,
-            n_threads_batch=1, flash_attn="off", verbose=False,
+            model, config, budget=budget, follow_memory=False, n_ctx=max(512, len(prompt_ids) + n + 1),
+            n_threads=1, n_threads_batch=1, flash_attn="off", verbose=False,
         )  # fmt: skip
         try:
             llm.eval(prompt_ids)
