@@ -354,14 +354,16 @@ class RouteTraceSettings(BaseSettings):
 
 
 class StoreSettings(BaseSettings):
-    """Where `pull` puts models and `list` and `rm` find them (server/hub)."""
+    """The directory of models: where `pull` puts them, `list` and `rm` find them (server/hub)
+    and `serve` serves them from, switching between them on request."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     models_dir: Path | None = Field(
         None,
-        description="a directory of GGUF models (default: the Hugging Face cache, HF_HUB_CACHE, "
-        "as huggingface_hub lays it out)",
+        description="a directory of GGUF models: serve serves every one (by file stem, one loaded at a "
+        "time, a request for another switching to it); pull, list and rm use it (default for them: the "
+        "Hugging Face cache, HF_HUB_CACHE)",
     )
 
     @field_validator("models_dir")

@@ -23,10 +23,11 @@ from typing import Any
 import httpx
 import uvicorn
 
-from server.cli.serve import load_served_model
+from server.cli.serve import served_engine
 from server.engine.token_loop import GenerationStats
 from server.engine.worker import Engine
 from server.http.app import create_app
+from server.http.switching import ModelSwitch
 from server.loading.loader import LoadedModel
 from server.settings import load_settings
 from tests.commands import REPO
@@ -57,6 +58,7 @@ class RunningServer:
     engine: Engine
     api_key: str | None
     port: int
+    switch: ModelSwitch | None = None  # serving a directory: its models and the switch
 
     @property
     def model(self) -> LoadedModel:
@@ -88,27 +90,33 @@ class RunningServer:
 
 @contextlib.contextmanager
 def running_server(
-    model_path: Path,
+    model_path: Path | None,
     *,
     loader: Callable[[], LoadedModel] | None = None,
     wait_ready: bool = True,
     **overrides: Any,
 ) -> Iterator[RunningServer]:
-    """Serve `model_path` with settings `overrides` (field names of ServerSettings/ModelSettings),
-    loaded as `moeflash serve` loads it; its state directory is a fresh one unless given."""
+    """Serve `model_path` with settings `overrides` (field names of ServerSettings/ModelSettings, and
+    `models_dir`: serve that directory's models, switching on request), loaded as `moeflash serve`
+    loads it; its state directory is a fresh one unless given."""
     host = overrides.pop("host", "127.0.0.1")
     port = free_port("127.0.0.1" if host == "127.0.0.1" else "0.0.0.0")
     own_state = None if "state_dir" in overrides else tempfile.mkdtemp(prefix="moeflash-state-")
+    models_dir = overrides.pop("models_dir", None)
     server_settings, model_settings = load_settings(
         {"model": model_path, "host": host, "port": port, "state_dir": own_state, **overrides}
     )
-    engine = Engine(
-        loader or (lambda: load_served_model(server_settings, model_settings)),
-        max_queue=server_settings.max_queue,
-        queue_full_status=server_settings.queue_full_status,
-        retry_after_s=server_settings.retry_after_s,
-    )
-    app = create_app(server_settings, engine)
+    if loader is None:
+        engine, switch = served_engine(server_settings, model_settings, models_dir)
+    else:
+        engine = Engine(
+            loader,
+            max_queue=server_settings.max_queue,
+            queue_full_status=server_settings.queue_full_status,
+            retry_after_s=server_settings.retry_after_s,
+        )
+        switch = None
+    app = create_app(server_settings, engine, switch)
     config = uvicorn.Config(
         app, host=host, port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5
     )
@@ -125,6 +133,7 @@ def running_server(
             engine=engine,
             api_key=server_settings.resolved_api_key(),
             port=port,
+            switch=switch,
         )
     finally:
         server.should_exit = True

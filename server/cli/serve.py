@@ -1,4 +1,5 @@
-"""`moeflash serve`: the OpenAI-compatible HTTP server on one model."""
+"""`moeflash serve`: the OpenAI-compatible HTTP server on one model, or on a directory of models
+(--models-dir) switching between them on request (server/http/switching.py)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,25 @@ import argparse
 import logging
 import sys
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from server.errors import ConfigError, ModelLoadError, MoeflashError
 from server.loading.loader import LoadedModel, load_model
-from server.loading.model_files import split_files
-from server.settings import ModelSettings, ServerSettings, add_arguments, settings_from_args
+from server.loading.model_files import gguf_models, split_files
+from server.settings import (
+    ModelSettings,
+    ServerSettings,
+    StoreSettings,
+    add_arguments,
+    settings_from_args,
+)
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from server.engine.worker import Engine
+    from server.http.switching import ModelSwitch
     from server.loading.prompt_cache import PromptCache
 
 logger = logging.getLogger(__name__)
@@ -94,19 +106,61 @@ def _prompt_cache(server_settings: ServerSettings, model: LoadedModel) -> Prompt
     return cache
 
 
+def served_engine(
+    server_settings: ServerSettings, model_settings: ModelSettings, models_dir: Path | None
+) -> tuple[Engine, ModelSwitch | None]:
+    """The engine `serve` runs, loading --model; with `models_dir`, also the switch between the
+    directory's models (--model, if given, is loaded first, else the first by name)."""
+    from server.engine.worker import Engine
+    from server.http.switching import DirectoryModel, ModelSwitch
+
+    def engine(loader: Callable[[], LoadedModel]) -> Engine:
+        return Engine(
+            loader,
+            max_queue=server_settings.max_queue,
+            queue_full_status=server_settings.queue_full_status,
+            retry_after_s=server_settings.retry_after_s,
+        )
+
+    if models_dir is None:
+        if model_settings.model is None:
+            raise ConfigError("no model given: moeflash serve --model PATH (or --models-dir DIR)")
+        if not model_settings.model.is_file():
+            raise ConfigError(f"model file not found: {model_settings.model}")
+        return engine(lambda: load_served_model(server_settings, model_settings)), None
+    if model_settings.alias:
+        raise ConfigError("--alias names one model: with --models-dir each model goes by its file stem")
+    if not models_dir.is_dir():
+        raise ConfigError(f"the models directory {models_dir} does not exist")
+    paths = gguf_models(p for p in models_dir.iterdir() if p.is_file())
+    first = model_settings.model
+    if first is not None and first.resolve() not in {p.resolve() for p in paths}:
+        paths.insert(0, first)
+    if not paths:
+        raise ConfigError(f"no GGUF model in {models_dir} (moeflash pull --models-dir {models_dir} gets one)")
+    models = [DirectoryModel.read(p) for p in paths]
+    start = next((m for m in models if first is not None and m.path.resolve() == first.resolve()), models[0])
+
+    def load(path: Path) -> LoadedModel:
+        return load_served_model(server_settings, model_settings.model_copy(update={"model": path}))
+
+    served = engine(lambda: load(start.path))
+    switch = ModelSwitch(
+        served, models, start.name, load, ctx_size=model_settings.ctx_size, mode=model_settings.mode
+    )
+    logger.info("serving %d models of %s: %s", len(models), models_dir, ", ".join(m.name for m in models))
+    return served, switch
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the server until SIGINT/SIGTERM; returns the exit status."""
     import uvicorn
 
-    from server.engine.worker import Engine, EngineState
+    from server.engine.worker import EngineState
     from server.http.app import create_app
 
     server_settings, model_settings = settings_from_args(args)
-    if model_settings.model is None:
-        raise ConfigError("no model given: moeflash serve --model PATH (or MOEFLASH_MODEL)")
-    path = model_settings.model
-    if not path.is_file():
-        raise ConfigError(f"model file not found: {path}")
+    engine, switch = served_engine(server_settings, model_settings, StoreSettings.from_args(args).models_dir)
     key = server_settings.resolved_api_key()
     lan = not server_settings.is_loopback()
     if lan and key is None:
@@ -116,15 +170,11 @@ def run(args: argparse.Namespace) -> int:
                 "--api-key-file or MOEFLASH_API_KEY; --insecure-no-key serves without one"
             )
         logger.warning(_LAN_WARNING, server_settings.host)
-    size = sum(p.stat().st_size for p in split_files(path) if p.is_file())
-    logger.info("loading %s (%s) in mode %s", path, _size(size), model_settings.mode)
-    engine = Engine(
-        lambda: load_served_model(server_settings, model_settings),
-        max_queue=server_settings.max_queue,
-        queue_full_status=server_settings.queue_full_status,
-        retry_after_s=server_settings.retry_after_s,
-    )
-    app = create_app(server_settings, engine)
+    if model_settings.model is not None and switch is None:
+        path = model_settings.model
+        size = sum(p.stat().st_size for p in split_files(path) if p.is_file())
+        logger.info("loading %s (%s) in mode %s", path, _size(size), model_settings.mode)
+    app = create_app(server_settings, engine, switch)
     host = server_settings.host
     shown = f"[{host}]" if ":" in host else host
     logger.info(
@@ -170,5 +220,5 @@ def register(subparsers: Any) -> None:
         help="serve a model over the OpenAI-compatible HTTP API",
         description="Serve a GGUF model over an OpenAI-compatible HTTP API (default 127.0.0.1:8000).",
     )
-    add_arguments(parser)
+    add_arguments(parser, (ServerSettings, ModelSettings, StoreSettings))
     parser.set_defaults(func=run)

@@ -162,6 +162,19 @@ class Engine:
             len(dropped),
         )
 
+    def restart(self, loader: Callable[[], LoadedModel], timeout_s: float = 30.0) -> None:
+        """Release the model and load another with `loader` (serve --models-dir switching models).
+        The caller sees to it that no job runs or waits (server/http/switching.py): one that does
+        is cancelled or refused, as at shutdown. The state is LOADING until the other is ready."""
+        self.close(timeout_s)
+        with self._cond:
+            self._loader = loader
+            self._state = EngineState.LOADING
+            self._model = None
+            self._load_error = None
+            self._thread = None
+        self.start()
+
     def wait_ready(self, timeout_s: float) -> bool:
         """Block until the model is loaded (True) or failed / timed out (False)."""
         deadline = time.monotonic() + timeout_s

@@ -46,7 +46,8 @@ from server.http.protocol import (
 )
 from server.http.responses import ResponsesRequest, create_response
 from server.http.security import SecurityMiddleware
-from server.http.serving import ServeContext, check_model
+from server.http.serving import ServeContext
+from server.http.switching import DirectoryModel, ModelSwitch
 from server.http.webui import index_html
 from server.settings import ServerSettings
 
@@ -90,10 +91,31 @@ def _card(ctx: ServeContext, name: str) -> ModelCard:
     )
 
 
-def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
-    """The app serving `engine`; the lifespan starts the engine (model load) and closes it."""
+def _file_card(switch: ModelSwitch, model: DirectoryModel) -> ModelCard:
+    # a model of the directory that is not loaded: what its header says, and how it would load
+    return ModelCard(
+        id=model.name,
+        created=model.created,
+        context_length=switch.ctx_size,
+        architecture=model.architecture,
+        file_size=model.size,
+        mode=switch.mode,
+    )
+
+
+def _cards(ctx: ServeContext) -> list[ModelCard]:
+    switch = ctx.switch
+    if switch is None:
+        return [_card(ctx, name) for name in ctx.ready_model().info.names]
+    loaded = switch.loaded if ctx.engine.model is not None else None
+    return [_card(ctx, m.name) if m.name == loaded else _file_card(switch, m) for m in switch.models]
+
+
+def create_app(settings: ServerSettings, engine: Engine, switch: ModelSwitch | None = None) -> FastAPI:
+    """The app serving `engine`, with `switch` the models of a directory it switches between (None:
+    the one model it loads); the lifespan starts the engine (model load) and closes it."""
     metrics = Metrics(engine)
-    ctx = ServeContext(settings=settings, engine=engine, metrics=metrics)
+    ctx = ServeContext(settings=settings, engine=engine, metrics=metrics, switch=switch)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -162,14 +184,17 @@ def create_app(settings: ServerSettings, engine: Engine) -> FastAPI:
 
     @app.get("/v1/models", tags=["openai"])
     async def list_models() -> ModelList:
-        """The loaded model, once under each of its names (--alias but '*', then the file stem)."""
-        return ModelList(data=[_card(ctx, name) for name in ctx.ready_model().info.names])
+        """The loaded model, once under each of its names (--alias but '*', then the file stem); with
+        --models-dir, every model of the directory."""
+        return ModelList(data=_cards(ctx))
 
     @app.get("/v1/models/{model_id:path}", tags=["openai"])
     async def get_model(model_id: str) -> ModelCard:
-        """The loaded model, if `model_id` is one of its names (any id with --alias '*')."""
-        check_model(ctx.ready_model(), model_id)
-        return _card(ctx, model_id)
+        """A served model, if `model_id` is one of its names (any id with --alias '*')."""
+        if ctx.switch is not None:
+            return next(card for card in _cards(ctx) if card.id == ctx.switch.resolve(model_id).name)
+        async with ctx.using(model_id):
+            return _card(ctx, model_id)
 
     @app.post(
         "/v1/chat/completions",

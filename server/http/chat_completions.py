@@ -39,7 +39,6 @@ from server.http.protocol import (
 from server.http.serving import (
     Plan,
     ServeContext,
-    check_model,
     check_one_choice,
     logit_bias,
     prepare_chat,
@@ -53,8 +52,6 @@ async def create_chat_completion(
 ) -> Response:
     """POST /v1/chat/completions."""
     ctx.warn_unknown(body.model_extra)
-    model = ctx.ready_model()
-    check_model(model, body.model)
     check_one_choice(body.n)
     for param, kind in media_parts(body.messages):
         raise InvalidRequest(
@@ -65,16 +62,18 @@ async def create_chat_completion(
         )
     if body.top_logprobs is not None and body.top_logprobs > 0 and not body.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
-    chat = body.to_chat_request(
-        max_tokens_cap=ctx.settings.max_completion_tokens, logit_bias=logit_bias(model, body.logit_bias)
-    )
-    plan = await prepare_chat(
-        ctx,
-        chat,
-        model_id=body.model,
-        timings=want_timings(body.timings, request),
-        include_usage=bool(body.stream_options and body.stream_options.include_usage),
-    )
+    async with ctx.using(body.model) as model:
+        chat = body.to_chat_request(
+            max_tokens_cap=ctx.settings.max_completion_tokens, logit_bias=logit_bias(model, body.logit_bias)
+        )
+        plan = await prepare_chat(
+            ctx,
+            model,
+            chat,
+            model_id=body.model,
+            timings=want_timings(body.timings, request),
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        )
     return await respond(ctx, plan, ChatFormat(plan), request, bool(body.stream))
 
 

@@ -27,7 +27,6 @@ from server.http.protocol import (
 from server.http.serving import (
     Plan,
     ServeContext,
-    check_model,
     check_one_choice,
     check_prompt,
     clamp_max_tokens,
@@ -42,28 +41,27 @@ from server.http.serving import (
 async def create_completion(ctx: ServeContext, body: CompletionRequest, request: Request) -> Response:
     """POST /v1/completions."""
     ctx.warn_unknown(body.model_extra)
-    model = ctx.ready_model()
-    check_model(model, body.model)
     check_one_choice(body.n)
     if body.suffix:
         raise InvalidRequest("suffix (insertion) is not supported", param="suffix")
     prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-    tokens = await prompt_tokens(model, prompt)
-    check_prompt(ctx, model, len(tokens), "prompt")
-    params = body.to_sampling_params(
-        max_tokens=clamp_max_tokens(ctx, model, body.max_tokens, len(tokens)),
-        logit_bias=logit_bias(model, body.logit_bias),
-    )
-    plan = submit(
-        ctx,
-        model,
-        "cmpl-",
-        GenerationRequest(tokens, params),
-        TextOutput(),
-        model_id=body.model,
-        timings=want_timings(body.timings, request),
-        include_usage=bool(body.stream_options and body.stream_options.include_usage),
-    )
+    async with ctx.using(body.model) as model:
+        tokens = await prompt_tokens(model, prompt)
+        check_prompt(ctx, model, len(tokens), "prompt")
+        params = body.to_sampling_params(
+            max_tokens=clamp_max_tokens(ctx, model, body.max_tokens, len(tokens)),
+            logit_bias=logit_bias(model, body.logit_bias),
+        )
+        plan = submit(
+            ctx,
+            model,
+            "cmpl-",
+            GenerationRequest(tokens, params),
+            TextOutput(),
+            model_id=body.model,
+            timings=want_timings(body.timings, request),
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        )
     echo = prompt if body.echo else ""
     return await respond(ctx, plan, TextFormat(plan, echo), request, bool(body.stream))
 

@@ -17,6 +17,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -38,6 +39,7 @@ from server.http.errors import describe
 from server.http.metrics import Metrics
 from server.http.protocol import FinishReason, OutModel
 from server.http.sse import DONE, event, sse_response
+from server.http.switching import ModelSwitch
 from server.http.timings import timings_of, token_timings, usage_of
 from server.loading.loader import LoadedModel
 from server.settings import ServerSettings
@@ -56,8 +58,10 @@ class ServeContext:
     settings: ServerSettings
     engine: Engine
     metrics: Metrics
+    # serve --models-dir: the models and the switch between them; None serves one model
+    switch: ModelSwitch | None = None
     warned_fields: set[str] = field(default_factory=set)
-    _template: ChatTemplate | None = None
+    _template: tuple[LoadedModel, ChatTemplate] | None = None
 
     def ready_model(self) -> LoadedModel:
         model = self.engine.model
@@ -72,10 +76,30 @@ class ServeContext:
             )
         return model
 
+    @asynccontextmanager
+    async def using(self, model_id: str) -> AsyncIterator[LoadedModel]:
+        """The model a request names, ready, for the block (its checks, prompt and job's submission
+        happen inside): the served model (NotFound for another id), or with --models-dir the model
+        of the directory it names, switched to first if another is loaded."""
+        if self.switch is None:
+            model = self.ready_model()
+            check_model(model, model_id)
+            yield model
+            return
+        async with self.switch.using(model_id, self.ready_model) as model:
+            yield model
+
+    def served_names(self) -> tuple[str, ...]:
+        """Every name a request may use: the served model's, or those of the directory's models."""
+        if self.switch is None:
+            return self.ready_model().info.names
+        return tuple(m.name for m in self.switch.models)
+
     def template(self, model: LoadedModel) -> ChatTemplate:
-        if self._template is None:
-            self._template = ChatTemplate(model.llama, model.info.chat_template)
-        return self._template
+        """`model`'s chat template, kept while it stays the loaded one."""
+        if self._template is None or self._template[0] is not model:
+            self._template = (model, ChatTemplate(model.llama, model.info.chat_template))
+        return self._template[1]
 
     def warn_unknown(self, extra: dict[str, Any] | None) -> None:
         for name in extra or {}:
@@ -229,13 +253,18 @@ async def prompt_tokens(model: LoadedModel, prompt: str) -> tuple[int, ...]:
 
 
 async def prepare_chat(
-    ctx: ServeContext, chat: ChatRequest, *, model_id: str, timings: bool = False, include_usage: bool = False
+    ctx: ServeContext,
+    model: LoadedModel,
+    chat: ChatRequest,
+    *,
+    model_id: str,
+    timings: bool = False,
+    include_usage: bool = False,
 ) -> Plan:
-    """Check a chat request against the model, render and tokenize it, compile its grammar and
-    submit its job: everything that can refuse it, before any response starts. Every chat API
-    (chat completions, Responses, Messages) maps its request onto `chat` and comes here."""
-    model = ctx.ready_model()
-    check_model(model, model_id)
+    """Check a chat request against `model` (the one `ctx.using(model_id)` gave: the caller holds
+    it), render and tokenize it, compile its grammar and submit its job: everything that can
+    refuse it, before any response starts. Every chat API (chat completions, Responses,
+    Messages, Ollama) maps its request onto `chat` and comes here."""
     template = ctx.template(model)
     settings = ctx.settings
     harmony = template.style == "harmony"

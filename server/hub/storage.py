@@ -17,7 +17,7 @@ from pathlib import Path, PurePosixPath
 from typing import Protocol
 
 from server.hub.catalog import GGUF_SUFFIX, HubFile
-from server.loading.model_files import model_stem, split_files, split_part
+from server.loading.model_files import gguf_models, model_stem, split_files
 
 PARTIAL_SUFFIX = ".incomplete"
 
@@ -61,18 +61,7 @@ class Storage(Protocol):
 
 def _gguf_models(files: list[Path], origin: str) -> list[LocalModel]:
     # one entry per single GGUF or complete split set, named by its first file
-    found: list[LocalModel] = []
-    for path in sorted(files):
-        name = path.name
-        if not name.lower().endswith(GGUF_SUFFIX) or name.lower().startswith("mmproj"):
-            continue
-        part = split_part(name)
-        if part is not None and part[1] != 1:
-            continue
-        parts = tuple(split_files(path))
-        if all(p.exists() for p in parts):
-            found.append(LocalModel(model_stem(path), parts, origin))
-    return found
+    return [LocalModel(model_stem(p), tuple(split_files(p)), origin) for p in gguf_models(files)]
 
 
 class DirectoryStorage:

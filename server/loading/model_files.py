@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path, PurePath
 
 # the part suffix gguf-split and llama.cpp give a split set's files: x-00001-of-00003.gguf
@@ -30,3 +31,19 @@ def model_stem(path: PurePath) -> str:
     """The name a model goes by: its file stem, without a split set's part suffix."""
     part = split_part(path.name)
     return part[0] if part is not None else path.name.removesuffix(".gguf")
+
+
+def gguf_models(paths: Iterable[Path]) -> list[Path]:
+    """The models among `paths`, each by its (first) file, sorted: every GGUF file and every
+    complete split set; vision projectors (mmproj*) are not models."""
+    found: list[Path] = []
+    for path in sorted(paths):
+        name = path.name.lower()
+        if not name.endswith(".gguf") or name.startswith("mmproj"):
+            continue
+        part = split_part(path.name)
+        if part is not None and part[1] != 1:
+            continue
+        if all(p.is_file() for p in split_files(path)):
+            found.append(path)
+    return found

@@ -64,7 +64,7 @@ def _script(monkeypatch: pytest.MonkeyPatch, *texts: str) -> None:
     """The engine's generation emits `texts` (then stops) instead of sampling the model."""
 
     def scripted(
-        llama: Any, request: Any, stats: Any, emit: Callable[[TextDelta], None], cancelled: Any
+        llama: Any, request: Any, stats: Any, emit: Callable[[TextDelta], None], cancelled: Any, **_: Any
     ) -> None:
         stats.prompt_tokens = len(request.prompt_tokens)
         for text in texts:
@@ -289,10 +289,13 @@ def test_pull_and_delete_with_allow_pull(tiny_model: Any, tmp_path: Path) -> Non
     model = tiny_model("tiny-qwen3moe")
     repo = "moeflash-test/Tiny-GGUF"
     models = tmp_path / "models"
+    models.mkdir()
+    served = models / "served.gguf"
+    os.link(model, served)  # the directory served is the one pulled into (MOEFLASH_MODELS_DIR)
     with fake_hub({repo: {"Tiny-Q8_0.gguf": model.read_bytes(), "README.md": b"# Tiny\n"}}) as hub:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
         env.update(HF_ENDPOINT=hub.url, HF_HUB_DISABLE_TELEMETRY="1", MOEFLASH_MODELS_DIR=str(models))
-        with serve_process(model, "--allow-pull", log_level="WARNING", env=env) as (_, port):
+        with serve_process(served, "--allow-pull", log_level="WARNING", env=env) as (_, port):
             client = ollama.Client(host=f"http://127.0.0.1:{port}")
             try:
                 progress = list(client.pull(f"hf.co/{repo}:q8_0", stream=True))
@@ -306,6 +309,10 @@ def test_pull_and_delete_with_allow_pull(tiny_model: Any, tmp_path: Path) -> Non
                 with pytest.raises(ollama.ResponseError) as gone:
                     client.delete("Tiny-Q8_0")
                 assert gone.value.status_code == 404
+                with pytest.raises(ollama.ResponseError) as refused:
+                    client.delete("served")
+                assert refused.value.status_code == 400 and "being served" in refused.value.error
+                assert served.exists()
             finally:
                 client.close()
 

@@ -32,7 +32,6 @@ from server.http.serving import (
     Pieces,
     Plan,
     ServeContext,
-    check_model,
     collect,
     prepare_chat,
     render_chat,
@@ -44,7 +43,8 @@ from server.http.sse import named_event, sse_response
 async def create_message(ctx: ServeContext, body: MessagesRequest, request: Request) -> Response:
     """POST /v1/messages."""
     ctx.warn_unknown(body.model_extra)
-    plan = await prepare_chat(ctx, to_chat_request(body), model_id=body.model)
+    async with ctx.using(body.model) as model:
+        plan = await prepare_chat(ctx, model, to_chat_request(body), model_id=body.model)
     message_id = "msg_" + plan.job.id.removeprefix("chatcmpl-")
     if body.stream:
         shutdown = anyio.Event()
@@ -69,9 +69,8 @@ async def count_tokens(ctx: ServeContext, body: CountTokensRequest) -> Response:
     """POST /v1/messages/count_tokens: the prompt tokens /v1/messages would render `body` to (its
     usage counts them as input_tokens plus cache_read_input_tokens)."""
     ctx.warn_unknown(body.model_extra)
-    model = ctx.ready_model()
-    check_model(model, body.model)
-    _, tokens = await render_chat(ctx, model, to_chat_request(body))
+    async with ctx.using(body.model) as model:
+        _, tokens = await render_chat(ctx, model, to_chat_request(body))
     return JSONResponse(TokenCount(input_tokens=len(tokens)).to_json())
 
 

@@ -9,11 +9,13 @@ starts, exactly like a chat completion; errors carry Ollama's {"error": "..."} e
 
 One module per job: protocol.py (the request and answer models), mapping.py (a request -> the
 engine's ChatRequest and sampling), output.py (chat pieces -> message text, thinking, tool calls,
-durations), route.py (the handlers, NDJSON streaming).
+durations), route.py (chat and generate, NDJSON streaming), models.py (tags, show, ps, version,
+pull, delete).
 """
 
+from server.http.ollama.models import delete, pull, running, show, tags, version
 from server.http.ollama.protocol import ChatRequest, GenerateRequest, ModelRequest
-from server.http.ollama.route import chat, delete, generate, pull, running, show, tags, version
+from server.http.ollama.route import chat, generate
 
 __all__ = [
     "ChatRequest",

@@ -28,7 +28,8 @@ async def create_response(ctx: ServeContext, body: ResponsesRequest, request: Re
     ctx.warn_unknown(body.model_extra)
     tools = Toolbox.of(body.tools, ctx.warned_fields)
     chat = to_chat_request(body, tools, ctx.settings.max_completion_tokens)
-    plan = await prepare_chat(ctx, chat, model_id=body.model)
+    async with ctx.using(body.model) as model:
+        plan = await prepare_chat(ctx, model, chat, model_id=body.model)
     shape = OutputShape(new_id("resp"), plan.created, body)
     if body.stream:
         shutdown = anyio.Event()
