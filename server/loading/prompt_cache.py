@@ -7,9 +7,10 @@ DESIGN (llama-server's prompt cache, server_prompt_cache, in one sequence)
   the rest is prefilled. The KV rows come back as they were computed, so a restored prefix gives
   what prefilling the same tokens in the same micro-batches gives (the gates check it).
 - A state is kept (llama_state_seq_get_data) when a prompt would throw away more than half of the
-  live tokens (another client's prompt, a side request), when the server stops, and, on a model
-  with sliding-window layers, before a prompt's last micro-batch: such a cache has dropped what
-  fell out of the window, so a state there is only ever restored whole (a checkpoint).
+  live tokens (another client's prompt, a side request) or 1024 of them, and when the server
+  stops. A sliding-window cache has dropped what fell out of the window, so its states are only
+  restored whole, and only where they continue bit for bit (Window): the prefill stops once at
+  such a point near the prompt's end to keep a checkpoint.
 - States live in RAM up to `ram_bytes` (a term of the memory budget, taken from the expert
   cache); the least recently used is evicted first and written to flash once, under
   `directory`, up to `flash_bytes` (least recently used files deleted first). At start the
@@ -53,6 +54,9 @@ _HEADER = struct.Struct("<4sI32s32sIQ")
 _SUFFIX = ".state"
 # a live sequence shorter than this is not worth a state
 MIN_TOKENS = 32
+# a prompt that throws away this many live tokens keeps them first, even if they are under half of
+# the live sequence (sub-agents sharing a long system prompt with the main conversation)
+_KEEP_DROPPED = 1024
 # model identity: the first bytes (the GGUF header) and this many samples spread over each file
 _HEAD_BYTES = 1 << 20
 _SAMPLES = 32
@@ -251,7 +255,8 @@ class PromptCache:
             n_live = 0  # its cells would move: what follows would not be what a prefill gives
         best, n_best = self._best(tokens, len(tokens) - 1)
         # of the live sequence only its first n_live tokens stay (restored or kept)
-        if len(live) >= MIN_TOKENS and 2 * n_live < len(live):
+        dropped = len(live) - n_live
+        if len(live) >= MIN_TOKENS and (2 * n_live < len(live) or dropped >= _KEEP_DROPPED):
             self._keep(llama, tuple(live))
         if best is not None and n_best > n_live and self._restore(llama, best, n_best):
             self.hits += 1
@@ -306,6 +311,8 @@ class PromptCache:
         best: _State | None = None
         n_best = 0
         for state in self._states:
+            if state.size > self.ram_limit:
+                continue  # kept by a run with more RAM for it: it cannot be read back into this one
             n = min(_common(state.tokens, tokens), cap)
             if self.window is not None and n != len(state.tokens):
                 continue  # a sliding-window state cannot be cut back
@@ -431,7 +438,7 @@ class PromptCache:
         self.written_bytes += size
         self._bound_flash(keep=state)
 
-    def _bound_flash(self, keep: _State) -> None:
+    def _bound_flash(self, keep: _State | None) -> None:
         on_flash = sorted((s for s in self._states if s.path is not None), key=lambda s: s.used)
         held = sum(s.size + _HEADER.size + 4 * len(s.tokens) for s in on_flash)
         for state in on_flash:
@@ -462,6 +469,7 @@ class PromptCache:
         for _, state in sorted(found, key=lambda f: f[0]):
             state.used = self._tick()
             self._states.append(state)
+        self._bound_flash(keep=None)  # the bound may be smaller than last run's
         if found:
             logger.info("prompt cache: %d states on flash in %s", len(found), self.directory)
 

@@ -29,9 +29,9 @@ B = tuple(9 + (i * 13) % 120 for i in range(200))
 Outcome = tuple[list[int], str, int]  # tokens, sha256 of every logits row, cached tokens
 
 
-def load(path: Path, mode: str, flash_attn: bool) -> MeasuredLlama:
+def load(path: Path, mode: str, flash_attn: bool, n_ctx: int = 1024) -> MeasuredLlama:
     settings: dict[str, Any] = {
-        "n_ctx": 1024,
+        "n_ctx": n_ctx,
         "n_batch": N_BATCH,
         "n_ubatch": N_BATCH,
         "swa_full": False,
@@ -146,6 +146,24 @@ def test_branch_restores_a_prefix(models: dict[str, Path], preset: str, mode: st
     finally:
         reference.close()
     assert got == expected
+
+
+def test_a_sub_agent_sharing_the_system_prompt_keeps_the_conversation(models: dict[str, Path]) -> None:
+    """A prompt sharing most of a long conversation's prefix but throwing away 1,024 of its tokens
+    keeps them first: the conversation resumes restored, not prefilled."""
+    path = models["qwen"]
+    system = A * 3  # over half of the conversation: only the 1,024-token rule keeps it
+    conversation = system + tuple(11 + (i * 7) % 180 for i in range(1100))
+    sub_agent = system + (3, 4, 5)
+    llama = load(path, "resident", False, n_ctx=4096)
+    try:
+        cache = new_cache(llama, path, None)
+        run(llama, conversation, cache)
+        assert run(llama, sub_agent, cache)[2] == len(system)  # from the live KV cache
+        resumed = run(llama, conversation + (6,), cache)
+    finally:
+        llama.close()
+    assert cache.hits == 1 and resumed[2] == len(conversation)
 
 
 def test_states_outlive_the_process(models: dict[str, Path], tmp_path: Path) -> None:
