@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from server.errors import ConfigError, ModelLoadError, MoeflashError
 from server.loading.loader import LoadedModel, load_model
-from server.loading.model_files import gguf_models, split_files
+from server.loading.model_files import gguf_models, model_stem, split_files
 from server.settings import (
     ModelSettings,
     ServerSettings,
@@ -135,6 +135,8 @@ def served_engine(
     paths = gguf_models(p for p in models_dir.iterdir() if p.is_file())
     first = model_settings.model
     if first is not None and first.resolve() not in {p.resolve() for p in paths}:
+        if model_stem(first) in {model_stem(p) for p in paths}:
+            raise ConfigError(f"--model {first} has the name of a model of {models_dir}: serve one of them")
         paths.insert(0, first)
     if not paths:
         raise ConfigError(f"no GGUF model in {models_dir} (moeflash pull --models-dir {models_dir} gets one)")

@@ -121,7 +121,7 @@ def server_switches(server: RunningServer) -> int:
     return switch.switches
 
 
-def test_alias_and_a_missing_directory_are_refused(tmp_path: Path) -> None:
+def test_what_a_directory_cannot_serve_is_refused(tmp_path: Path) -> None:
     from server.cli.serve import served_engine
 
     server_settings, model_settings = load_settings({"alias": ["x"]})
@@ -132,3 +132,9 @@ def test_alias_and_a_missing_directory_are_refused(tmp_path: Path) -> None:
         served_engine(server_settings, model_settings, tmp_path / "nowhere")
     with pytest.raises(ConfigError, match="no GGUF model"):
         served_engine(server_settings, model_settings, tmp_path)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "m.gguf").write_bytes(b"GGUF")
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    server_settings, model_settings = load_settings({"model": tmp_path / "m.gguf"})
+    with pytest.raises(ConfigError, match="has the name of a model"):
+        served_engine(server_settings, model_settings, tmp_path / "dir")
