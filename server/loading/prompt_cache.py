@@ -24,6 +24,7 @@ All methods run on the engine's worker thread (they drive the context); `stats` 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -382,7 +383,8 @@ class PromptCache:
             llama.n_tokens = n
         state.used = self._tick()
         if state.path is not None:
-            os.utime(state.path)  # the flash copy's LRU order survives a restart
+            with contextlib.suppress(OSError):  # the flash copy's LRU order survives a restart
+                os.utime(state.path)
         return True
 
     def _make_room(self, size: int) -> None:

@@ -10,10 +10,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import llama_cpp
 import numpy as np
 import pytest
 
 from server.engine.token_loop import GenerationRequest, GenerationStats, SamplingParams, generate
+from server.loading.budget import prompt_cache_bytes
 from server.loading.measured import MeasuredLlama
 from server.loading.prompt_cache import PromptCache, StateKey, Window, model_identity, state_directory
 from server.loading.resident import load_resident_llama
@@ -164,6 +166,19 @@ def test_a_sub_agent_sharing_the_system_prompt_keeps_the_conversation(models: di
     finally:
         llama.close()
     assert cache.hits == 1 and resumed[2] == len(conversation)
+
+
+@pytest.mark.parametrize("preset", ["qwen", "gemma"])
+def test_the_automatic_ram_bound_holds_a_full_context(models: dict[str, Path], preset: str) -> None:
+    """--prompt-cache-ram auto is one full context's state: a context filled to its last token fits."""
+    llama = load(models[preset], "resident", False)
+    try:
+        llama.eval([(13 * i + 5) % 300 for i in range(llama.n_ctx() - 1)])
+        size = int(llama_cpp.llama_state_seq_get_size(llama._ctx.ctx, 0))
+        assert llama.memory is not None
+        assert size <= prompt_cache_bytes("auto", llama.memory.context)
+    finally:
+        llama.close()
 
 
 def test_states_outlive_the_process(models: dict[str, Path], tmp_path: Path) -> None:

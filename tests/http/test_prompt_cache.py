@@ -55,6 +55,10 @@ def test_alternating_agents_keep_their_prefixes(tiny_model: Any, tmp_path: Path)
         answer, a3, a3_cached = _ask(server, a)
         cache = server.model.prompt_cache
         assert cache is not None and cache.hits == 1
+        # the RAM it holds is the budget's term, and stays within it
+        memory = server.model.llama.memory
+        assert memory is not None and cache.ram_limit == memory.prompt_cache > 0
+        assert 0 < cache.stats().ram_bytes <= cache.ram_limit
         metrics = _metrics(server)
         assert metrics["moeflash_prompt_cache_hits_total"] == 1
         assert metrics["moeflash_prompt_cache_restored_tokens_total"] == a3_cached
