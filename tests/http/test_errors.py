@@ -477,9 +477,9 @@ def test_anthropic_queue_full(
     gate = threading.Event()
     real_generate = server_engine.generate
 
-    def held(llama: Any, request: Any, stats: Any, emit: Any, cancelled: Any) -> None:
+    def held(llama: Any, request: Any, stats: Any, emit: Any, cancelled: Any, **kw: Any) -> None:
         gate.wait(60)  # the running job holds the model until the test has its refusal
-        real_generate(llama, request, stats, emit, cancelled)
+        real_generate(llama, request, stats, emit, cancelled, **kw)
 
     monkeypatch.setattr(server_engine, "generate", held)
     with running_server(model_path, ctx_size=256, max_queue=0, queue_full_status=status) as server:

@@ -168,7 +168,7 @@ def test_a_failure_after_the_stream_started_is_an_error_event(
     client: anthropic.Anthropic, server: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def failing(
-        llama: Any, request: Any, stats: Any, emit: Callable[[TextDelta], None], cancelled: Any
+        llama: Any, request: Any, stats: Any, emit: Callable[[TextDelta], None], cancelled: Any, **_: Any
     ) -> None:
         emit(TextDelta("partial"))
         raise ExpertReadError("the expert file ended early")
