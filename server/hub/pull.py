@@ -48,11 +48,31 @@ _HASH_CHUNK = 8 << 20  # bytes read per update of the sha256
 T = TypeVar("T")
 
 
+# what a pull reports as it goes, when asked (/api/pull's lines): the file and its bytes so far
+Progress = Callable[[HubFile, int], None]
+
+
 class _Quiet(tqdm):  # type: ignore[type-arg]
     """A progress bar that never shows (`pull --quiet`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **{**kwargs, "disable": True})
+
+
+def _reporting(file: HubFile, report: Progress) -> type[tqdm]:  # type: ignore[type-arg]
+    """A progress bar class that draws nothing and hands `report` the file's bytes so far."""
+
+    class Reporting(_Quiet):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.done = int(kwargs.get("initial") or 0)
+            super().__init__(*args, **kwargs)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            self.done += int(n or 0)
+            report(file, self.done)
+            return None
+
+    return Reporting
 
 
 def _asking(api: HfApi, repo: str, call: Callable[[], T]) -> T:
@@ -119,7 +139,9 @@ def _locked_append(path: Path) -> Iterator[BinaryIO]:
         yield fh
 
 
-def _download(api: HfApi, repo: str, commit: str, file: HubFile, out: BinaryIO, progress: bool) -> None:
+def _download(
+    api: HfApi, repo: str, commit: str, file: HubFile, out: BinaryIO, progress: bool, report: Progress | None
+) -> None:
     have = out.tell()
     if have > file.size:  # not this file's beginning: start again
         out.truncate(0)
@@ -145,13 +167,22 @@ def _download(api: HfApi, repo: str, commit: str, file: HubFile, out: BinaryIO, 
             headers=headers,
             expected_size=file.size,
             displayed_filename=file.path.rsplit("/", 1)[-1],
-            tqdm_class=tqdm if progress else _Quiet,
+            tqdm_class=_reporting(file, report) if report is not None else tqdm if progress else _Quiet,
         ),
     )
 
 
-def fetch(api: HfApi, storage: Storage, repo: str, commit: str, file: HubFile, progress: bool) -> Path:
-    """One file of a model, downloaded (or resumed), verified and put in place; its path."""
+def fetch(
+    api: HfApi,
+    storage: Storage,
+    repo: str,
+    commit: str,
+    file: HubFile,
+    progress: bool,
+    report: Progress | None = None,
+) -> Path:
+    """One file of a model, downloaded (or resumed), verified and put in place; its path. `report`,
+    if given, hears of its bytes as they come (and no bar is drawn)."""
     if file.sha256 is None:
         raise PullError(f"{repo}/{file.path}: the Hub reports no sha256 for it (not an LFS file)")
     final = storage.destination(repo, commit, file)
@@ -161,7 +192,7 @@ def fetch(api: HfApi, storage: Storage, repo: str, commit: str, file: HubFile, p
         raise PullError(f"{final} exists and is not {repo}/{file.path} (another sha256): remove it first")
     partial = storage.partial(repo, commit, file)
     with _locked_append(partial) as out:
-        _download(api, repo, commit, file, out, progress)
+        _download(api, repo, commit, file, out, progress, report)
         out.flush()
         digest = sha256_of(partial, progress)
         if digest != file.sha256:
@@ -178,9 +209,12 @@ def fetch(api: HfApi, storage: Storage, repo: str, commit: str, file: HubFile, p
         return storage.place(repo, commit, file)
 
 
-def pull(ref: str, storage: Storage, api: HfApi, *, progress: bool = True) -> LocalModel:
-    """Pull `REPO[:QUANT]` into `storage`; the model as it is there now."""
+def pull(
+    ref: str, storage: Storage, api: HfApi, *, progress: bool = True, report: Progress | None = None
+) -> LocalModel:
+    """Pull `REPO[:QUANT]` into `storage`; the model as it is there now. `report` hears of each
+    file's bytes as they come (then no bar is drawn)."""
     repo, commit, model = resolve(api, ref)
     logger.info("pulling %s from %s@%s: %s", model.name, repo, commit[:12], model.label)
-    paths = tuple(fetch(api, storage, repo, commit, f, progress) for f in model.files)
+    paths = tuple(fetch(api, storage, repo, commit, f, progress, report) for f in model.files)
     return LocalModel(model.name, paths, f"{repo}@{commit[:12]}")

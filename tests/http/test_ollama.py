@@ -8,6 +8,7 @@ must be a tool call or a think block, on what the engine's generation is scripte
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -300,6 +301,10 @@ def test_pull_and_delete_with_allow_pull(tiny_model: Any, tmp_path: Path) -> Non
             try:
                 progress = list(client.pull(f"hf.co/{repo}:q8_0", stream=True))
                 assert progress[0].status == "pulling manifest" and progress[-1].status == "success"
+                size = model.stat().st_size
+                files = [p for p in progress if p.digest is not None]
+                assert files and files[-1].completed == files[-1].total == size
+                assert files[-1].digest == f"sha256:{hashlib.sha256(model.read_bytes()).hexdigest()}"
                 assert (models / "Tiny-Q8_0.gguf").read_bytes() == model.read_bytes()
                 with pytest.raises(ollama.ResponseError) as missing:
                     client.pull(f"{repo}:Q2_K")

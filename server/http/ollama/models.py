@@ -8,7 +8,9 @@ it. Names are listed with Ollama's `:latest` tag. /api/pull and /api/delete are 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import queue
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -37,6 +39,8 @@ from server.http.ollama.route import LATEST, NDJSON, ndjson, served_name
 from server.http.serving import ServeContext
 from server.loading.loader import LoadedModel
 
+# seconds between /api/pull's progress lines
+_PROGRESS_S = 0.5
 # /api/ps's expires_at for a model kept loaded for as long as the server runs
 _NEVER = "2318-01-01T00:00:00Z"
 
@@ -220,31 +224,44 @@ def _served_files(ctx: ServeContext) -> set[Path]:
 
 async def pull(ctx: ServeContext, body: ModelRequest) -> Response:
     """POST /api/pull: a model from the Hugging Face Hub (as `moeflash pull` does), into
-    MOEFLASH_MODELS_DIR or the Hugging Face cache; `stream` reports it as NDJSON lines."""
+    MOEFLASH_MODELS_DIR or the Hugging Face cache. Streamed, as Ollama streams it: "pulling
+    manifest", then each file's bytes as they come ({"status": "pulling sha256:...", "digest",
+    "total", "completed"}, at most every _PROGRESS_S), "verifying sha256 digest", "success"."""
     check_pull_allowed(ctx, "/api/pull")
-    from server.hub import default_storage, hub_api
+    from server.hub import HubFile, default_storage, hub_api
     from server.hub import pull as hub_pull
     from server.settings import StoreSettings
 
     ref = _hub_ref(body.model_name or "")
     storage = default_storage(StoreSettings.model_validate({}).models_dir)
+    heard: queue.SimpleQueue[Status] = queue.SimpleQueue()
 
-    async def run() -> list[Status]:
-        local = await run_in_threadpool(lambda: hub_pull(ref, storage, hub_api(), progress=False))
-        done = [
-            Status(status=f"pulled {path.name}", total=path.stat().st_size, completed=path.stat().st_size)
-            for path in local.files
-        ]
-        return [*done, Status(status="verifying sha256 digest"), Status(status="success")]
+    def report(file: HubFile, done: int) -> None:  # on the pull's thread
+        digest = f"sha256:{file.sha256}"
+        heard.put(Status(status=f"pulling {digest}", digest=digest, total=file.size, completed=done))
+
+    def run() -> None:
+        hub_pull(ref, storage, hub_api(), progress=False, report=report if body.stream else None)
 
     if not body.stream:
-        return JSONResponse((await run())[-1].to_json())
+        await run_in_threadpool(run)
+        return JSONResponse(Status(status="success").to_json())
 
     async def lines() -> AsyncIterator[bytes]:
         yield ndjson(Status(status="pulling manifest").to_json())
+        task = asyncio.ensure_future(run_in_threadpool(run))
         try:
-            for status in await run():
-                yield ndjson(status.to_json())
+            while not task.done():
+                await asyncio.wait({task}, timeout=_PROGRESS_S)
+                latest: dict[str | None, Status] = {}
+                while not heard.empty():
+                    status = heard.get()
+                    latest[status.digest] = status  # the newest count of each file
+                for status in latest.values():
+                    yield ndjson(status.to_json())
+            task.result()
+            yield ndjson(Status(status="verifying sha256 digest").to_json())
+            yield ndjson(Status(status="success").to_json())
         except Exception as exc:  # noqa: BLE001 - after the 200, a failed pull is a line
             _, error, _ = describe(exc, ctx.engine.queue_full_status, ollama=True)
             yield ndjson(error)
