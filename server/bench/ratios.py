@@ -80,6 +80,11 @@ def _median_run(runs: list[Run]) -> Run | None:
     return decoded[(len(decoded) - 1) // 2] if decoded else (runs[0] if runs else None)
 
 
+def system_run(result: BenchResult, name: str, cap: int | None) -> Run | None:
+    """The run that stands for a system at a cap in the report: of several rounds, the median."""
+    return _median_run(_runs_of(result, name, cap))
+
+
 def _round_ratios(num: list[Run], den: list[Run]) -> list[float | None]:
     """Decode tok/s of run i of one system over run i of another (runs are listed in the order
     they ran, so run i of each is round i; harness._in_rounds)."""

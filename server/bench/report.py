@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from server.bench.charts import chart
 from server.bench.ratios import decode_figures
 from server.bench.results import BenchResult, Run
 
@@ -300,35 +301,6 @@ def _hits(d: dict[str, float]) -> str:
     if "hit_rate" not in d:
         return "all resident"  # the streamer stops watching routing once it holds every expert
     return f"{d['cache_hit_rate']:.1%} + {d['prefetch_hit_rate']:.1%}"
-
-
-def chart(result: BenchResult, path: Path) -> None:
-    """tok/s per system and the per-token time split as stacked bars (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = [r for r in result.runs if r.ok and decode_figures(r)]
-    labels = [f"{_name(r, result)}\n{_cap(r)}" for r in runs]
-    decoded = [decode_figures(r) for r in runs]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8, len(runs) * 0.9), 9))
-    ax1.bar(range(len(runs)), [d["tok_s_median"] if d else 0 for d in decoded], color="#3b7dd8")
-    ax1.set_ylabel("decode tok/s (median)")
-    ax1.set_yscale("log")
-    ax1.set_xticks(range(len(runs)), labels, rotation=60, ha="right", fontsize=7)
-    ax1.set_title(f"moeflash bench: {result.model['name']}")
-    bottom = [0.0] * len(runs)
-    for key, color in (("compute_s", "#4caf50"), ("flash_wait_s", "#f44336"), ("cache_s", "#ff9800")):
-        values = [(d[key] if d else 0.0) * 1e3 for d in decoded]
-        ax2.bar(range(len(runs)), values, bottom=bottom, color=color, label=key.removesuffix("_s"))
-        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    ax2.set_ylabel("ms per token")
-    ax2.set_xticks(range(len(runs)), labels, rotation=60, ha="right", fontsize=7)
-    ax2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def write_reports(result: BenchResult, out: Path, command: str) -> list[Path]:
