@@ -188,10 +188,15 @@ def test_an_empty_request_loads_and_keep_alive_zero_unloads(
 ) -> None:
     loaded = client.chat(model=server.model_id, messages=[])
     assert loaded.done and loaded.done_reason == "load"
-    unloaded = client.generate(model=server.model_id, keep_alive=0)
-    assert unloaded.done and unloaded.done_reason == "unload"
-    kept = client.chat(model=server.model_id, messages=USER, keep_alive="10m", options={"num_predict": 2})
-    assert kept.done
+    for zero in (0, "0", "0s", "0m"):
+        unloaded = client.generate(model=server.model_id, keep_alive=zero)
+        assert unloaded.done and unloaded.done_reason == "unload"
+    assert client.generate(model=server.model_id, keep_alive="5m").done_reason == "load"
+    for keep_alive in ("10m", "1h30m", "-1", 300, "2.5s"):
+        kept = client.chat(
+            model=server.model_id, messages=USER, keep_alive=keep_alive, options={"num_predict": 2}
+        )
+        assert kept.done
 
 
 @pytest.mark.parametrize(
@@ -221,6 +226,13 @@ def test_an_empty_request_loads_and_keep_alive_zero_unloads(
             "/api/generate", {"model": "M", "prompt": "x", "context": [1, 2]}, 400, "/api/chat", id="context"
         ),
         pytest.param("/api/show", {"model": "nope"}, 404, "does not exist", id="show-unknown"),
+        pytest.param(
+            "/api/chat",
+            {"model": "M", "messages": USER, "keep_alive": "for ever"},
+            400,
+            "keep_alive",
+            id="duration",
+        ),
         pytest.param("/api/pull", {"model": "a/b"}, 403, "--allow-pull", id="pull-closed"),
     ],
 )

@@ -17,8 +17,11 @@ from server.http.protocol import Penalty, RepeatPenalty, Seed, Temperature, TopK
 Name = Annotated[str, Field(min_length=1, max_length=256)]
 # "json", "" (free text) or a JSON schema
 Format = Literal["", "json"] | dict[str, Any]
-# seconds (a number) or a Go duration ("5m", "1h30m", "-1"); negative: for ever
-KeepAlive = Annotated[float, Field(ge=-(2**31), le=2**31)] | Annotated[str, Field(max_length=32)]
+# seconds (a number, also as text) or a Go duration ("5m", "1h30m", "-1m"); negative: for ever
+_DURATION = r"^\s*-?(\d+(\.\d+)?|(\d+(\.\d+)?(ns|us|µs|ms|s|m|h))+)\s*$"
+KeepAlive = (
+    Annotated[float, Field(ge=-(2**31), le=2**31)] | Annotated[str, Field(max_length=32, pattern=_DURATION)]
+)
 # false / true, or an effort for models that take one (gpt-oss)
 Think = bool | Literal["low", "medium", "high"]
 

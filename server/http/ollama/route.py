@@ -14,6 +14,7 @@ the model `name`.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -78,7 +79,9 @@ def served_name(ctx: ServeContext, requested: str) -> str:
 
 
 def _unloads(keep_alive: KeepAlive | None) -> bool:
-    return keep_alive is not None and str(keep_alive).strip() in ("0", "0.0", "0s", "0m")
+    """Whether keep_alive is zero ("0", 0, "0s", "0m", ...): Ollama's "unload now"."""
+    numbers = re.findall(r"\d+(?:\.\d+)?", str(keep_alive)) if keep_alive is not None else []
+    return bool(numbers) and all(float(n) == 0 for n in numbers)
 
 
 def _warn(ctx: ServeContext, body: ChatRequest | GenerateRequest) -> None:
