@@ -97,7 +97,8 @@ def test_the_bars_move_while_the_answer_streams(server: RunningServer, browser: 
     per_token = [length for scope, length, _ in log if scope == "token"]
     assert len(per_token) > 1 and min(per_token) < final, "the bars only changed once the answer was complete"
     # one scope at a time, named beside the figures: the last token's while streaming, then the answer's
-    assert {(scope, shown) for scope, _, shown in log} == {("token", "last token"), ("request", "whole answer")}
+    shown = {(scope, label) for scope, _, label in log}
+    assert shown == {("token", "last token"), ("request", "whole answer")}
     assert log[-1][0] == "request" and page.text_content("#scope") == "whole answer"
     assert page.text_content("#v-compute").endswith(" ms")
     assert (page.text_content("#v-read") or "").endswith("iB")  # bytes read for the answer
