@@ -16,9 +16,9 @@ DESIGN (llama-server's prompt cache, server_prompt_cache, in one sequence)
   `directory`, up to `flash_bytes` (least recently used files deleted first). At start the
   directory's files are indexed (headers only); a file is read back when a prompt needs it.
 - A state is valid for one StateKey: the model files' content, flash attention, KV types and the
-  context's sizes. Files live in a directory named by the key's digest and carry it with a
-  sha256 of their payload: a file for another key, a truncated or corrupt one is ignored with a
-  warning, never restored.
+  context's sizes. Files (server/loading/prompt_state_file.py) live in a directory named by the
+  key's digest and carry it with a checksum of their payload: a file for another key, a
+  truncated or corrupt one is ignored with a warning, never restored.
 All methods run on the engine's worker thread (they drive the context); `stats` is read anywhere.
 """
 
@@ -29,17 +29,17 @@ import ctypes
 import hashlib
 import json
 import logging
+import mmap
 import os
 import struct
-import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING
 
 import llama_cpp
 
+from server.loading import prompt_state_file as state_file
 from server.loading.model_files import split_files
 
 if TYPE_CHECKING:
@@ -47,12 +47,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# file layout: magic, format, key digest (32 bytes), payload sha256 (32), n_tokens, state bytes;
-# then the tokens (int32) and the state
-_MAGIC = b"MFPC"
-_FORMAT = 1
-_HEADER = struct.Struct("<4sI32s32sIQ")
-_SUFFIX = ".state"
 # a live sequence shorter than this is not worth a state
 MIN_TOKENS = 32
 # a prompt that throws away this many live tokens keeps them first, even if they are under half of
@@ -62,8 +56,6 @@ _KEEP_DROPPED = 1024
 _HEAD_BYTES = 1 << 20
 _SAMPLES = 32
 _SAMPLE_BYTES = 64 << 10
-# reads of a state file, hashed while the next chunk is read
-_READ_CHUNK = 8 << 20
 
 
 def model_identity(path: Path) -> str:
@@ -110,7 +102,11 @@ class StateKey:
         )
 
     def digest(self) -> bytes:
-        fields = {**asdict(self), "format": _FORMAT, "llama_state": llama_cpp.LLAMA_STATE_SEQ_VERSION}
+        fields = {
+            **asdict(self),
+            "format": state_file.FORMAT,
+            "llama_state": llama_cpp.LLAMA_STATE_SEQ_VERSION,
+        }
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest()
 
 
@@ -198,8 +194,14 @@ class _State:
     tokens: tuple[int, ...]
     size: int  # bytes of the llama.cpp state
     used: int  # LRU clock
-    data: bytearray | None = None
+    data: mmap.mmap | None = None
     path: Path | None = None
+
+    def drop_data(self) -> None:
+        """Give the RAM copy back (at once: it is an anonymous mapping)."""
+        if self.data is not None:
+            self.data.close()
+            self.data = None
 
 
 @dataclass(frozen=True)
@@ -291,7 +293,7 @@ class PromptCache:
         except OSError as exc:
             logger.warning("prompt cache: cannot write the states to %s: %s", self.directory, exc)
         for state in self._states:
-            state.data = None
+            state.drop_data()
 
     def stats(self) -> PromptCacheStats:
         states = list(self._states)
@@ -299,7 +301,9 @@ class PromptCache:
             hits=self.hits,
             restored_tokens=self.restored_tokens,
             ram_bytes=sum(s.size for s in states if s.data is not None),
-            flash_bytes=sum(s.size + _HEADER.size + 4 * len(s.tokens) for s in states if s.path is not None),
+            flash_bytes=sum(
+                state_file.file_bytes(len(s.tokens), s.size) for s in states if s.path is not None
+            ),
             states=len(states),
             read_bytes=self.read_bytes,
             read_ns=self.read_ns,
@@ -340,10 +344,11 @@ class PromptCache:
             logger.debug("prompt cache: a %d-token state (%d bytes) exceeds its RAM bound", len(tokens), size)
             return
         self._make_room(size)
-        data = bytearray(size)
+        data = state_file.new_buffer(size)
         got = llama_cpp.llama_state_seq_get_data(ctx, (ctypes.c_uint8 * size).from_buffer(data), size, 0)
         if got != size:
             logger.warning("prompt cache: llama.cpp copied %d of a %d-byte state", got, size)
+            data.close()
             return
         if self.window is None:
             # a state that can be cut back holds every shorter state of the same prefix
@@ -369,8 +374,9 @@ class PromptCache:
         llama.reset()  # type: ignore[no-untyped-call]
         # an empty memory: the state's cells go in from the first one, as they were decoded
         llama_cpp.llama_memory_clear(llama._ctx.memory, True)
-        buffer = (ctypes.c_uint8 * state.size).from_buffer(data)
-        got = llama_cpp.llama_state_seq_set_data(ctx, buffer, state.size, 0)
+        got = llama_cpp.llama_state_seq_set_data(
+            ctx, (ctypes.c_uint8 * state.size).from_buffer(data), state.size, 0
+        )
         if got != state.size:
             logger.warning("prompt cache: llama.cpp refused a %d-token state; dropped", len(state.tokens))
             llama_cpp.llama_memory_clear(llama._ctx.memory, True)
@@ -400,11 +406,12 @@ class PromptCache:
                     self._spill(state)
                 except OSError as exc:
                     logger.warning("prompt cache: cannot write a state to %s: %s", self.directory, exc)
-            state.data = None
+            state.drop_data()
             if state.path is None:
                 self._states.remove(state)
 
     def _drop(self, state: _State) -> None:
+        state.drop_data()
         if state in self._states:
             self._states.remove(state)
         if state.path is not None:
@@ -413,42 +420,27 @@ class PromptCache:
     # -- flash -------------------------------------------------------------------------
 
     def _spill(self, state: _State) -> None:
-        """Write `state` to its file once (atomically), then keep the files within the bound."""
+        """Write `state` to its file once, then keep the files within the bound."""
         assert self.directory is not None and state.data is not None
-        size = _HEADER.size + 4 * len(state.tokens) + state.size
+        size = state_file.file_bytes(len(state.tokens), state.size)
         if size > self.flash_limit:
             return
-        self.directory.mkdir(parents=True, exist_ok=True)
-        token_bytes = struct.pack(f"<{len(state.tokens)}i", *state.tokens)
-        payload = hashlib.sha256(token_bytes)
-        payload.update(state.data)
-        header = _HEADER.pack(_MAGIC, _FORMAT, self._digest, payload.digest(), len(state.tokens), state.size)
-        name = hashlib.sha256(token_bytes).hexdigest()[:24] + _SUFFIX
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(header)
-                fh.write(token_bytes)
-                fh.write(state.data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.directory / name)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        state.path = self.directory / name
+        name = hashlib.sha256(str(state.tokens).encode()).hexdigest()[:24] + state_file.SUFFIX
+        state.path = state_file.write_state(
+            self.directory, name, self._digest, state.tokens, state.data, state.size
+        )
         self.written_bytes += size
         self._bound_flash(keep=state)
 
     def _bound_flash(self, keep: _State | None) -> None:
         on_flash = sorted((s for s in self._states if s.path is not None), key=lambda s: s.used)
-        held = sum(s.size + _HEADER.size + 4 * len(s.tokens) for s in on_flash)
+        held = sum(state_file.file_bytes(len(s.tokens), s.size) for s in on_flash)
         for state in on_flash:
             if held <= self.flash_limit:
                 break
             if state is keep:
                 continue
-            held -= state.size + _HEADER.size + 4 * len(state.tokens)
+            held -= state_file.file_bytes(len(state.tokens), state.size)
             assert state.path is not None
             state.path.unlink(missing_ok=True)
             state.path = None
@@ -459,10 +451,9 @@ class PromptCache:
         """The states on flash from earlier runs, oldest use first (file times)."""
         assert self.directory is not None
         found: list[tuple[int, _State]] = []
-        for path in self.directory.glob("*" + _SUFFIX) if self.directory.is_dir() else []:
+        for path in self.directory.glob("*" + state_file.SUFFIX) if self.directory.is_dir() else []:
             try:
-                with path.open("rb") as fh:
-                    tokens, size, _ = self._header(fh, path)
+                tokens, size, _ = state_file.read_header(path, self._digest)
                 mtime = path.stat().st_mtime_ns
             except (OSError, ValueError, struct.error) as exc:
                 logger.warning("prompt cache: ignoring %s: %s", path, exc)
@@ -475,53 +466,17 @@ class PromptCache:
         if found:
             logger.info("prompt cache: %d states on flash in %s", len(found), self.directory)
 
-    def _header(self, fh: BinaryIO, path: Path) -> tuple[tuple[int, ...], int, bytes]:
-        """(tokens, state bytes, payload sha256) of an open state file, read up to the state;
-        ValueError when it is not a whole state of this key."""
-        raw = fh.read(_HEADER.size)
-        if len(raw) != _HEADER.size:
-            raise ValueError("shorter than a state file's header")
-        magic, fmt, digest, checksum, n_tokens, size = _HEADER.unpack(raw)
-        if magic != _MAGIC or fmt != _FORMAT:
-            raise ValueError(f"not a prompt state of format {_FORMAT}")
-        if digest != self._digest:
-            raise ValueError("a state of another model or other context settings, refused")
-        if path.stat().st_size != _HEADER.size + 4 * n_tokens + size:
-            raise ValueError("truncated (its size does not match its header)")
-        tokens = tuple(struct.unpack(f"<{n_tokens}i", fh.read(4 * n_tokens)))
-        return tokens, int(size), bytes(checksum)
-
-    def _read(self, state: _State) -> bytearray | None:
+    def _read(self, state: _State) -> mmap.mmap | None:
         """The state's bytes from its file, its checksum verified; None (with a warning) if not."""
         if state.path is None:
             return None
         start = time.monotonic_ns()
         try:
-            with state.path.open("rb", buffering=0) as fh:
-                tokens, size, expected = self._header(fh, state.path)
-                if tokens != state.tokens or size != state.size:
-                    raise ValueError("it changed since it was indexed")
-                data = bytearray(size)
-                view = memoryview(data)
-                digest = hashlib.sha256(struct.pack(f"<{len(tokens)}i", *tokens))
-                at = 0
-                # one thread hashes each chunk, in order, while the next is read (both release the GIL)
-                with ThreadPoolExecutor(1, thread_name_prefix="moeflash-prompt-hash") as hasher:
-                    while at < size:
-                        n = fh.readinto(view[at : at + _READ_CHUNK])
-                        if not n:
-                            raise ValueError("truncated")
-                        hasher.submit(digest.update, view[at : at + n])
-                        at += n
-                # the page cache is charged to a cgroup: the bytes are in `data` now
-                os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            data = state_file.read_state(state.path, self._digest, state.tokens, state.size)
         except (OSError, ValueError, struct.error) as exc:
             logger.warning("prompt cache: ignoring %s: %s", state.path, exc)
             return None
-        if digest.digest() != expected:
-            logger.warning("prompt cache: ignoring %s: its checksum does not match (corrupt)", state.path)
-            return None
-        self.read_bytes += size
+        self.read_bytes += state.size
         self.read_ns += time.monotonic_ns() - start
         return data
 

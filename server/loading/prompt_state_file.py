@@ -1,0 +1,168 @@
+"""A prompt state on flash: the file the prompt cache writes once and reads back at disk speed.
+
+Layout: a header (magic, format, the StateKey digest, a CRC-32 of the tokens and the state, the
+token count, the state's bytes), the tokens (int32), zeros up to a 4 KiB boundary, then the
+llama.cpp sequence state. The state starts on a page so that it is read with O_DIRECT straight
+into page-aligned memory, no page cache in between (under a cgroup the page cache is charged to
+the process), in chunks whose checksum is computed on a second thread while the next is read.
+CRC-32 (zlib, several GB/s) detects a torn or corrupted file; which model and context a state
+belongs to is the key digest's business. A file is written to a temporary name, synced, then
+renamed: a crash leaves the old file or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import struct
+import tempfile
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+MAGIC = b"MFPC"
+FORMAT = 2
+SUFFIX = ".state"
+_HEADER = struct.Struct("<4sI32sIIQ")
+_PAGE = 4096
+# a read, and how many are in flight: a queue of several keeps the disk busy
+_CHUNK = 4 << 20
+_READERS = 4
+
+
+def _state_offset(n_tokens: int) -> int:
+    return -(-(_HEADER.size + 4 * n_tokens) // _PAGE) * _PAGE
+
+
+def file_bytes(n_tokens: int, size: int) -> int:
+    """The bytes a state file of `n_tokens` tokens and a `size`-byte state takes."""
+    return _state_offset(n_tokens) + size
+
+
+def new_buffer(size: int) -> mmap.mmap:
+    """Page-aligned anonymous memory for a state, in whole pages (O_DIRECT reads whole pages),
+    faulted in at once: pages that O_DIRECT reads fault in one by one read at half the rate."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+    return mmap.mmap(-1, max(_PAGE, -(-size // _PAGE) * _PAGE), flags=flags)
+
+
+def _tokens_bytes(tokens: tuple[int, ...]) -> bytes:
+    return struct.pack(f"<{len(tokens)}i", *tokens)
+
+
+def write_state(
+    directory: Path, name: str, digest: bytes, tokens: tuple[int, ...], data: mmap.mmap, size: int
+) -> Path:
+    """Write a state file `name` in `directory` atomically; returns its path (OSError if not)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    head = _tokens_bytes(tokens)
+    view = memoryview(data)[:size]
+    crc = zlib.crc32(view, zlib.crc32(head))
+    header = _HEADER.pack(MAGIC, FORMAT, digest, crc, len(tokens), size)
+    padding = b"\0" * (_state_offset(len(tokens)) - _HEADER.size - len(head))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(header + head + padding)
+            fh.write(view)
+            fh.flush()
+            os.fsync(fh.fileno())
+            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        os.replace(tmp, directory / name)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        view.release()
+    return directory / name
+
+
+def read_header(path: Path, digest: bytes) -> tuple[tuple[int, ...], int, int]:
+    """(tokens, state bytes, CRC-32) of a state file; ValueError when it is not a whole state of
+    the key whose digest is `digest`."""
+    with path.open("rb") as fh:
+        raw = fh.read(_HEADER.size)
+        if len(raw) != _HEADER.size:
+            raise ValueError("shorter than a state file's header")
+        magic, fmt, key, crc, n_tokens, size = _HEADER.unpack(raw)
+        if magic != MAGIC or fmt != FORMAT:
+            raise ValueError(f"not a prompt state of format {FORMAT}")
+        if key != digest:
+            raise ValueError("a state of another model or other context settings, refused")
+        if os.fstat(fh.fileno()).st_size != file_bytes(n_tokens, size):
+            raise ValueError("truncated (its size does not match its header)")
+        body = fh.read(4 * n_tokens)
+    return tuple(struct.unpack(f"<{n_tokens}i", body)), int(size), int(crc)
+
+
+class _Crc:
+    """A CRC-32 fed chunk by chunk, in order, on one worker thread."""
+
+    def __init__(self, start: int) -> None:
+        self.value = start
+
+    def update(self, chunk: memoryview) -> None:
+        self.value = zlib.crc32(chunk, self.value)  # releases the GIL on large buffers
+
+
+def read_state(path: Path, digest: bytes, tokens: tuple[int, ...], size: int) -> mmap.mmap:
+    """The state of a file indexed as (`tokens`, `size`), its checksum verified; ValueError when
+    the file is not that state or is corrupt, OSError when it cannot be read."""
+    got_tokens, got_size, crc = read_header(path, digest)
+    if got_tokens != tokens or got_size != size:
+        raise ValueError("it changed since it was indexed")
+    data = new_buffer(size)
+    try:
+        _read_into(path, data, _state_offset(len(tokens)), size, crc, tokens)
+    except BaseException:
+        data.close()
+        raise
+    return data
+
+
+def _read_into(
+    path: Path, data: mmap.mmap, offset: int, size: int, crc: int, tokens: tuple[int, ...]
+) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        fd = os.open(path, os.O_RDONLY)  # a file system without O_DIRECT (tmpfs)
+    try:
+        try:
+            check = _read_chunks(fd, data, offset, size, tokens)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            os.close(fd)  # O_DIRECT opened but refused on read: read it buffered
+            fd = os.open(path, os.O_RDONLY)
+            check = _read_chunks(fd, data, offset, size, tokens)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if check != crc:
+        raise ValueError("its checksum does not match (corrupt)")
+
+
+def _read_chunks(fd: int, data: mmap.mmap, offset: int, size: int, tokens: tuple[int, ...]) -> int:
+    """Read the state in chunks, _READERS at a time (a deeper queue than one reader's), the
+    checksum following them in order on its own thread; returns the CRC-32."""
+    check = _Crc(zlib.crc32(_tokens_bytes(tokens)))
+    view = memoryview(data)
+    spans = [(at, min(_CHUNK, size - at)) for at in range(0, size, _CHUNK)]
+
+    def read(at: int, n: int) -> None:
+        got = os.preadv(fd, [view[at : at + -(-n // _PAGE) * _PAGE]], offset + at)
+        if got < n:
+            raise ValueError("truncated")
+
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="moeflash-prompt-crc") as hasher:
+            with ThreadPoolExecutor(_READERS, thread_name_prefix="moeflash-prompt-read") as readers:
+                reads = [readers.submit(read, at, n) for at, n in spans]
+                for (at, n), done in zip(spans, reads, strict=True):
+                    done.result()
+                    hasher.submit(check.update, view[at : at + n])
+    finally:
+        view.release()
+    return check.value
