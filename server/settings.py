@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, get_args, get_origin
@@ -45,6 +47,31 @@ def parse_size(text: str | int) -> int:
     if size < 0:
         raise ValueError(f"a size cannot be negative: {text!r}")
     return int(size)
+
+
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+
+
+def parse_duration(text: str | float) -> float:
+    """Seconds from a number of seconds (`300`, `-1`) or a Go duration (`5m`, `1h30m`, `2.5s`,
+    `300ms`), as Ollama's keep_alive takes them; ValueError for anything else."""
+    if isinstance(text, int | float) and not isinstance(text, bool):
+        seconds = float(text)
+    else:
+        body = str(text).strip()
+        sign = -1.0 if body.startswith("-") else 1.0
+        body = body.removeprefix("-")
+        parts = _DURATION_PART.findall(body)
+        if re.fullmatch(r"\d+(?:\.\d+)?", body):
+            seconds = sign * float(body)
+        elif parts and "".join(n + u for n, u in parts) == body:
+            seconds = sign * sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+        else:
+            raise ValueError(f"not a duration: {text!r} (use seconds or e.g. 30s, 5m, 1h30m; -1: never)")
+    if not math.isfinite(seconds):
+        raise ValueError(f"not a duration: {text!r}")
+    return seconds
 
 
 # The expert cache's budget: bytes, "all" (every expert: nothing is ever evicted) or "auto" (the
@@ -140,6 +167,12 @@ class ServerSettings(BaseSettings):
         description="flash for prompt states evicted from RAM or kept at shutdown, under the state directory "
         "(a size; 0: none, the prompt cache does not outlive the process)",
     )
+    keep_alive: float = Field(
+        -1.0,
+        description="how long a model stays loaded once idle before its memory is given back (the next "
+        "request loads it again): seconds or a duration (30s, 5m, 1h); negative: as long as the server "
+        "runs. An Ollama request's keep_alive overrides it",
+    )
     allow_pull: bool = Field(
         False,
         description="let the Ollama API's /api/pull and /api/delete download and delete models (into "
@@ -165,6 +198,11 @@ class ServerSettings(BaseSettings):
     @classmethod
     def _parse_flash(cls, value: Any) -> Any:
         return parse_size(value) if isinstance(value, str | int) and not isinstance(value, bool) else value
+
+    @field_validator("keep_alive", mode="before")
+    @classmethod
+    def _parse_keep_alive(cls, value: Any) -> Any:
+        return parse_duration(value) if isinstance(value, str | int | float) else value
 
     @field_validator("state_dir")
     @classmethod

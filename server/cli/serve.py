@@ -148,7 +148,13 @@ def served_engine(
 
     served = engine(lambda: load(start.path))
     switch = ModelSwitch(
-        served, models, start.name, load, ctx_size=model_settings.ctx_size, mode=model_settings.mode
+        served,
+        models,
+        start.name,
+        load,
+        ctx_size=model_settings.ctx_size,
+        mode=model_settings.mode,
+        keep_alive_s=server_settings.keep_alive,
     )
     logger.info("serving %d models of %s: %s", len(models), models_dir, ", ".join(m.name for m in models))
     return served, switch

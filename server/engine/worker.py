@@ -12,12 +12,15 @@ DESIGN
   event (client gone); the worker checks it before every token and between prefill batches,
   so a cancelled generation stops within one token and frees the model.
 - `close()` (lifespan shutdown, i.e. SIGTERM) cancels the running job, fails the waiting
-  ones, joins the worker and releases the model.
+  ones, joins the worker and releases the model. `release()` does the same to an idle engine
+  but keeps its loader (state RELEASED: the memory is given back) and `reload()` loads it again;
+  `restart(loader)` loads another model (server/http/residency.py and switching.py decide when).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import enum
 import logging
 import threading
@@ -28,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from server.engine.token_loop import GenerationRequest, GenerationStats, TextDelta, generate
 from server.errors import QueueFull, ServiceUnavailable
-from server.loading.loader import LoadedModel
+from server.loading.loader import LoadedModel, ModelInfo
 from server.loading.measured import DecodeStep
 
 logger = logging.getLogger(__name__)
@@ -46,6 +49,8 @@ class EngineState(enum.Enum):
     FAILED = "failed"
     STOPPING = "stopping"
     STOPPED = "stopped"
+    RELEASING = "releasing"  # the model being freed, for a release or a switch
+    RELEASED = "released"  # idle, the model freed; `reload` loads it again
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,9 @@ class Engine:
         self._model: LoadedModel | None = None
         self._load_error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._info: ModelInfo | None = None  # the model's, kept while it is released or reloads
+        self._idle_since = time.monotonic()  # when the last job ended (or the model loaded)
+        self.loads = 0  # models loaded so far (loads, reloads and switches)
         self.history: deque[tuple[str, GenerationStats]] = deque(maxlen=_HISTORY)
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -137,10 +145,19 @@ class Engine:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Cancel the running job, fail the waiting ones, stop the worker, free the model."""
+        self._stop(EngineState.STOPPING, EngineState.STOPPED, timeout_s)
+
+    def _stop(self, stopping: EngineState, stopped: EngineState, timeout_s: float) -> bool:
+        """Stop the worker and free the model: the state is `stopping` meanwhile (STOPPING at
+        shutdown, RELEASING for a release or a restart), then `stopped`. False if the engine was
+        already stopping or stopped, or shut down meanwhile."""
         with self._cond:
             if self._state in (EngineState.STOPPING, EngineState.STOPPED):
-                return
-            self._state = EngineState.STOPPING
+                return False
+            if self._state is EngineState.RELEASED:  # nothing left to stop or free
+                self._state = stopped
+                return True
+            self._state = stopping
             dropped = list(self._waiting)
             self._waiting.clear()
             running = self._running
@@ -155,25 +172,44 @@ class Engine:
             if self._thread.is_alive():
                 logger.error("the engine worker did not stop within %.0f s", timeout_s)
         with self._cond:
-            self._state = EngineState.STOPPED
+            mine = self._state is stopping  # else close() came meanwhile and stopped the engine
+            if mine:
+                self._state = stopped
+                self._model = None
+                self._thread = None
         logger.info(
             "engine stopped: %s, %d waiting request(s) refused, model released",
             "running request cancelled" if running is not None else "idle",
             len(dropped),
         )
+        return mine
 
     def restart(self, loader: Callable[[], LoadedModel], timeout_s: float = 30.0) -> None:
         """Release the model and load another with `loader` (serve --models-dir switching models).
         The caller sees to it that no job runs or waits (server/http/switching.py): one that does
         is cancelled or refused, as at shutdown. The state is LOADING until the other is ready."""
-        self.close(timeout_s)
+        if not self._stop(EngineState.RELEASING, EngineState.STOPPED, timeout_s):
+            return  # shut down meanwhile
         with self._cond:
+            if loader is not self._loader:
+                self._info = None
             self._loader = loader
             self._state = EngineState.LOADING
-            self._model = None
             self._load_error = None
-            self._thread = None
         self.start()
+
+    def release(self, timeout_s: float = 30.0) -> None:
+        """Free the model and keep its loader (its keep_alive ran out): the worker stops and the model
+        closes as at shutdown (the hot set and prompt states saved, then the context, the streamer
+        and its expert cache freed), and the state is RELEASED until `reload`. The caller sees to
+        it that no job runs or waits, as for `restart`."""
+        if self._stop(EngineState.RELEASING, EngineState.RELEASED, timeout_s):
+            give_back_freed_memory()
+            logger.info("model released: its memory is given back until a request needs it")
+
+    def reload(self) -> None:
+        """Load the released (or failed) model again with its loader; LOADING until it is ready."""
+        self.restart(self._loader)
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Block until the model is loaded (True) or failed / timed out (False)."""
@@ -194,15 +230,29 @@ class Engine:
             return self._state
 
     @property
+    def info(self) -> ModelInfo | None:
+        """What the served model is, loaded or released (and while it reloads); None before it
+        first loads and while another model loads."""
+        with self._cond:
+            return self._info
+
+    @property
+    def idle_since(self) -> float:
+        """time.monotonic() when the last job ended or the model finished loading."""
+        with self._cond:
+            return self._idle_since
+
+    @property
     def load_error(self) -> BaseException | None:
         with self._cond:
             return self._load_error
 
     @property
     def model(self) -> LoadedModel | None:
-        """The loaded model (read-only use outside the worker: info, tokenizer, vocab)."""
+        """The loaded model (read-only use outside the worker: info, tokenizer, vocab); None unless
+        READY (a model being closed is not one to use)."""
         with self._cond:
-            return self._model
+            return self._model if self._state is EngineState.READY else None
 
     @property
     def queue_depth(self) -> int:
@@ -260,6 +310,9 @@ class Engine:
             return
         with self._cond:
             self._model = model
+            self._info = model.info
+            self._idle_since = time.monotonic()
+            self.loads += 1
             if self._state is EngineState.LOADING:
                 self._state = EngineState.READY
             self._cond.notify_all()
@@ -285,6 +338,7 @@ class Engine:
                     # the engine's state is final before the client sees the last event
                     with self._cond:
                         self._running = None
+                        self._idle_since = time.monotonic()
                         self.history.append((job.id, replace(job.stats)))
                         self._cond.notify_all()
                     job._post(last)
@@ -313,3 +367,14 @@ class Engine:
             model.llama.reset()  # type: ignore[no-untyped-call]
             return Failed(exc)
         return Finished(job.stats, model.llama.totals() - before)
+
+
+def give_back_freed_memory() -> None:
+    """Return the C heap's free pages to the system (glibc's malloc_trim): a freed model's small
+    allocations stay in the heap otherwise and the process's RSS does not drop. A no-op without
+    glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

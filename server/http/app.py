@@ -7,6 +7,8 @@ Exceptions are mapped to HTTP once (server/http/errors.py); FastAPI's validation
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -44,9 +46,10 @@ from server.http.protocol import (
     ModelCard,
     ModelList,
 )
+from server.http.residency import Residency
 from server.http.responses import ResponsesRequest, create_response
 from server.http.security import SecurityMiddleware
-from server.http.serving import ServeContext
+from server.http.serving import ServeContext, check_model
 from server.http.switching import DirectoryModel, ModelSwitch
 from server.http.webui import index_html
 from server.settings import ServerSettings
@@ -76,7 +79,7 @@ def _validation_message(exc: RequestValidationError, request: Request) -> Invali
 
 
 def _card(ctx: ServeContext, name: str) -> ModelCard:
-    info = ctx.ready_model().info
+    info = ctx.model_info()
     # the budget now: it follows memory pressure from the one chosen at load
     totals = ctx.engine.totals()
     budget = totals.streamer.budget_bytes if totals is not None and totals.streamer is not None else None
@@ -106,7 +109,7 @@ def _file_card(switch: ModelSwitch, model: DirectoryModel) -> ModelCard:
 def _cards(ctx: ServeContext) -> list[ModelCard]:
     switch = ctx.switch
     if switch is None:
-        return [_card(ctx, name) for name in ctx.ready_model().info.names]
+        return [_card(ctx, name) for name in ctx.model_info().names]
     loaded = switch.loaded if ctx.engine.model is not None else None
     return [_card(ctx, m.name) if m.name == loaded else _file_card(switch, m) for m in switch.models]
 
@@ -115,14 +118,21 @@ def create_app(settings: ServerSettings, engine: Engine, switch: ModelSwitch | N
     """The app serving `engine`, with `switch` the models of a directory it switches between (None:
     the one model it loads); the lifespan starts the engine (model load) and closes it."""
     metrics = Metrics(engine)
-    ctx = ServeContext(settings=settings, engine=engine, metrics=metrics, switch=switch)
+    residency = (
+        switch.residency if switch is not None else Residency(engine, keep_alive_s=settings.keep_alive)
+    )
+    ctx = ServeContext(settings=settings, engine=engine, metrics=metrics, residency=residency, switch=switch)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()  # loads in the background: /health says 503 until ready
+        watcher = asyncio.create_task(residency.watch())  # releases the model after its keep_alive
         try:
             yield
         finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
             await run_in_threadpool(engine.close)
 
     app = FastAPI(
@@ -169,10 +179,16 @@ def create_app(settings: ServerSettings, engine: Engine, switch: ModelSwitch | N
 
     @app.get("/health", tags=["server"])
     async def health() -> JSONResponse:
-        """200 once the model is loaded; 503 while it loads (or after a failed load)."""
+        """200 once the model has loaded, also while it is released after its keep_alive, or freed
+        and loaded again (a reload, a switch): requests are taken then, and wait for the load; 503
+        while it first loads, after a failed load, and at shutdown."""
         state = engine.state
-        status = 200 if state is EngineState.READY else 503
+        between = (EngineState.RELEASING, EngineState.RELEASED, EngineState.LOADING)
+        taken = state in between and engine.loads > 0
+        status = 200 if state is EngineState.READY or taken else 503
         body: dict[str, Any] = {"status": "ok" if status == 200 else state.value}
+        if taken:
+            body["model"] = state.value  # "releasing", "released" or "loading"
         if engine.load_error is not None:
             body["error"] = str(engine.load_error)
         return JSONResponse(body, status_code=status)
@@ -193,8 +209,8 @@ def create_app(settings: ServerSettings, engine: Engine, switch: ModelSwitch | N
         """A served model, if `model_id` is one of its names (any id with --alias '*')."""
         if ctx.switch is not None:
             return next(card for card in _cards(ctx) if card.id == ctx.switch.resolve(model_id).name)
-        async with ctx.using(model_id):
-            return _card(ctx, model_id)
+        check_model(ctx.model_info(), model_id)
+        return _card(ctx, model_id)
 
     @app.post(
         "/v1/chat/completions",

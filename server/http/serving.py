@@ -38,10 +38,11 @@ from server.errors import ContextLengthExceeded, InvalidRequest, NotFound, Servi
 from server.http.errors import describe
 from server.http.metrics import Metrics
 from server.http.protocol import FinishReason, OutModel
+from server.http.residency import Residency
 from server.http.sse import DONE, event, sse_response
 from server.http.switching import ModelSwitch
 from server.http.timings import timings_of, token_timings, usage_of
-from server.loading.loader import LoadedModel
+from server.loading.loader import LoadedModel, ModelInfo
 from server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ class ServeContext:
     settings: ServerSettings
     engine: Engine
     metrics: Metrics
+    # who holds the model and how long it stays loaded (the switch's, with --models-dir)
+    residency: Residency
     # serve --models-dir: the models and the switch between them; None serves one model
     switch: ModelSwitch | None = None
     warned_fields: set[str] = field(default_factory=set)
@@ -76,23 +79,38 @@ class ServeContext:
             )
         return model
 
+    def model_info(self) -> ModelInfo:
+        """The served model's description, loaded or released (one model served: no --models-dir);
+        ServiceUnavailable before it has loaded."""
+        info = self.engine.info
+        return info if info is not None else self.ready_model().info
+
     @asynccontextmanager
-    async def using(self, model_id: str) -> AsyncIterator[LoadedModel]:
+    async def using(self, model_id: str, keep_alive_s: float | None = None) -> AsyncIterator[LoadedModel]:
         """The model a request names, ready, for the block (its checks, prompt and job's submission
         happen inside): the served model (NotFound for another id), or with --models-dir the model
-        of the directory it names, switched to first if another is loaded."""
+        of the directory it names, switched to first if another is loaded; loaded again first if it
+        was released. `keep_alive_s`: how long it stays loaded once idle (None: --keep-alive)."""
         if self.switch is None:
-            model = self.ready_model()
-            check_model(model, model_id)
-            yield model
+            check_model(self.model_info(), model_id)
+            async with self.residency.lease(keep_alive_s):
+                yield self.ready_model()
             return
-        async with self.switch.using(model_id, self.ready_model) as model:
+        async with self.switch.using(model_id, self.ready_model, keep_alive_s) as model:
             yield model
+
+    async def unload(self, model_id: str) -> None:
+        """Release the model `model_id` names now if it is loaded and idle, else once it is."""
+        if self.switch is None:
+            check_model(self.model_info(), model_id)
+            await self.residency.unload()
+        else:
+            await self.switch.unload(model_id)
 
     def served_names(self) -> tuple[str, ...]:
         """Every name a request may use: the served model's, or those of the directory's models."""
         if self.switch is None:
-            return self.ready_model().info.names
+            return self.model_info().names
         return tuple(m.name for m in self.switch.models)
 
     def template(self, model: LoadedModel) -> ChatTemplate:
@@ -111,10 +129,10 @@ class ServeContext:
 # ---------------------------------------------------------------------- checks
 
 
-def check_model(model: LoadedModel, requested: str) -> None:
+def check_model(info: ModelInfo, requested: str) -> None:
     """NotFound unless `requested` is one of the served model's names (any id with --alias '*')."""
-    if requested not in model.info.names and not model.info.any_model:
-        served = ", ".join(repr(name) for name in model.info.names)
+    if requested not in info.names and not info.any_model:
+        served = ", ".join(repr(name) for name in info.names)
         raise NotFound(
             f"the model {requested!r} does not exist; this server serves {served}",
             param="model",

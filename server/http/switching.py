@@ -1,10 +1,11 @@
 """Serving a directory of models, one loaded at a time: which model a request names, and the switch.
 
 `ModelSwitch.using(model_id)` is how a route gets the model it prepares a request on: the model
-is leased until the block ends (the checks, the template, the tokens and the job's submission).
-A request that names another model of the directory switches: in arrival order (one FIFO lock),
-it waits until no lease is held and the engine has no running or waiting job, then the engine
-releases its model and loads the other (`Engine.restart`). A job is queued on the model it was
+is leased until the block ends (the checks, the template, the tokens and the job's submission;
+the lease and its keep_alive: server/http/residency.py). A request that names another model of
+the directory switches: in arrival order (the residency's FIFO lock), it waits until no lease is
+held and the engine has no running or waiting job, then the engine releases its model and loads
+the other (`Engine.restart`). A job is queued on the model it was
 prepared on, and that model is released only once no job runs or waits, so no request is ever
 served on another model; interleaved requests for two models are served in arrival order, a
 switch each time. Everything a model owns (its warm start, its prompt cache) goes with it.
@@ -12,7 +13,6 @@ switch each time. Everything a model owns (its warm start, its prompt cache) goe
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -25,16 +25,12 @@ from starlette.concurrency import run_in_threadpool
 
 from server.engine.worker import Engine
 from server.errors import NotFound
+from server.http.residency import LOAD_WAIT_S, Residency
 from server.loading.gguf_header import read_metadata
 from server.loading.loader import LoadedModel
 from server.loading.model_files import model_stem, split_files
 
 logger = logging.getLogger(__name__)
-
-# how often a pending switch looks whether the engine has finished its jobs
-_POLL_S = 0.01
-# a load longer than this counts as failed (the engine says why)
-_LOAD_WAIT_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -78,15 +74,15 @@ class ModelSwitch:
         *,
         ctx_size: int,
         mode: str,
+        keep_alive_s: float,
     ) -> None:
         self.ctx_size = ctx_size  # the context a model gets when it is loaded
         self.mode = mode  # how a model is loaded (auto, resident or streaming)
         self._engine = engine
+        self.residency = Residency(engine, keep_alive_s=keep_alive_s)
         self._models = {m.name: m for m in models}
         self._loaded = loaded
         self._load = load
-        self._lock = asyncio.Lock()  # FIFO: switches and leases in arrival order
-        self._leases = 0
         self.switches = 0
 
     @property
@@ -111,30 +107,37 @@ class ModelSwitch:
         return found
 
     @asynccontextmanager
-    async def using(self, model_id: str, ready: Callable[[], LoadedModel]) -> AsyncIterator[LoadedModel]:
-        """The model `model_id` names, loaded (after a switch if another is), leased for the block;
-        `ready` gives the engine's model (ServiceUnavailable while it loads or if it failed)."""
+    async def using(
+        self, model_id: str, ready: Callable[[], LoadedModel], keep_alive_s: float | None = None
+    ) -> AsyncIterator[LoadedModel]:
+        """The model `model_id` names, loaded (after a switch if another is, or again if it was
+        released), leased for the block; `ready` gives the engine's model (ServiceUnavailable while
+        it loads or if it failed); `keep_alive_s` as Residency.lease takes it."""
         wanted = self.resolve(model_id)
-        async with self._lock:
-            if wanted.name != self._loaded:
-                await self._switch(wanted)
-            model = ready()
-            self._leases += 1
-        try:
-            yield model
-        finally:
-            self._leases -= 1
+
+        async def switch() -> bool:
+            if wanted.name == self._loaded:
+                return False
+            await self._switch(wanted)
+            return True
+
+        async with self.residency.lease(keep_alive_s, before=switch):
+            yield ready()
+
+    async def unload(self, model_id: str) -> None:
+        """Release the model `model_id` names if it is the loaded one (Ollama's keep_alive 0)."""
+        name = self.resolve(model_id).name
+        await self.residency.unload(lambda: name == self._loaded)
 
     async def _switch(self, wanted: DirectoryModel) -> None:
         engine = self._engine
-        while self._leases or engine.queue_depth or engine.running_job is not None:
-            await asyncio.sleep(_POLL_S)
+        await self.residency.wait_idle()
         started = time.monotonic()
         logger.info("switching from %s to %s", self._loaded, wanted.name)
         self._loaded = wanted.name
         self.switches += 1
         await run_in_threadpool(engine.restart, lambda: self._load(wanted.path))
-        ready = await run_in_threadpool(engine.wait_ready, _LOAD_WAIT_S)
+        ready = await run_in_threadpool(engine.wait_ready, LOAD_WAIT_S)
         logger.info(
             "switched to %s in %.2f s%s",
             wanted.name,

@@ -1,4 +1,5 @@
-"""The engine without HTTP: FIFO order, queue limit, cancellation, shutdown, KV reuse."""
+"""The engine without HTTP: FIFO order, queue limit, cancellation, shutdown, release and reload, KV
+reuse."""
 
 from __future__ import annotations
 
@@ -144,9 +145,35 @@ def test_close_refuses_waiting_jobs_and_new_ones(tiny_model: Any) -> None:
     def _request_after_close() -> GenerationRequest:
         return GenerationRequest((1, 2, 3), SamplingParams(max_tokens=1))
 
+    loaded = engine.model
     asyncio.run(main())
     assert engine.state is EngineState.STOPPED
-    assert engine.model is not None and engine.model._closed
+    assert loaded is not None and loaded._closed and engine.model is None
+
+
+def test_release_frees_the_model_and_reload_loads_it_again(tiny_model: Any) -> None:
+    _, model_settings = load_settings({"model": Path(tiny_model("tiny-qwen3moe")), "ctx_size": 512})
+    engine = Engine(lambda: load_model(model_settings))
+    engine.start()
+    assert engine.wait_ready(60)
+    first = engine.model
+    assert first is not None
+    engine.release()
+    assert engine.state is EngineState.RELEASED and engine.model is None and first._closed
+    assert engine.info == first.info  # still described while released
+
+    async def submit_late() -> None:
+        with pytest.raises(ServiceUnavailable, match="released"):
+            engine.submit("late", GenerationRequest((1, 2, 3), SamplingParams(max_tokens=1)))
+
+    asyncio.run(submit_late())
+    engine.reload()
+    assert engine.wait_ready(60) and engine.loads == 2
+    again = engine.model
+    assert again is not None and again is not first and again.info == first.info
+    engine.release()
+    engine.close()  # closing a released engine has nothing left to free
+    assert engine.state is EngineState.STOPPED
 
 
 @pytest.fixture(scope="module")

@@ -186,16 +186,18 @@ def test_thinking_is_its_own_field_unless_think_is_false(
 def test_an_empty_request_loads_and_keep_alive_zero_unloads(
     client: ollama.Client, server: RunningServer
 ) -> None:
-    loaded = client.chat(model=server.model_id, messages=[])
+    name = server.model_id
+    loaded = client.chat(model=name, messages=[])
     assert loaded.done and loaded.done_reason == "load"
     for zero in (0, "0", "0s", "0m"):
-        unloaded = client.generate(model=server.model_id, keep_alive=zero)
+        unloaded = client.generate(model=name, keep_alive=zero)
         assert unloaded.done and unloaded.done_reason == "unload"
-    assert client.generate(model=server.model_id, keep_alive="5m").done_reason == "load"
-    for keep_alive in ("10m", "1h30m", "-1", 300, "2.5s"):
-        kept = client.chat(
-            model=server.model_id, messages=USER, keep_alive=keep_alive, options={"num_predict": 2}
-        )
+        assert client.ps().models == []  # an idle model is released at once
+    assert client.generate(model=name, keep_alive="5m").done_reason == "load"
+    assert [m.model for m in client.ps().models] == [f"{name}:latest"]
+    # the last one keeps the model loaded for the tests after this one
+    for keep_alive in ("10m", "1h30m", 300, "2.5s", "-1"):
+        kept = client.chat(model=name, messages=USER, keep_alive=keep_alive, options={"num_predict": 2})
         assert kept.done
 
 

@@ -1,9 +1,10 @@
 """The model routes: /api/tags, /api/show, /api/ps, /api/version, /api/pull and /api/delete.
 
-A model is described from the loaded model when it is the one the engine holds, else (serve
---models-dir) from its GGUF header, read at start-up: listing or showing a model never loads
-it. Names are listed with Ollama's `:latest` tag. /api/pull and /api/delete are closed unless
---allow-pull; then, beyond loopback, they also need an API key.
+A model is described from the loaded model when it is the one the engine holds, else from its
+GGUF header (serve --models-dir: read at start-up): listing or showing a model never loads it.
+/api/ps lists the model while it is loaded, with when its keep_alive runs out. Names are listed
+with Ollama's `:latest` tag. /api/pull and /api/delete are closed unless --allow-pull; then,
+beyond loopback, they also need an API key.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import queue
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -37,6 +39,7 @@ from server.http.ollama.protocol import (
 )
 from server.http.ollama.route import LATEST, NDJSON, ndjson, served_name
 from server.http.serving import ServeContext
+from server.http.switching import DirectoryModel
 from server.loading.loader import LoadedModel
 
 # seconds between /api/pull's progress lines
@@ -90,11 +93,16 @@ def _of_loaded(model: LoadedModel) -> _Described:
 
 
 def _described(ctx: ServeContext, name: str) -> _Described:
-    """The model `name` (a served name): the loaded one, else a model of the directory."""
+    """The model `name` (a served name): the loaded one, else a model of the directory (or the one
+    served, released)."""
     loaded = ctx.engine.model
-    if ctx.switch is None or (loaded is not None and ctx.switch.loaded == name):
-        return _of_loaded(ctx.ready_model())
-    entry = ctx.switch.resolve(name)
+    if loaded is not None and (ctx.switch is None or ctx.switch.loaded == name):
+        return _of_loaded(loaded)
+    if ctx.switch is None:
+        info = ctx.model_info()
+        entry, context_length = DirectoryModel.read(info.path), info.n_ctx
+    else:
+        entry, context_length = ctx.switch.resolve(name), ctx.switch.ctx_size
     meta = entry.metadata
     identity = f"{entry.path}:{entry.size}:{entry.created}"
     return _Described(
@@ -104,7 +112,7 @@ def _described(ctx: ServeContext, name: str) -> _Described:
         metadata=meta,
         template=str(meta.get("tokenizer.chat_template", "")),
         parameter_size=str(meta.get("general.size_label", "unknown")),
-        context_length=ctx.switch.ctx_size,
+        context_length=context_length,
         digest=hashlib.sha256(identity.encode()).hexdigest(),
     )
 
@@ -151,10 +159,17 @@ async def tags(ctx: ServeContext) -> Response:
 
 
 async def running(ctx: ServeContext) -> Response:
-    """GET /api/ps: the loaded model, kept loaded until the server stops or switches."""
-    model = ctx.ready_model()
-    tag = _tag(_of_loaded(model), model.info.id)
-    loaded = RunningModel(**tag.model_dump(), expires_at=_NEVER, size_vram=0, context_length=model.info.n_ctx)
+    """GET /api/ps: the loaded model (none while it is released or loading), and when its
+    keep_alive runs out (far in the future: never)."""
+    model = ctx.engine.model
+    if model is None:
+        return JSONResponse(Running(models=[]).to_json())
+    left = ctx.residency.expires_in()
+    expires = _NEVER if left is None else _iso(time.time() + left)
+    tag = _tag(_of_loaded(model), ctx.switch.loaded if ctx.switch is not None else model.info.id)
+    loaded = RunningModel(
+        **tag.model_dump(), expires_at=expires, size_vram=0, context_length=model.info.n_ctx
+    )
     return JSONResponse(Running(models=[loaded]).to_json())
 
 

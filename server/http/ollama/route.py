@@ -7,14 +7,15 @@ so before the 200, as on the other routes; a raw /api/generate is a prompt used 
 the last with done: true and the durations. A stream ends when its reader leaves (the job is
 cancelled with it); an error after the 200 is one {"error": ...} line. A request with no
 messages (or an empty prompt) loads the model as Ollama does (with --models-dir, switching to
-it): it is answered with done_reason "load" ("unload" with keep_alive 0). `name:latest` names
-the model `name`.
+it) and is answered with done_reason "load"; with keep_alive 0 it releases the model instead
+("unload"). keep_alive (seconds or a Go duration; negative: never) is how long the model stays
+loaded once idle after the request (server/http/residency.py). `name:latest` names the model
+`name`.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -60,6 +61,7 @@ from server.http.serving import (
     streamed,
     submit,
 )
+from server.settings import parse_duration
 
 NDJSON = "application/x-ndjson"
 LATEST = ":latest"
@@ -74,14 +76,14 @@ def served_name(ctx: ServeContext, requested: str) -> str:
         return base
     if ctx.switch is not None:
         return ctx.switch.resolve(requested).name
-    check_model(ctx.ready_model(), requested)
+    check_model(ctx.model_info(), requested)
     return requested
 
 
-def _unloads(keep_alive: KeepAlive | None) -> bool:
-    """Whether keep_alive is zero ("0", 0, "0s", "0m", ...): Ollama's "unload now"."""
-    numbers = re.findall(r"\d+(?:\.\d+)?", str(keep_alive)) if keep_alive is not None else []
-    return bool(numbers) and all(float(n) == 0 for n in numbers)
+def keep_alive_seconds(keep_alive: KeepAlive | None) -> float | None:
+    """The request's keep_alive in seconds (negative: never), None if it sends none (the server's
+    --keep-alive applies)."""
+    return None if keep_alive is None else parse_duration(keep_alive)
 
 
 def _warn(ctx: ServeContext, body: ChatRequest | GenerateRequest) -> None:
@@ -196,8 +198,7 @@ async def _answer(
     return JSONResponse(lines(text, thinking, collected.tool_calls(), lps, last).to_json())
 
 
-def _loaded(lines: _Lines, keep_alive: KeepAlive | None) -> Response:
-    reason = "unload" if _unloads(keep_alive) else "load"
+def _loaded(lines: _Lines, reason: str) -> Response:
     return JSONResponse(lines("", "", None, None, Durations(done_reason=reason)).to_json())
 
 
@@ -207,9 +208,13 @@ async def chat(ctx: ServeContext, body: ChatRequest, request: Request) -> Respon
     _warn(ctx, body)
     name = served_name(ctx, body.model)
     lines = _chat_lines(body.model)
-    async with ctx.using(name) as model:  # an empty request loads the model, as Ollama's does
+    keep_alive = keep_alive_seconds(body.keep_alive)
+    if not body.messages and keep_alive == 0:  # Ollama's "unload now"
+        await ctx.unload(name)
+        return _loaded(lines, "unload")
+    async with ctx.using(name, keep_alive) as model:  # an empty request loads the model, as Ollama's does
         if not body.messages:
-            return _loaded(lines, body.keep_alive)
+            return _loaded(lines, "load")
         chat = chat_request(body, ctx.settings.max_completion_tokens)
         plan = await prepare_chat(ctx, model, chat, model_id=name)
     think = body.think is not False
@@ -228,9 +233,13 @@ async def generate(ctx: ServeContext, body: GenerateRequest, request: Request) -
         )
     lines = _generate_lines(body.model)
     cap = ctx.settings.max_completion_tokens
-    async with ctx.using(name) as model:  # an empty prompt loads the model, as Ollama's does
+    keep_alive = keep_alive_seconds(body.keep_alive)
+    if not body.prompt and keep_alive == 0:  # Ollama's "unload now"
+        await ctx.unload(name)
+        return _loaded(lines, "unload")
+    async with ctx.using(name, keep_alive) as model:  # an empty prompt loads the model, as Ollama's does
         if not body.prompt:
-            return _loaded(lines, body.keep_alive)
+            return _loaded(lines, "load")
         if not body.raw:
             plan = await prepare_chat(ctx, model, generate_request(body, cap), model_id=name)
         else:
