@@ -126,3 +126,29 @@ def test_billing_header_does_not_defeat_the_cache(tiny_model: Any, tmp_path: Pat
     assert second.usage.cache_read_input_tokens >= prompt - 8
     assert counted.input_tokens == plain.input_tokens
     assert counted.input_tokens == second.usage.input_tokens + second.usage.cache_read_input_tokens
+
+
+def test_the_chat_page_shows_the_prompt_cache(tiny_model: Any, tmp_path: Path, chromium: Any) -> None:
+    """The chat page's header: hits, restored tokens, RAM and flash bytes, updated after each answer.
+    The page's conversation is interrupted by another client's, then continued: restored."""
+    with running_server(tiny_model("tiny-qwen3moe"), ctx_size=4096, state_dir=tmp_path) as server:
+        page = chromium.new_page()
+        page.goto(server.base_url + "/")
+        page.wait_for_function(
+            "document.getElementById('pcache').textContent.startsWith('prompt cache: 0 hits')"
+        )
+        for question in (SYSTEM_A, "and then?"):
+            page.fill("#q", question)
+            page.click("#send")
+            page.wait_for_function("!document.getElementById('send').disabled && turns.length % 2 === 0")
+            if question == SYSTEM_A:
+                _ask(
+                    server, [{"role": "system", "content": SYSTEM_B}, {"role": "user", "content": "a title"}]
+                )
+        page.wait_for_function(
+            "document.getElementById('pcache').textContent.startsWith('prompt cache: 1 hits')"
+        )
+        shown = page.text_content("#pcache") or ""
+        restored = int(_metrics(server)["moeflash_prompt_cache_restored_tokens_total"])
+        page.screenshot(path=str(tmp_path / "prompt-cache.png"))
+    assert f"1 hits, {restored} tokens restored" in shown and "iB RAM" in shown and "flash" in shown
