@@ -1,13 +1,15 @@
 """The chat page at GET / in a real browser (Playwright driving Debian's chromium), against a real
 server that needs an API key: a pairing link (#key=...) fills the key in and the page chats; a
 browser without the key is asked for it once and keeps it; the streamer's bars move while the
-answer streams, not only at its end. Screenshots of each state are saved
-in the test's output folder.
+answer streams, not only at its end; with several models served, a select picks the one asked and
+a switch to it shows as a wait. Screenshots of each state are saved in the test's output folder.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -309,3 +311,64 @@ def test_tool_calls_are_shown(server: RunningServer, browser: Any, tmp_path: Pat
     assert page.text_content(".toolcall .role") == "Tool call: get_weather"
     assert page.text_content(".toolcall code") == '{"city": "Rome"}'
     page.screenshot(path=str(tmp_path / "tool-call.png"))
+
+
+@pytest.fixture(scope="module")
+def directory_server(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """serve --models-dir with two models (one preset, two seeds), alpha loaded first."""
+    directory = tmp_path_factory.mktemp("served")
+    for seed, name in enumerate(("alpha", "beta")):
+        os.link(tiny_model("tiny-qwen3moe", seed=seed), directory / f"{name}.gguf")
+    with running_server(None, models_dir=directory, ctx_size=512) as running:
+        yield running
+
+
+def test_the_model_picker_sends_the_chosen_model_and_a_switch_is_a_wait(
+    directory_server: RunningServer, browser: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    switch = directory_server.switch
+    assert switch is not None
+    gate = threading.Event()
+    load = switch._load
+
+    def held_load(path: Path) -> Any:  # the switch's load waits until the test has looked
+        gate.wait(60)
+        return load(path)
+
+    monkeypatch.setattr(switch, "_load", held_load)
+    page = browser.new_page()
+    sent: list[dict[str, Any]] = []
+    page.on(
+        "request",
+        lambda r: (
+            sent.append(json.loads(r.post_data or "{}")) if r.url.endswith("/chat/completions") else None
+        ),
+    )
+    page.goto(directory_server.base_url + "/")
+    page.wait_for_function("document.querySelectorAll('#pick option').length === 2")
+    assert page.is_visible("#pick") and not page.is_visible("#model")
+    assert page.input_value("#pick") == "alpha"  # the model the server holds
+    page.select_option("#pick", "beta")
+    page.fill("#q", "hello")
+    page.press("#q", "Enter")
+    page.wait_for_selector(".msg.assistant .wait")
+    wait_for(lambda: switch.loaded == "beta", "the server to begin the switch")
+    assert page.text_content(".msg.assistant .wait") == "loading beta…"
+    assert page.locator(".msg.error").count() == 0
+    page.screenshot(path=str(tmp_path / "switching.png"))
+    gate.set()
+    page.wait_for_function("turns.length === 2")
+    assert sent[-1]["model"] == "beta" and directory_server.model_id == "beta"
+    assert page.locator(".wait").count() == 0 and page.locator(".msg.error").count() == 0
+    assert answers(page)[0]
+    # the choice is kept in the browser; a phone has room for the select
+    phone = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True)
+    small = phone.new_page()
+    small.goto(directory_server.base_url + "/")
+    small.wait_for_function("document.querySelectorAll('#pick option').length === 2")
+    assert small.input_value("#pick") == "beta"  # the one loaded now
+    header = small.evaluate("document.querySelector('header').getBoundingClientRect().height")
+    assert header < 844 / 6, f"the header takes {header} px of 844"
+    assert small.evaluate("document.documentElement.scrollWidth") <= 390
+    small.screenshot(path=str(tmp_path / "phone-picker.png"))
+    phone.close()
