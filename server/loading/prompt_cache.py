@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import llama_cpp
 
+from server import __version__
 from server.loading import prompt_state_file as state_file
 from server.loading.model_files import split_files
 
@@ -106,6 +107,8 @@ class StateKey:
             **asdict(self),
             "format": state_file.FORMAT,
             "llama_state": llama_cpp.LLAMA_STATE_SEQ_VERSION,
+            # another build may compute the same prompt's KV rows otherwise
+            "build": [__version__, llama_cpp.__version__],
         }
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest()
 
