@@ -155,6 +155,8 @@ def served_engine(
         ctx_size=model_settings.ctx_size,
         mode=model_settings.mode,
         keep_alive_s=server_settings.keep_alive,
+        directory=models_dir,
+        first=first,
     )
     logger.info("serving %d models of %s: %s", len(models), models_dir, ", ".join(m.name for m in models))
     return served, switch

@@ -111,7 +111,7 @@ def _cards(ctx: ServeContext) -> list[ModelCard]:
     if switch is None:
         return [_card(ctx, name) for name in ctx.model_info().names]
     loaded = switch.loaded if ctx.engine.model is not None else None
-    return [_card(ctx, m.name) if m.name == loaded else _file_card(switch, m) for m in switch.models]
+    return [_card(ctx, m.name) if m.name == loaded else _file_card(switch, m) for m in switch.listed()]
 
 
 def create_app(settings: ServerSettings, engine: Engine, switch: ModelSwitch | None = None) -> FastAPI:

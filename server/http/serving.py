@@ -111,7 +111,7 @@ class ServeContext:
         """Every name a request may use: the served model's, or those of the directory's models."""
         if self.switch is None:
             return self.model_info().names
-        return tuple(m.name for m in self.switch.models)
+        return tuple(m.name for m in self.switch.listed())
 
     def template(self, model: LoadedModel) -> ChatTemplate:
         """`model`'s chat template, kept while it stays the loaded one."""

@@ -229,12 +229,12 @@ def _hub_ref(name: str) -> str:
     return name.removesuffix(LATEST)
 
 
-def _served_files(ctx: ServeContext) -> set[Path]:
-    files = {m.path.resolve() for m in ctx.switch.models} if ctx.switch is not None else set()
-    loaded = ctx.engine.model
-    if loaded is not None:
-        files.add(loaded.info.path.resolve())
-    return files
+def _files_in_use(ctx: ServeContext) -> set[Path]:
+    """The (first) file of the model served (one model), or of the one loaded (--models-dir: the
+    others may be deleted; the directory's rescan drops them)."""
+    if ctx.switch is None:
+        return {ctx.model_info().path.resolve()}
+    return {m.path.resolve() for m in ctx.switch.models if m.name == ctx.switch.loaded}
 
 
 async def pull(ctx: ServeContext, body: ModelRequest) -> Response:
@@ -285,7 +285,7 @@ async def pull(ctx: ServeContext, body: ModelRequest) -> Response:
 
 
 async def delete(ctx: ServeContext, body: ModelRequest) -> Response:
-    """DELETE /api/delete: a pulled model's files (never a model being served)."""
+    """DELETE /api/delete: a pulled model's files (never the model loaded, or the one served)."""
     check_pull_allowed(ctx, "/api/delete")
     from server.hub import default_storage
     from server.settings import StoreSettings
@@ -295,11 +295,13 @@ async def delete(ctx: ServeContext, body: ModelRequest) -> Response:
     found = [m for m in storage.models() if m.name == name]
     if not found:
         raise NotFound(f"model '{body.model_name}' not found", param="model", code="model_not_found")
-    served = _served_files(ctx)
+    served = _files_in_use(ctx)
     for model in found:
         if any(p.resolve() in served for p in model.files):
             raise InvalidRequest(
-                f"model '{name}' is being served: stop the server to delete it", param="model"
+                f"model '{name}' is being served (it is the model loaded): ask for another one, or "
+                "stop the server, to delete it",
+                param="model",
             )
     for model in found:
         storage.remove(model)
