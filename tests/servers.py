@@ -68,7 +68,10 @@ class RunningServer:
 
     @property
     def model_id(self) -> str:
-        return self.model.info.id
+        """The served model's id, loaded or released (an Ollama keep_alive 0 request releases it)."""
+        info = self.engine.info
+        assert info is not None
+        return info.id
 
     def job_stats(self, job_id: str) -> GenerationStats:
         """What the worker recorded for a finished job (waits until it is finished)."""
