@@ -34,10 +34,11 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
+from server.loading.measured import DecodeStep
 from server.loading.route_trace import ModelShape, Trace, load_trace
 from server.loading.streaming import load_streaming_llama
 from server.training import corpus, tokenizer
-from streaming_ext import Policy, Prefetch, StreamerConfig
+from streaming_ext import Policy, Prefetch, StreamerConfig, StreamerStats
 
 PROMPTS = (
     "The for statement in Python",
@@ -155,20 +156,20 @@ def continuations(model: Path, run_dir: Path, n: int = 40) -> list[tuple[str, st
 
 @dataclasses.dataclass(frozen=True)
 class PrefetchRun:
-    """One greedy decode streamed under a cap: the decode's counters and time."""
+    """One greedy decode streamed under a cap: its decode calls as one record (the figures are the
+    record's: server/loading/measured.py DecodeStep)."""
 
     prefetch: Prefetch
-    tokens: int
-    hits: int
-    misses: int
-    prefetched: int
-    prefetch_hits: int
-    bytes_read: int
-    flash_wait_s: float
-    seconds: float
+    decode: DecodeStep
 
+    @property
+    def tokens(self) -> int:
+        return self.decode.n_tokens
 
-_COUNTED = ("hits", "misses", "prefetched", "prefetch_hits", "bytes_read", "flash_wait_ns")
+    @property
+    def counters(self) -> StreamerStats:
+        assert self.decode.streamer is not None
+        return self.decode.streamer
 
 
 def prefetch_runs(model: Path, prompt_ids: list[int], n: int, budget: int) -> list[PrefetchRun]:
@@ -182,18 +183,14 @@ def prefetch_runs(model: Path, prompt_ids: list[int], n: int, budget: int) -> li
         )  # fmt: skip
         try:
             llm.eval(prompt_ids)
-            before = {k: int(getattr(llm.stats(), k)) for k in _COUNTED}
-            start = time.perf_counter()
+            before = llm.stats()
+            start = time.perf_counter_ns()
             for _ in range(n):
                 llm.eval([int(np.argmax(_last_logits(llm)))])
-            seconds = time.perf_counter() - start
-            d = {k: int(getattr(llm.stats(), k)) - before[k] for k in _COUNTED}
+            decode = DecodeStep(n, time.perf_counter_ns() - start, llm.stats() - before)
         finally:
             llm.close()
-        runs.append(
-            PrefetchRun(prefetch, n, d["hits"], d["misses"], d["prefetched"], d["prefetch_hits"],
-                        d["bytes_read"], d["flash_wait_ns"] / 1e9, seconds)
-        )  # fmt: skip
+        runs.append(PrefetchRun(prefetch, decode))
     return runs
 
 
@@ -203,11 +200,12 @@ def _prefetch_table(runs: list[PrefetchRun]) -> list[str]:
         "|---|---|---|---|---|---|---|",
     ]
     for r in runs:
-        rate = r.hits / max(1, r.hits + r.misses)
-        used = f"{r.prefetch_hits / r.prefetched:.0%}" if r.prefetched else "-"
+        d, s = r.decode, r.counters
+        used = f"{d.prefetch_accuracy:.0%}" if d.prefetch_accuracy is not None else "-"
+        tok_s = d.n_tokens / (d.wall_ns / 1e9)
         lines.append(
-            f"| {r.prefetch.name.lower()} | {rate:.1%} | {r.prefetched} | {used} | {r.bytes_read / 1e6:.1f} "
-            f"| {r.flash_wait_s:.2f} | {r.tokens / r.seconds:.1f} |"
+            f"| {r.prefetch.name.lower()} | {d.hit_rate or 0:.1%} | {s.prefetched} | {used} "
+            f"| {s.bytes_read / 1e6:.1f} | {s.flash_wait_ns / 1e9:.2f} | {tok_s:.1f} |"
         )
     return lines
 

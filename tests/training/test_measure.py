@@ -65,6 +65,7 @@ def test_prefetch_runs_count_each_predictor(tiny_run: Path, tiny_gguf: Callable[
     path = tiny_gguf(QType.Q8_0)
     ids = np.fromfile(tiny_run / "heldout.bin", dtype=np.uint16)[:40].tolist()
     runs = {r.prefetch.name: r for r in measure.prefetch_runs(path, ids, 8, expert_layer_bytes(path))}
-    assert runs["OFF"].prefetched == 0 and runs["OFF"].misses > 0
-    assert runs["ROUTER"].prefetched > 0 and 0 < runs["ROUTER"].prefetch_hits <= runs["ROUTER"].prefetched
-    assert all(r.tokens == 8 and r.hits + r.misses > 0 for r in runs.values())
+    assert runs["OFF"].counters.prefetched == 0 and runs["OFF"].counters.misses > 0
+    router = runs["ROUTER"].counters
+    assert router.prefetched > 0 and 0 < router.prefetch_hits <= router.prefetched
+    assert all(r.tokens == 8 and r.counters.hits + r.counters.misses > 0 for r in runs.values())
