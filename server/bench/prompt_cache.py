@@ -23,23 +23,19 @@ peak memory over the cap says the memory discipline.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from server.bench.cgroup import MemoryCgroup, drop_page_cache, probe
 from server.bench.disk import sequential_read
-from server.bench.warm_start import _eog_bias, _Server
+from server.bench.served import BenchServer, eog_bias, stream_chat, write_report
 from server.errors import MoeflashError
 
 _RESTART = "restart"
@@ -96,38 +92,6 @@ class Request:
     ttft_s: float
 
 
-def _chat(url: str, messages: list[dict[str, str]], tokens: int, bias: dict[str, float]) -> dict[str, Any]:
-    """A streamed chat completion: TTFT, the answer, the usage."""
-    body = {
-        "model": "bench",
-        "messages": messages,
-        "max_tokens": tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "logit_bias": bias,
-    }
-    sent = time.monotonic()
-    first: float | None = None
-    text, usage = "", None
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=3600) as response:
-        if response.status_code != 200:
-            raise MoeflashError(f"chat request failed: {response.status_code} {response.read()!r}")
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices", []):
-                piece = choice.get("delta", {}).get("content")
-                if piece:
-                    first = first if first is not None else time.monotonic()
-                    text += piece
-            usage = chunk.get("usage") or usage
-    if first is None or usage is None:
-        raise MoeflashError("the answer had no content or no usage")
-    return {"ttft_s": first - sent, "text": text, "usage": usage}
-
-
 def _replay(
     cgroup: MemoryCgroup,
     model: Path,
@@ -140,7 +104,7 @@ def _replay(
     progress: Callable[[str], None],
 ) -> list[Request]:
     flags = ["--state-dir", str(state)] + ([] if cache else ["--prompt-cache-ram", "0"])
-    server = _Server(cgroup, [*argv, *flags], log)
+    server = BenchServer(cgroup, [*argv, *flags], log)
     server.wait_ready()
     talks = {agent: [{"role": "system", "content": system_prompt(agent, n)}] for agent, n in _RULES.items()}
     last, restarted, done = None, False, []
@@ -148,7 +112,7 @@ def _replay(
         for i, (agent, question) in enumerate(STEPS):
             if agent == _RESTART:
                 server.stop()
-                server = _Server(cgroup, [*argv, *flags], log)
+                server = BenchServer(cgroup, [*argv, *flags], log)
                 server.wait_ready()
                 restarted, last = True, None
                 continue
@@ -164,7 +128,7 @@ def _replay(
                 k: server.metric(f"moeflash_prompt_cache_{k}")
                 for k in ("restored_tokens_total", "read_bytes_total", "read_seconds_total")
             }
-            got = _chat(server.url, talk, tokens, bias)
+            got = stream_chat(server.url, talk, tokens, bias)
             after = {k: server.metric(f"moeflash_prompt_cache_{k}") for k in before}
             talk.append({"role": "assistant", "content": got["text"]})
             usage = got["usage"]
@@ -209,7 +173,7 @@ def run_prompt_cache(
     support = probe()
     if support.version is None:
         raise MoeflashError(f"the prompt-cache benchmark needs a memory cgroup: {support.reason}")
-    bias = _eog_bias(model)
+    bias = eog_bias(model)
     argv = [
         sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--alias", "bench",
         "--mode", "streaming", "--ctx-size", str(ctx_size), "--no-warm-start", *settings_flags,
@@ -330,9 +294,4 @@ def markdown(data: dict[str, Any], rows: list[dict[str, Any]], command: str) -> 
 
 def write_prompt_cache_report(data: dict[str, Any], out: Path, command: str) -> list[Path]:
     """<out>.json and <out>.md; returns their paths."""
-    rows = summarize(data)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    paths = [out.with_suffix(".json"), out.with_suffix(".md")]
-    paths[0].write_text(json.dumps({"command": command, **data, "summary": rows}, indent=1) + "\n")
-    paths[1].write_text(markdown(data, rows, command))
-    return paths
+    return write_report(data, summarize(data), out, command, markdown)

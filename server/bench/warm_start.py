@@ -28,13 +28,9 @@ promise). The report gives the median of each figure and the warm/cold ratio per
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,13 +39,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from server.bench.cgroup import MemoryCgroup, probe
+from server.bench.served import POLL_S, BenchServer, eog_bias, stream_chat, write_report
 from server.errors import MoeflashError
 
-_READY_S = 600.0
-_POLL_S = 0.05
 _SYSTEM = "You are a concise assistant running on a phone."
 _FIRST = "Why do mixture-of-experts models route each token to only a few experts?"
 _NEXT = "And what does that mean for running one from flash storage?"
@@ -80,98 +73,6 @@ class Answer:
     text: str
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class _Server:
-    """A `moeflash serve` process in the cgroup, its log in a file."""
-
-    def __init__(self, cgroup: MemoryCgroup, argv: list[str], log: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = log.open("a")
-        self.started = time.monotonic()
-        self.proc = cgroup.popen(
-            [*argv, "--port", str(self.port)], stdout=self._log, stderr=subprocess.STDOUT
-        )
-
-    def wait_ready(self) -> float:
-        deadline = self.started + _READY_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise MoeflashError(f"the server exited ({self.proc.returncode}); see {self._log.name}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return time.monotonic() - self.started
-            except httpx.HTTPError:
-                pass
-            time.sleep(_POLL_S)
-        raise MoeflashError(f"the server was not ready within {_READY_S:.0f} s; see {self._log.name}")
-
-    def metric(self, name: str) -> float:
-        for line in httpx.get(f"{self.url}/metrics", timeout=30).text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[-1])
-        raise MoeflashError(f"{name} is not in /metrics")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
-        if self.proc.returncode not in (0, -signal.SIGTERM):
-            raise MoeflashError(f"the server exited with {self.proc.returncode}; see {self._log.name}")
-
-
-def _chat(url: str, messages: list[dict[str, str]], tokens: int, bias: dict[str, float]) -> dict[str, Any]:
-    """A streamed chat completion: TTFT, time to the last token, text, the final timings."""
-    body = {
-        "model": "bench",
-        "messages": messages,
-        "max_tokens": tokens,
-        "temperature": 0,
-        "stream": True,
-        "timings": True,
-        "logit_bias": bias,
-    }
-    sent = time.monotonic()
-    first: float | None = None
-    text, timings, n = "", None, 0
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
-        if response.status_code != 200:
-            raise MoeflashError(f"chat request failed: {response.status_code} {response.read()!r}")
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices", []):
-                piece = choice.get("delta", {}).get("content")
-                if piece:
-                    first = first if first is not None else time.monotonic()
-                    text += piece
-                    n += 1
-            timings = chunk.get("timings") or timings
-    done = time.monotonic()
-    if first is None:
-        raise MoeflashError("the answer had no content")
-    return {"ttft_s": first - sent, "total_s": done - sent, "text": text, "timings": timings or {}, "n": n}
-
-
-def _eog_bias(model: Path) -> dict[str, float]:
-    """logit_bias keeping the model's end-of-generation tokens out (every answer runs `tokens`)."""
-    from server.loading.gguf_header import read_metadata
-
-    meta = read_metadata(model)
-    ids = {meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")}
-    return {str(int(i)): -100.0 for i in ids if i is not None}
-
-
 def run_warm_start(
     model: Path,
     caps: list[int],
@@ -187,7 +88,7 @@ def run_warm_start(
     support = probe()
     if support.version is None:
         raise MoeflashError(f"the warm-start benchmark needs a memory cgroup: {support.reason}")
-    bias = _eog_bias(model)
+    bias = eog_bias(model)
     argv = [
         sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--alias", "bench",
         "--mode", "streaming", "--ctx-size", str(ctx_size), *settings_flags,
@@ -201,9 +102,9 @@ def run_warm_start(
             with MemoryCgroup(cap, support) as cgroup:
                 for r in range(rounds):
                     state = work / f"cap{cap}-round{r}"
-                    server = _Server(cgroup, [*argv, "--state-dir", str(state)], work / "serve.log")
+                    server = BenchServer(cgroup, [*argv, "--state-dir", str(state)], work / "serve.log")
                     server.wait_ready()
-                    opening = _chat(server.url, first, tokens, bias)
+                    opening = stream_chat(server.url, first, tokens, bias)
                     server.stop()
                     asked = {
                         "next": [
@@ -261,16 +162,16 @@ def _restart(
     shutil.rmtree(copy, ignore_errors=True)
     shutil.copytree(state, copy)
     flags = ["--state-dir", str(copy), "--hot-set-save-s", "86400"] + ([] if warm else ["--no-warm-start"])
-    server = _Server(cgroup, [*argv, *flags], work / "serve.log")
+    server = BenchServer(cgroup, [*argv, *flags], work / "serve.log")
     try:
         ready_s = server.wait_ready()
         read_back_s = None
         if after_read_back and warm:
             while server.metric("moeflash_warm_start_pending_experts") > 0:
-                time.sleep(_POLL_S)
+                time.sleep(POLL_S)
             read_back_s = time.monotonic() - server.started - ready_s
         restored = int(server.metric("moeflash_streamer_restored_total"))
-        got = _chat(server.url, messages, tokens, bias)
+        got = stream_chat(server.url, messages, tokens, bias)
     finally:
         server.stop()
     t = got["timings"]
@@ -359,9 +260,4 @@ def markdown(data: dict[str, Any], rows: list[dict[str, Any]], command: str) -> 
 
 def write_warm_report(data: dict[str, Any], out: Path, command: str) -> list[Path]:
     """<out>.json and <out>.md; returns their paths."""
-    rows = summarize(data)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    paths = [out.with_suffix(".json"), out.with_suffix(".md")]
-    paths[0].write_text(json.dumps({"command": command, **data, "summary": rows}, indent=1) + "\n")
-    paths[1].write_text(markdown(data, rows, command))
-    return paths
+    return write_report(data, summarize(data), out, command, markdown)
