@@ -150,7 +150,11 @@ def test_the_chat_page_shows_the_prompt_cache(tiny_model: Any, tmp_path: Path, c
                 )
         page.wait_for_function("document.getElementById('pcache').textContent.endsWith(' reused')")
         shown = page.text_content("#pcache") or ""
+        page.wait_for_function("document.getElementById('pstore').textContent !== ''")
+        store = page.text_content("#pstore") or ""
         restored = int(_metrics(server)["moeflash_prompt_cache_restored_tokens_total"])
         page.screenshot(path=str(tmp_path / "prompt-cache.png"))
     assert first.startswith("prompt ") and first.endswith(" tokens, 0 reused"), first
     assert restored > 0 and shown.endswith(f" tokens, {restored} reused"), (shown, restored)
+    # the states it holds now, RAM and flash (gauges, read after each answer)
+    assert store.startswith("prompt cache now: ") and "iB RAM, " in store and store.endswith(" flash"), store
