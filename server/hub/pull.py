@@ -17,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import logging
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -93,8 +94,11 @@ def _asking(api: HfApi, repo: str, call: Callable[[], T]) -> T:
 
 
 def hub_api(endpoint: str | None = None, token: str | None = None) -> HfApi:
-    """The client; None takes HF_ENDPOINT / HF_TOKEN (and the token `hf auth login` saved)."""
-    return HfApi(endpoint=endpoint, token=token)
+    """The client; None takes HF_ENDPOINT / HF_TOKEN (and the token `hf auth login` saved).
+    HF_ENDPOINT is read now, not when huggingface_hub was imported (its constant): a server's
+    /api/pull follows the environment it runs in."""
+    where = endpoint or os.environ.get("HF_ENDPOINT", "").rstrip("/") or None
+    return HfApi(endpoint=where, token=token)
 
 
 def resolve(api: HfApi, ref: str) -> tuple[str, str, HubModel]:

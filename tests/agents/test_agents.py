@@ -249,12 +249,17 @@ def test_qwen_code(agent_server: AgentServer, work: Path, tmp_path: Path) -> Non
         AGENT_TIMEOUT_S,
     )
     recorder = agent_server.recorder
-    assert run.returncode == 0, run.tail() + "\n" + recorder.report()
-    result = json.loads(run.stdout)[-1]
-    assert result["type"] == "result" and result["is_error"] is False, run.tail()
+    # the demo model's random weights can keep calling tools until the session's turn limit: qwen
+    # then exits 53 (FatalTurnLimitedError) after every turn ran against the server
+    turn_limit = run.returncode == 53 and "FatalTurnLimitedError" in run.stderr
+    assert run.returncode == 0 or turn_limit, run.tail() + "\n" + recorder.report()
+    if not turn_limit:
+        result = json.loads(run.stdout)[-1]
+        assert result["type"] == "result" and result["is_error"] is False, run.tail()
     recorder.assert_no_error()
     turns = recorder.posts("/v1/chat/completions")
     assert any(turn.body().get("tools") for turn in turns), recorder.report()
+    assert not turn_limit or len(turns) >= 4, recorder.report()
 
 
 def test_aider(agent_server: AgentServer, work: Path, tmp_path: Path) -> None:
