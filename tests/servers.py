@@ -148,11 +148,16 @@ def running_server(
 
 @contextlib.contextmanager
 def serve_process(
-    model: Path, *extra: str, log_level: str | None = None, env: dict[str, str] | None = None
+    model: Path,
+    *extra: str,
+    log_level: str | None = None,
+    env: dict[str, str] | None = None,
+    cwd: Path = REPO,
 ) -> Iterator[tuple[subprocess.Popen[str], int]]:
     """`moeflash serve --model MODEL EXTRA...` as a user runs it, in a process of its own (a crash
     ends that process, never the suite), once /health answers 200; killed when done. Its output
-    is piped: a test that sends many requests sets `log_level` WARNING so the pipe never fills."""
+    is piped: a test that sends many requests sets `log_level` WARNING so the pipe never fills.
+    `cwd` is where it runs (its packages are imported from there first)."""
     port = free_port()
     level = ["--log-level", log_level] if log_level else []
     cmd = [
@@ -167,7 +172,7 @@ def serve_process(
         str(port),
         *extra,
     ]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
 
         def ready() -> bool:

@@ -25,7 +25,7 @@ from server.settings import ModelSettings
 from streaming_ext import Policy, Prefetch, Reader, StreamerStats, StreamLibError, _lib, load_library
 from streaming_ext.declarations import read_declarations, render
 from tests.models import expert_layer_bytes
-from tests.servers import free_port, wait_for
+from tests.servers import serve_process
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -128,29 +128,9 @@ def test_a_counter_added_in_c_reaches_generate_and_metrics(tiny_model: Any, tmp_
     # the repository's own build is untouched
     assert "test_added" not in {s.name for s in StreamerStats.declared()}
 
-    port = free_port()
-    server = subprocess.Popen(
-        [*base, "serve", *model_flags, "--port", str(port)],
-        cwd=copy,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-
-        def ready() -> bool:
-            assert server.poll() is None, server.communicate()[1][-3000:]
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(ready, "the server built with the added counter")
+    # the server, run from the copy too
+    with serve_process(model, *model_flags[2:], log_level="WARNING", env=env, cwd=copy) as (_, port):
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
-    finally:
-        server.kill()
-        server.communicate(timeout=30)
     assert (
         "# HELP moeflash_streamer_test_added_total a counter a test added (since the model loaded)" in metrics
     )
