@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from llama_cpp import Llama
 
@@ -92,3 +94,22 @@ def test_output_constraint(chat: ChatRequest, mode: str, param: str, whole: bool
     assert constraint.whole_output is whole and constraint.lazy is None
     assert (constraint.grammar is not None) is whole
     assert constraint.forced_name == ("get_weather" if mode == "named" else None)
+
+
+def test_names_and_constants_that_json_escapes_come_out_as_valid_json(vocab_llama: Llama) -> None:
+    # json.dumps writes a newline, quote, backslash or control byte escaped; the grammar must
+    # spell those escapes, not the raw characters (a raw newline made a strict parser refuse it)
+    from llama_cpp import LlamaGrammar
+
+    name, value = 'a\n"\\\x01', 'b"\n\\'
+    schema = {
+        "type": "object",
+        "properties": {name: {"const": value}},
+        "required": [name],
+        "additionalProperties": False,
+    }
+    grammar = LlamaGrammar.from_string(schema_grammar(schema, CAP, "response_format", []), verbose=False)
+    vocab_llama.reset()
+    out = vocab_llama.create_completion("x", grammar=grammar, max_tokens=48, temperature=0.0)
+    text = out["choices"][0]["text"]  # type: ignore[index]
+    assert json.loads(text, strict=True) == {name: value}, text
