@@ -380,6 +380,13 @@ class RouteTraceSettings(BaseSettings):
         description="with --route-trace, streaming: prefetch reads the next layer's experts as the trace "
         "routes them, not as the model's router predicts (the prefetch's upper bound, for benchmarks)",
     )
+    prefetch_trace_error: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="with --prefetch-from-trace: the share of each token's predicted experts replaced by "
+        "others at random (seeded), emulating a predictor right on the rest (lossy, for benchmarks)",
+    )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouteTraceSettings:

@@ -161,6 +161,7 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "mf_route_trace_take_recorded": ([vp, ctypes.POINTER(MfRouteRecord), ctypes.c_int64], ctypes.c_int64),
         "mf_route_trace_take_error": ([vp, ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int),
         "mf_route_trace_predict": ([vp, i32, ctypes.POINTER(ctypes.c_uint8)], i32),
+        "mf_route_trace_set_predict_error": ([vp, ctypes.c_float, u64], ctypes.c_int),
     }
     for struct, _ in SHARED_STRUCTS:
         sigs[f"mf_{struct}_size"] = ([], ctypes.c_size_t)

@@ -91,10 +91,14 @@ class RouteTracer:
         """The next llama_decode call holds n_tokens tokens."""
         self.lib.cdll.mf_route_trace_begin_batch(self.handle, n_tokens)
 
-    def predict_for(self, streamer: Streamer) -> None:
+    def predict_for(self, streamer: Streamer, error_share: float = 0.0, seed: int = 0) -> None:
         """Make `streamer`'s prefetch read what this tracer replays next (mf_route_trace_predict):
-        a prefetch that knows the future, the upper bound of any predictor's. Close the streamer
-        first."""
+        a prefetch that knows the future, the upper bound of any predictor's; with `error_share`,
+        that share of each token's guesses replaced by experts it does not route (an emulated
+        predictor, drawn from `seed`). Close the streamer first."""
+        rc = self.lib.cdll.mf_route_trace_set_predict_error(self.handle, error_share, seed)
+        if rc != 0:
+            raise StreamerError(f"a prediction error share must be in [0, 1), not {error_share}", -rc)
         address = ctypes.cast(self.lib.cdll.mf_route_trace_predict, ctypes.c_void_p).value
         self.lib.cdll.mf_streamer_set_predictor(streamer.handle, address, self.handle)
 

@@ -305,6 +305,7 @@ def _trace_figures(result: BenchResult, trace: Trace, cap: int, sd: dict[str, An
         "prefetch_router": _prefetch_figures(_median_run(_runs_of(result, "streaming", cap))),
         "prefetch_history": _prefetch_figures(_by_name(result, "streaming-prefetch-history", cap)),
         "prefetch_trace": _prefetch_figures(_by_name(result, "streaming-prefetch-from-trace", cap)),
+        "prefetch_emulated": _prefetch_figures(_by_name(result, "streaming-prefetch-emulated", cap)),
         "prefetch_off": _prefetch_figures(off_run),
         "cache_share": sd["cache_s"] / sd["seconds"] if sd and sd["seconds"] else None,
         "replay_cache_hit_rate": None,

@@ -9,6 +9,7 @@ from typing import Any
 from server.bench.charts import chart
 from server.bench.ratios import decode_figures
 from server.bench.results import BenchResult, Run
+from server.bench.systems import EMULATED_PREDICTOR_ERROR
 
 _MIB = 2**20
 
@@ -217,7 +218,10 @@ def _traced(ra: dict[str, Any]) -> list[str]:
         "",
         "Prefetch predicts the next layer's experts. The model's router (the default) predicts the"
         " model's own routing, not the trace's: a lower bound. Reading what the trace routes next"
-        " (`--prefetch-from-trace`) is the upper bound; prefetch off, the floor. Past routing"
+        " (`--prefetch-from-trace`) is the upper bound; the emulated predictor reads the trace's"
+        f" next layer with {EMULATED_PREDICTOR_ERROR:.0%} of each token's experts replaced at random"
+        f" (`--prefetch-trace-error {EMULATED_PREDICTOR_ERROR}`), the accuracy measured of"
+        " next-layer predictors on real models; prefetch off is the floor. Past routing"
         " (`--prefetch history`) predicts which experts follow the layer's from earlier tokens, as"
         " honest under a trace as on the model's own routing. Hit rate = cached +"
         " prefetched; accuracy = the share of prefetched experts their layer routed. Without"
@@ -234,6 +238,7 @@ def _traced(ra: dict[str, Any]) -> list[str]:
             ("prefetch_router", "model's router"),
             ("prefetch_history", "past routing"),
             ("prefetch_trace", "trace (oracle)"),
+            ("prefetch_emulated", f"emulated predictor (trace, {EMULATED_PREDICTOR_ERROR:.0%} replaced)"),
             ("prefetch_off", "off"),
         ):
             f = cap["trace"].get(key)

@@ -98,6 +98,17 @@ PREFETCH_FROM_TRACE = System(
     ("--prefetch-from-trace",),
     description="moeflash, prefetch reading the next layer's experts as the trace routes them (oracle)",
 )
+# a predictor as good as those measured on real models (BigMoeOnEdge's next-layer predictor is
+# right on 81-89% of routed slots): the trace's next layer with EMULATED_PREDICTOR_ERROR of each
+# token's experts replaced at random (seeded), so its wrong guesses cost reads as real ones do
+EMULATED_PREDICTOR_ERROR = 0.15
+PREFETCH_EMULATED = System(
+    "streaming-prefetch-emulated",
+    True,
+    ("--prefetch-from-trace", "--prefetch-trace-error", str(EMULATED_PREDICTOR_ERROR)),
+    description=f"moeflash, prefetch reading the trace's next layer with {EMULATED_PREDICTOR_ERROR:.0%} of "
+    "its experts replaced at random (an emulated predictor of real models' accuracy)",
+)
 PREFETCH_HISTORY = System(
     "streaming-prefetch-history",
     True,
@@ -197,5 +208,5 @@ def default_systems(mmap_tokens: int, levers: bool = True, traced: bool = False)
     if levers or traced:
         capped += [NO_PREFETCH, NO_OVERLAP]
     if traced:
-        capped += [PREFETCH_HISTORY, PREFETCH_FROM_TRACE]
+        capped += [PREFETCH_HISTORY, PREFETCH_FROM_TRACE, PREFETCH_EMULATED]
     return SystemSet(uncapped, capped)

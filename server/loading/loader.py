@@ -164,6 +164,8 @@ def load_model(
     }
     from server.loading.route_trace import build_tracer
 
+    if routing is not None and routing.prefetch_trace_error > 0 and not routing.prefetch_from_trace:
+        raise ConfigError("--prefetch-trace-error needs --prefetch-from-trace")
     if routing is not None and routing.prefetch_from_trace:
         if routing.route_trace is None or mode != "streaming" or settings.prefetch == "off":
             raise ConfigError(
@@ -180,7 +182,7 @@ def load_model(
             traced[0].close()
         raise
     if routing is not None and routing.prefetch_from_trace and llama.tracer and llama.streamer:
-        llama.tracer.predict_for(llama.streamer)
+        llama.tracer.predict_for(llama.streamer, routing.prefetch_trace_error)
     return _described(settings, llama, path, file_size, mode, traced[1] if traced else None)
 
 

@@ -342,6 +342,11 @@ MF_API int mf_route_trace_take_error(mf_route_trace * rt, char * msg, size_t msg
 // bound. 0 when nothing is replayed. The last layer of a prompt computes only the batch's last
 // tokens, which it cannot know: it predicts the whole batch there.
 MF_API int32_t mf_route_trace_predict(void * user_data, int32_t il, uint8_t * want);
+// Makes mf_route_trace_predict an emulated predictor that is right on about 1 - share of the
+// routed slots: each token's slot is replaced, with probability share, by an expert that token
+// does not route at that layer, drawn from a generator seeded with seed (the same run, the same
+// guesses). share 0 is the oracle. -EINVAL unless 0 <= share < 1.
+MF_API int     mf_route_trace_set_predict_error(mf_route_trace * rt, float share, uint64_t seed);
 
 #ifdef __cplusplus
 }

@@ -30,6 +30,8 @@ struct mf_route_trace {
     int64_t   batch_start;   // step of the current batch's first token
     int64_t   batch_tokens;  // tokens of the current batch
     int64_t   node_first, node_rows;  // steps of the last topk node's rows (mf_route_trace_predict)
+    float     predict_error;          // share of predicted slots replaced (mf_route_trace_set_predict_error)
+    uint64_t  rng;                    // splitmix64 state of those replacements
     bool      recording;
     mf_route_record * rec;
     int64_t           head, n_rec, cap_rec;  // records [head, n_rec) not yet taken
@@ -216,10 +218,53 @@ static bool route_node(mf_route_trace * rt, struct ggml_tensor * ids) {
     return true;
 }
 
+int mf_route_trace_set_predict_error(mf_route_trace * rt, float share, uint64_t seed) {
+    if (!(share >= 0.0f && share < 1.0f)) {
+        return -EINVAL;
+    }
+    rt->predict_error = share;
+    rt->rng           = seed;
+    return 0;
+}
+
+// splitmix64: a generator of the trace's own (no global state), good enough to pick experts
+static uint64_t next_random(mf_route_trace * rt) {
+    uint64_t z = (rt->rng += 0x9E3779B97F4A7C15ull);
+    z          = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z          = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static bool in_row(const int32_t * ids, int32_t k, int32_t e) {
+    for (int32_t i = 0; i < k; i++) {
+        if (ids[i] == e) {
+            return true;
+        }
+    }
+    return false;
+}
+
+// the guess for one routed slot: the trace's expert, or with probability predict_error another
+// expert the token does not route there (k < n_expert; with k == n_expert every guess is right)
+static int32_t guess(mf_route_trace * rt, const int32_t * ids, int32_t slot) {
+    if (rt->predict_error <= 0.0f || rt->k >= rt->n_expert ||
+        (double) (next_random(rt) >> 11) * 0x1.0p-53 >= (double) rt->predict_error) {
+        return ids[slot];
+    }
+    // uniform over the n_expert - k experts the token does not route at this layer
+    int32_t pick = (int32_t) (next_random(rt) % (uint64_t) (rt->n_expert - rt->k));
+    for (int32_t e = 0; e < rt->n_expert; e++) {
+        if (!in_row(ids, rt->k, e) && pick-- == 0) {
+            return e;
+        }
+    }
+    return ids[slot];  // unreachable: the row holds k distinct experts
+}
+
 int32_t mf_route_trace_predict(void * user_data, int32_t il, uint8_t * want) {
-    const mf_route_trace * rt    = user_data;
-    const int32_t *        table = rt->replay[rt->phase];
-    const int64_t          steps = rt->n_steps[rt->phase];
+    mf_route_trace * rt    = user_data;
+    const int32_t *  table = rt->replay[rt->phase];
+    const int64_t    steps = rt->n_steps[rt->phase];
     if (!table || il < 0 || il >= rt->n_layer) {
         return 0;
     }
@@ -228,8 +273,9 @@ int32_t mf_route_trace_predict(void * user_data, int32_t il, uint8_t * want) {
         const int64_t   step = rt->node_first + i;
         const int32_t * ids  = table + ((size_t) (step % steps) * (size_t) rt->n_layer + (size_t) il) * (size_t) rt->k;
         for (int32_t slot = 0; ids[0] >= 0 && slot < rt->k; slot++) {
-            n += !want[ids[slot]];
-            want[ids[slot]] = 1;
+            const int32_t e = guess(rt, ids, slot);
+            n += !want[e];
+            want[e] = 1;
         }
     }
     return n;

@@ -102,6 +102,7 @@ def test_bench_routes_every_system_by_the_trace(tiny_model: Callable[..., Path],
             "streaming",
             "streaming-prefetch-history",
             "streaming-prefetch-from-trace",
+            "streaming-prefetch-emulated",
             "lever-no-prefetch",
             "lever-no-overlap",
         ):
@@ -118,6 +119,7 @@ def test_bench_routes_every_system_by_the_trace(tiny_model: Callable[..., Path],
     # an oracle's prefetch is never wrong on a decode token; the model's router, on its own
     # routing, may be
     assert traced["prefetch_trace"]["prefetch_accuracy"] == 1.0
+    assert traced["prefetch_emulated"]["prefetch_accuracy"] is not None
     assert traced["prefetch_router"]["prefetch_accuracy"] is not None
     assert traced["prefetch_history"]["prefetch_accuracy"] is not None
     # the streamer's cache, prefetch off, hits exactly what the replay of its routes through the

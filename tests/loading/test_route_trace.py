@@ -47,6 +47,7 @@ def run(
     replay: Path | None = None,
     prefetch_from_trace: bool = False,
     prefetch: Literal["router", "history", "off"] = "router",
+    prefetch_trace_error: float = 0.0,
 ) -> Run:
     """Greedy decoding on the engine's token loop, its routing recorded."""
     settings = ModelSettings(
@@ -54,7 +55,10 @@ def run(
     )
     record = path.with_suffix(".recorded.csv")
     routing = RouteTraceSettings(
-        route_trace=replay, record_route_trace=record, prefetch_from_trace=prefetch_from_trace
+        route_trace=replay,
+        record_route_trace=record,
+        prefetch_from_trace=prefetch_from_trace,
+        prefetch_trace_error=prefetch_trace_error,
     )
     loaded = load_model(settings, routing)
     digest = hashlib.sha256()
@@ -199,6 +203,31 @@ def test_prefetch_from_the_trace_reads_what_the_trace_routes(
     assert router.prefetched > 0 and router.prefetch_hits < router.prefetched
     with pytest.raises(ConfigError, match="--prefetch-from-trace needs --route-trace"):
         run(path, "streaming", budget=budget, prefetch_from_trace=True)
+
+
+def test_an_emulated_predictor_guesses_wrong_as_often_as_told(
+    tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    path = tiny_model("tiny-qwen3moe")
+    trace_file = random_trace(path, tmp_path / "trace.route.csv")
+    resident = run(path, "resident", replay=trace_file)
+    budget = 2 * expert_layer_bytes(path)
+    noisy = run(
+        path,
+        "streaming",
+        budget=budget,
+        replay=trace_file,
+        prefetch_from_trace=True,
+        prefetch_trace_error=0.5,
+    )
+    assert (noisy.tokens, noisy.digest) == (resident.tokens, resident.digest), (
+        "a wrong guess changed the output"
+    )
+    # half of each token's guesses are experts it does not route: read ahead, then not routed
+    # (the oracle's are all routed, above)
+    assert 0 < noisy.prefetch_hits < 0.75 * noisy.prefetched, noisy
+    with pytest.raises(ConfigError, match="--prefetch-trace-error needs --prefetch-from-trace"):
+        run(path, "streaming", budget=budget, replay=trace_file, prefetch_trace_error=0.5)
 
 
 def test_history_prefetch_learns_what_follows_what(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
