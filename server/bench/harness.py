@@ -118,10 +118,19 @@ def warm_page_cache(paths: list[Path], chunk: int = 8 << 20) -> None:
 
 
 def run_system(
-    system: System, cfg: BenchConfig, cap: int | None, progress: Callable[[str], None], repeat: int = 0
+    system: System,
+    cfg: BenchConfig,
+    cap: int | None,
+    progress: Callable[[str], None],
+    repeat: int = 0,
+    extra: tuple[str, ...] = (),
 ) -> Run:
-    """One `moeflash generate --json` process, capped or not."""
-    argv = system.argv(str(cfg.model), PROMPT_20, cfg.decode_tokens, cfg.ctx_size, cfg.settings_flags)
+    """One `moeflash generate --json` process, under `cap` unless the system runs uncapped (a
+    reference run in a cap's rounds is recorded under the cap but runs without it)."""
+    argv = [
+        *system.argv(str(cfg.model), PROMPT_20, cfg.decode_tokens, cfg.ctx_size, cfg.settings_flags),
+        *extra,
+    ]
     dropped = drop_page_cache() is None
     run = Run(system.name, cap, ok=False, page_cache_dropped=dropped, repeat=repeat)
     nth = f" (run {repeat + 1} of {system.repeats})" if system.repeats > 1 else ""
@@ -132,7 +141,7 @@ def run_system(
         run.page_cache_warmed = True
     t0 = time.monotonic()
     try:
-        if cap is None:
+        if cap is None or not system.capped:
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=cfg.timeout_s, check=False)
         else:
             with MemoryCgroup(cap) as cg:
@@ -190,8 +199,19 @@ def _in_rounds(
     for repeat in range(max((s.repeats for s in systems), default=0)):
         for system in systems if repeat % 2 == 0 else systems[::-1]:
             if repeat < system.repeats:
-                runs.append(run_system(system, cfg, cap, progress, repeat))
+                runs.append(run_system(system, cfg, cap, progress, repeat, _flash_attn_as(system, runs)))
     return runs
+
+
+def _flash_attn_as(system: System, runs: list[Run]) -> tuple[str, ...]:
+    """The --flash-attn of the last successful run of the system `system` follows (none yet: its own)."""
+    if system.flash_attn_as is None:
+        return ()
+    for run in reversed(runs):
+        if run.system == system.flash_attn_as and run.ok:
+            on = ((run.report.get("memory") or {}).get("context") or {}).get("flash_attn")
+            return () if on is None else ("--flash-attn", "on" if on else "off")
+    return ()
 
 
 def run_bench(

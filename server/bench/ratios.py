@@ -132,6 +132,23 @@ def _cap_ceiling(ceiling: list[dict[str, Any]], cap: int) -> float | None:
     return _best_random(ceiling, {before, before + 1})
 
 
+def _same_flash_attn(runs: list[Run]) -> bool:
+    """Whether the runs (that succeeded) computed with the same flash attention setting: a share
+    of the cached speed is a roofline only when both sides run the same graph."""
+    seen = {((r.report.get("memory") or {}).get("context") or {}).get("flash_attn") for r in runs if r.ok}
+    return len(seen) == 1 and None not in seen
+
+
+def _cached_share_bound(
+    ceiling: float | None, bytes_per_token: float | None, cached_tok_s: float | None
+) -> float | None:
+    """The most of the cached speed a run reading `bytes_per_token` can reach on this disk: the
+    lower of 1 and ceiling / bytes per token / cached tok/s."""
+    if not ceiling or not bytes_per_token or not cached_tok_s:
+        return 1.0 if cached_tok_s and bytes_per_token == 0 else None
+    return min(1.0, ceiling / bytes_per_token / cached_tok_s)
+
+
 def _memory_discipline(run: Run | None) -> float | None:
     """Peak memory of a capped run (RSS + page cache charged) / what the loader accounted for:
     the budget and the terms it measured beside it (server/loading/budget.py), its margin left out."""
@@ -202,6 +219,11 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
             if (compute_bound or io_bound)
             else None
         )
+        # decode over every expert cached, both in the cap's rounds with the same flash attention
+        paired_runs = _runs_of(result, "streaming-all-cached-paired", cap)
+        cached_tok_s = _median([_median_tok_s(r) for r in paired_runs])
+        same_graph = _same_flash_attn(stream_runs + paired_runs)
+        vs_cached_rounds = _round_ratios(stream_runs, paired_runs) if same_graph else []
         memory = _memory_discipline(stream)
         memory_full = _memory_discipline(_by_name(result, "streaming-full-context", cap))
         ideal = None
@@ -241,6 +263,11 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
             "mmap_tok_s": md["tok_s_median"] if md else None,
             "io_bound_tok_s": io_bound,
             "roofline_efficiency": _ratio(sd["tok_s_median"] if sd else None, bound),
+            "cached_tok_s": cached_tok_s,
+            "vs_cached": _median(vs_cached_rounds),
+            "vs_cached_rounds": vs_cached_rounds,
+            "vs_cached_same_flash_attn": same_graph,
+            "vs_cached_bound": _cached_share_bound(ceiling, sd["bytes_read"] if sd else None, cached_tok_s),
             "speedup_vs_mmap": _median(speedups),
             "speedup_vs_mmap_rounds": speedups,
             # bytes read per second of waiting, of the serial lever: there every read is waited for,
@@ -269,7 +296,15 @@ def compute_ratios(result: BenchResult) -> dict[str, Any]:
             "mmap_bytes_read_per_token": md["bytes_read"] if md else None,
         }
         if trace is not None:
-            out["per_cap"][str(cap)]["trace"] = _trace_figures(result, trace, cap, sd)
+            traced = _trace_figures(result, trace, cap, sd)
+            emulated = traced.get("prefetch_emulated")
+            emulated_run = _by_name(result, "streaming-prefetch-emulated", cap)
+            if emulated and emulated_run and _same_flash_attn([emulated_run, *paired_runs]):
+                traced["emulated_vs_cached"] = _ratio(emulated["tok_s"], cached_tok_s)
+                traced["emulated_vs_cached_bound"] = _cached_share_bound(
+                    ceiling, emulated["bytes_read"], cached_tok_s
+                )
+            out["per_cap"][str(cap)]["trace"] = traced
     out["targets"] = [t.to_json() for t in check_targets(out, int(result.model["file_bytes"]))]
     return out
 

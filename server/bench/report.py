@@ -40,7 +40,11 @@ def _name(run: Run, result: BenchResult) -> str:
 
 
 def _cap(run: Run) -> str:
-    return "none" if run.cap_bytes is None else f"{run.cap_bytes / 2**30:.2f} GiB"
+    if run.cap_bytes is None:
+        return "none"
+    if run.cgroup_peak_bytes is None and run.ok:
+        return f"none (in the {run.cap_bytes / 2**30:.2f} GiB rounds)"  # a reference, uncapped
+    return f"{run.cap_bytes / 2**30:.2f} GiB"
 
 
 def markdown(result: BenchResult, command: str) -> str:
@@ -174,6 +178,7 @@ def markdown(result: BenchResult, command: str) -> str:
             + "; ".join(f"{cap / 2**30:.2f} GiB {_series(r)}" for cap, r in rounds.items())
             + ".",
         ]
+    lines += _vs_cached(ra)
     lines += _prefill(ra)
     lines += _traced(ra)
     lines += _targets(ra.get("targets") or [])
@@ -273,6 +278,39 @@ def _traced(ra: dict[str, Any]) -> list[str]:
     return out
 
 
+def _vs_cached(ra: dict[str, Any]) -> list[str]:
+    """Per cap: decode over every expert cached, the two run in the cap's rounds."""
+    caps = [c for c in ra.get("per_cap", {}).values() if c.get("cached_tok_s")]
+    if not caps:
+        return []
+    out = [
+        "",
+        "### Decode over every expert cached",
+        "",
+        "Every expert cached (`--budget all --preload`, uncapped) ran in each cap's rounds next to"
+        " the default, with the flash attention the default's `auto` picked under the cap; the share"
+        " is the median of the rounds' ratios. The bound is the most the disk allows: the lower of 1"
+        " and ceiling / bytes read per token / cached tok/s.",
+        "",
+        "| cap | cached tok/s | share of it | rounds | bound | share of the bound |",
+        "|---|---|---|---|---|---|",
+    ]
+    for cap in caps:
+        note = "" if cap.get("vs_cached_same_flash_attn") else " (flash attention differs: no share)"
+        rounds = ", ".join(_fmt(x, ".2f") for x in cap.get("vs_cached_rounds") or [])
+        out.append(
+            f"| {cap['cap_bytes'] / 2**30:.2f} GiB | {_fmt(cap['cached_tok_s'])} | "
+            f"{_fmt(cap.get('vs_cached'), '.2f')}{note} | {rounds} | "
+            f"{_fmt(cap.get('vs_cached_bound'), '.2f')} | "
+            f"{_fmt(_share(cap.get('vs_cached'), cap.get('vs_cached_bound')), '.2f')} |"
+        )
+    return out
+
+
+def _share(value: float | None, bound: float | None) -> float | None:
+    return value / bound if value is not None and bound else None
+
+
 def _targets(targets: list[dict[str, Any]]) -> list[str]:
     """The targets table (server/bench/targets.py): value, threshold, met or not."""
     if not targets:
@@ -285,13 +323,17 @@ def _targets(targets: list[dict[str, Any]]) -> list[str]:
         " fixed overheads weigh more (memory discipline), and a small file's ceiling probe can read"
         " from a virtual disk's host cache.",
         "",
-        "| target | scope | value | target | met |",
-        "|---|---|---|---|---|",
+        "A bound is the most the run's own figures allow the value: for a share of the cached speed,"
+        " the lower of 1 and the cap's disk ceiling / the bytes read per token / the cached tok/s"
+        " (a token cannot be read faster than the disk reads its bytes).",
+        "",
+        "| target | scope | value | bound | target | met |",
+        "|---|---|---|---|---|---|",
     ]
     for t in targets:
         met = {True: "yes", False: "**no**", None: "n/a (no figure)"}[t["met"]]
         out.append(
-            f"| {t['name']} | {t['scope']} | {_fmt(t['value'])} | "
+            f"| {t['name']} | {t['scope']} | {_fmt(t['value'])} | {_fmt(t.get('bound'), '.2f')} | "
             f"{'>=' if t['at_least'] else '<='} {t['threshold']:g} | {met} |"
         )
     return out

@@ -42,6 +42,9 @@ class System:
     repeats: int = 1
     # a prompt that fills the context but for the tokens it decodes (the memory bound's worst case)
     fill_context: bool = False
+    # run with the flash attention this system's last run at the same cap computed with (its
+    # `auto` resolved), so that the two run the same graph (harness._in_rounds)
+    flash_attn_as: str | None = None
 
     def argv(
         self, model: str, prompt: str, n_predict: int, ctx_size: int, settings_flags: tuple[str, ...] = ()
@@ -88,6 +91,20 @@ class SystemSet:
     capped: list[System] = field(default_factory=list)
 
 
+# the cached speed a cap's decode is judged against (issue 42): every expert cached, run without
+# the cap (it holds the whole model) in the cap's rounds, each run next to one of the default's,
+# so that the ratio of each round divides neighbours, and with the flash attention the default's
+# `auto` picked under the cap (on where the context would not fit otherwise): one graph, one
+# roofline (ratios.py refuses a pair whose settings still differ)
+PAIRED_CACHED = System(
+    "streaming-all-cached-paired",
+    False,
+    ("--budget", "all", "--preload"),
+    description="moeflash with every expert cached, uncapped, in each cap's rounds beside the default "
+    "and with its flash attention: the cached speed the cap's ratio divides by",
+    repeats=CAPPED_ROUNDS,
+    flash_attn_as="streaming",
+)
 # under trace routing the model's router predicts the wrong routing: the default's prefetch is the
 # lower bound of prefetch, this one (mf_route_trace_predict) the upper; history prefetch predicts
 # from past routing alone, honestly under a trace too; prefetch off is the floor and the run whose
@@ -181,6 +198,7 @@ def default_systems(mmap_tokens: int, levers: bool = True, traced: bool = False)
             description="moeflash, default (best) settings, budget auto",
             repeats=CAPPED_ROUNDS,
         ),
+        PAIRED_CACHED,
         System(
             "streaming-prefill-512",
             True,

@@ -50,3 +50,15 @@ def test_check_targets_judges_every_cap_and_only_tight_caps_on_speedup() -> None
     assert sum(t.name == "roofline efficiency" for t in targets) == 3
     assert all(t.met is False for t in targets if t.name == "I/O efficiency while waiting")
     assert all(t.met is None for t in targets if t.name.startswith("512-token prefill"))
+
+
+def test_the_share_of_the_cached_speed_is_judged_beside_its_bound() -> None:
+    quarter = _cap(4 * GB, 25.0) | {"vs_cached": 0.45, "vs_cached_bound": 0.62}
+    half = _cap(8 * GB, 19.0) | {"vs_cached": 0.91, "vs_cached_bound": 1.0}
+    loose = _cap(12 * GB, 30.0) | {"vs_cached": 0.99, "vs_cached_bound": 1.0}
+    targets = check_targets({"per_cap": {"a": quarter, "b": half, "c": loose}}, file_bytes=16 * GB)
+    shares = {
+        t.scope: (t.threshold, t.bound, t.met) for t in targets if t.name == "decode / every expert cached"
+    }
+    # a looser cap than 50% has no share target; each share is printed beside its bound
+    assert shares == {"3.73 GiB (25%)": (0.65, 0.62, False), "7.45 GiB (50%)": (0.90, 1.0, True)}

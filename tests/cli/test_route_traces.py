@@ -120,6 +120,8 @@ def test_bench_routes_every_system_by_the_trace(tiny_model: Callable[..., Path],
     # routing, may be
     assert traced["prefetch_trace"]["prefetch_accuracy"] == 1.0
     assert traced["prefetch_emulated"]["prefetch_accuracy"] is not None
+    # the emulated predictor's share of the cached speed, beside the most its bytes allow
+    assert traced["emulated_vs_cached"] is not None and 0 < traced["emulated_vs_cached_bound"] <= 1.0
     assert traced["prefetch_router"]["prefetch_accuracy"] is not None
     assert traced["prefetch_history"]["prefetch_accuracy"] is not None
     # the streamer's cache, prefetch off, hits exactly what the replay of its routes through the
