@@ -454,3 +454,25 @@ def test_a_cap_is_judged_against_the_probes_around_its_runs() -> None:
     assert _cap_ceiling(ceiling, 8 << 30) == 1.3e9  # probes 2 and 3
     # a report without interleaved probes (one probe, no cap named): the best random read of all
     assert _cap_ceiling(probe(0, None, 1.0e9, 1.4e9, 1.2e9), 4 << 30) == 1.4e9
+
+
+def test_the_cached_reference_takes_the_flash_attention_the_default_picked() -> None:
+    from server.bench.harness import _flash_attn_as
+    from server.bench.results import Run
+    from server.bench.systems import PAIRED_CACHED
+
+    def ran(system: str, flash: bool | None, ok: bool = True) -> Run:
+        context = {} if flash is None else {"flash_attn": flash}
+        return Run(system, 4 << 30, ok, report={"memory": {"context": context}})
+
+    # the default's last successful run decides; before it has run, the reference keeps `auto`
+    assert _flash_attn_as(PAIRED_CACHED, []) == ()
+    assert _flash_attn_as(PAIRED_CACHED, [ran("streaming", True)]) == ("--flash-attn", "on")
+    runs = [ran("streaming", True), ran("mmap-capped", False), ran("streaming", False)]
+    assert _flash_attn_as(PAIRED_CACHED, runs) == ("--flash-attn", "off")
+    assert _flash_attn_as(PAIRED_CACHED, [ran("streaming", True), ran("streaming", None, ok=False)]) == (
+        "--flash-attn",
+        "on",
+    )
+    # a system that follows nobody adds nothing
+    assert _flash_attn_as(dataclasses.replace(PAIRED_CACHED, flash_attn_as=None), runs) == ()
