@@ -36,6 +36,10 @@ int mf_frames_init(mf_frames * fr, size_t frame_bytes, int32_t cap) {
         return rc;
     }
     fr->base = p;
+    // transparent huge pages where a 2 MiB range of the arena lies wholly in touched frames: the
+    // expert matmuls read every routed slice from here, and 4 KiB pages cost them TLB misses that
+    // every expert held in place (hold_all, huge pages) does not pay. A hint: errors are ignored
+    (void) madvise(p, fr->size, MADV_HUGEPAGE);
     // popped from the top: frames are first used in address order
     for (int32_t i = 0; i < cap; i++) {
         fr->cold[i] = cap - 1 - i;
