@@ -524,31 +524,45 @@ def test_gate_hold_all_stops_routing_once_resident(
 
 
 def test_hold_all_asks_for_huge_pages(qwen: Path) -> None:
-    """Held whole, expert memory is mapped asking for transparent huge pages; under a budget that
-    evicts, the tensors' own memory stays an untouched PROT_NONE reservation (frames hold it)."""
+    """Expert memory asks for transparent huge pages: held whole, the tensors' own memory; under a
+    budget that evicts, the frames' arena, while the tensors' own memory stays an untouched
+    PROT_NONE reservation that asks for none."""
     if not Path("/sys/kernel/mm/transparent_hugepage").exists():
         pytest.skip("this kernel has no transparent huge pages")
 
-    def huge_page_bytes() -> int:
-        total, size = 0, 0
+    def mappings() -> list[tuple[int, set[str]]]:
+        out, size = [], 0
         for line in Path("/proc/self/smaps").read_text().splitlines():
             if line.startswith("Size:"):
                 size = int(line.split()[1]) * 1024
-            elif line.startswith("VmFlags:") and " hg" in f" {line[8:]}":
-                total += size
-        return total
+            elif line.startswith("VmFlags:"):
+                out.append((size, set(line[8:].split())))
+        return out
 
-    sizes: dict[bool, int] = {}
+    def huge(maps: list[tuple[int, set[str]]]) -> int:
+        return sum(size for size, flags in maps if "hg" in flags)
+
+    def reserved(maps: list[tuple[int, set[str]]]) -> int:
+        return sum(size for size, flags in maps if "rd" not in flags and "hg" not in flags)
+
+    layer = expert_layer_bytes(qwen)
+    grown: dict[bool, tuple[int, int]] = {}  # what the load added: huge-page bytes, reserved bytes
+    dense = 0
     for whole in (False, True):
-        budget = "all" if whole else expert_layer_bytes(qwen)
-        llm = streamed(qwen, options(budget=budget))
+        before = mappings()
+        llm = streamed(qwen, options(budget="all") if whole else options(budget=layer))
         try:
-            sizes[whole] = huge_page_bytes()
+            after = mappings()
             stats, experts = llm.stats(), llm.streamer.expert_bytes
         finally:
             llm.close()
         assert stats.hold_all == int(whole) and stats.routing_off == 0
-    assert sizes[True] - sizes[False] >= experts
+        dense = stats.dense_bytes  # the dense weights ask for huge pages too
+        grown[whole] = (huge(after) - huge(before), reserved(after) - reserved(before))
+    # held whole, the tensors' own memory asks for huge pages; under a budget, the frames' arena
+    assert grown[True][0] >= dense + experts and grown[False][0] >= dense + layer
+    # under a budget the tensors' own memory is a reservation: unreadable, asking for no huge pages
+    assert grown[False][1] >= experts > grown[True][1]
 
 
 def test_preload_needs_a_budget_for_every_expert(qwen: Path) -> None:
