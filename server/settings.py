@@ -385,7 +385,8 @@ class RouteTraceSettings(BaseSettings):
         ge=0.0,
         lt=1.0,
         description="with --prefetch-from-trace: the share of each token's predicted experts replaced by "
-        "others at random (seeded), emulating a predictor right on the rest (lossy, for benchmarks)",
+        "others at random (seeded), emulating a predictor right on the rest (for benchmarks: a wrong guess "
+        "costs a read, never a different output)",
     )
 
     @classmethod
