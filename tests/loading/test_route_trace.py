@@ -186,6 +186,7 @@ def test_trace_routed_streaming_matches_resident(
 def test_prefetch_from_the_trace_reads_what_the_trace_routes(
     tiny_model: Callable[..., Path], tmp_path: Path
 ) -> None:
+    """The trace as an oracle, and as an emulated predictor that guesses wrong as often as told."""
     path = tiny_model("tiny-qwen3moe")
     trace_file = random_trace(path, tmp_path / "trace.route.csv")
     resident = run(path, "resident", replay=trace_file)
@@ -193,25 +194,6 @@ def test_prefetch_from_the_trace_reads_what_the_trace_routes(
     budget = 2 * expert_layer_bytes(path)
     oracle = run(path, "streaming", budget=budget, replay=trace_file, prefetch_from_trace=True)
     router = run(path, "streaming", budget=budget, replay=trace_file)
-    assert oracle.evictions > 0
-    assert (oracle.tokens, oracle.digest) == (resident.tokens, resident.digest), (
-        "prefetch from the trace changed the output"
-    )
-    # a decode step routes one token: the trace's next layer is exactly what gets routed
-    assert oracle.prefetched > 0 and oracle.prefetch_hits == oracle.prefetched
-    # the model's router predicts the model's routing, not the trace's
-    assert router.prefetched > 0 and router.prefetch_hits < router.prefetched
-    with pytest.raises(ConfigError, match="--prefetch-from-trace needs --route-trace"):
-        run(path, "streaming", budget=budget, prefetch_from_trace=True)
-
-
-def test_an_emulated_predictor_guesses_wrong_as_often_as_told(
-    tiny_model: Callable[..., Path], tmp_path: Path
-) -> None:
-    path = tiny_model("tiny-qwen3moe")
-    trace_file = random_trace(path, tmp_path / "trace.route.csv")
-    resident = run(path, "resident", replay=trace_file)
-    budget = 2 * expert_layer_bytes(path)
     noisy = run(
         path,
         "streaming",
@@ -220,12 +202,21 @@ def test_an_emulated_predictor_guesses_wrong_as_often_as_told(
         prefetch_from_trace=True,
         prefetch_trace_error=0.5,
     )
+    assert oracle.evictions > 0
+    assert (oracle.tokens, oracle.digest) == (resident.tokens, resident.digest), (
+        "prefetch from the trace changed the output"
+    )
     assert (noisy.tokens, noisy.digest) == (resident.tokens, resident.digest), (
         "a wrong guess changed the output"
     )
+    # a decode step routes one token: the trace's next layer is exactly what gets routed
+    assert oracle.prefetched > 0 and oracle.prefetch_hits == oracle.prefetched
     # half of each token's guesses are experts it does not route: read ahead, then not routed
-    # (the oracle's are all routed, above)
     assert 0 < noisy.prefetch_hits < 0.75 * noisy.prefetched, noisy
+    # the model's router predicts the model's routing, not the trace's
+    assert router.prefetched > 0 and router.prefetch_hits < router.prefetched
+    with pytest.raises(ConfigError, match="--prefetch-from-trace needs --route-trace"):
+        run(path, "streaming", budget=budget, prefetch_from_trace=True)
     with pytest.raises(ConfigError, match="--prefetch-trace-error needs --prefetch-from-trace"):
         run(path, "streaming", budget=budget, replay=trace_file, prefetch_trace_error=0.5)
 
