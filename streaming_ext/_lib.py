@@ -34,7 +34,7 @@ class MfConfig(ctypes.Structure):
         ("fault_errno", ctypes.c_int32),
         ("fault_after_bytes", ctypes.c_uint64),
         ("skip_expert", ctypes.c_int32),
-        ("reserved", ctypes.c_int32),
+        ("skip_below", ctypes.c_float),
     ]
 
 

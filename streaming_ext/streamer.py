@@ -54,6 +54,9 @@ class StreamerConfig:
     skip_expert: int = 0
     # read the next layer's predicted experts while this layer computes, predicted by
     prefetch: Prefetch = Prefetch.ROUTER
+    # LOSSY, for measurement only: drop a routed expert that would have to be read when its
+    # weight (renormalised over the token's k) is below this (mf_config.skip_below); 0 = off
+    skip_below: float = 0.0
 
 
 class Streamer:
@@ -75,6 +78,7 @@ class Streamer:
             fault_errno=config.fault_errno,
             fault_after_bytes=config.fault_after_bytes,
             skip_expert=config.skip_expert,
+            skip_below=config.skip_below,
         )
         handle = ctypes.c_void_p()
         err = ctypes.create_string_buffer(_ERR_LEN)

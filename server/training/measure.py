@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import json
 import subprocess
 import sys
 import tempfile
@@ -105,7 +106,7 @@ def perplexity(
         digest = hashlib.sha256()
         if streamed:
             llm: llama_cpp.Llama = load_streaming_llama(
-                model, StreamerConfig(policy=Policy.LAYER), budget=budget or _quarter(model),
+                model, StreamerConfig(policy=Policy.LAYER), budget=budget or expert_share(model, 4),
                 flash_attn="off", verbose=False, **settings,
             )  # fmt: skip
         else:
@@ -118,10 +119,11 @@ def perplexity(
     return results[0], results[1]
 
 
-def _quarter(model: Path) -> int:
-    """A quarter of the experts' bytes, at least one layer's experts (the streamer's floor)."""
+def expert_share(model: Path, denominator: int) -> int:
+    """1/denominator of the experts' bytes, at least one layer's experts (the streamer's floor)."""
     shape = ModelShape.of(model)
-    return max(sum(shape.entry_bytes) * shape.n_expert // 4, max(shape.entry_bytes) * shape.n_expert)
+    floor = max(shape.entry_bytes) * shape.n_expert
+    return max(sum(shape.entry_bytes) * shape.n_expert // denominator, floor)
 
 
 def _last_logits(llm: llama_cpp.Llama) -> np.ndarray:
@@ -172,10 +174,16 @@ class PrefetchRun:
         return self.decode.streamer
 
 
-def prefetch_runs(model: Path, prompt_ids: list[int], n: int, budget: int) -> list[PrefetchRun]:
+def prefetch_runs(
+    model: Path,
+    prompt_ids: list[int],
+    n: int,
+    budget: int,
+    predictors: Sequence[Prefetch] = (Prefetch.OFF, Prefetch.HISTORY, Prefetch.ROUTER),
+) -> list[PrefetchRun]:
     """Decode `n` tokens after the prompt with each predictor, `budget` bytes of experts."""
     runs = []
-    for prefetch in (Prefetch.OFF, Prefetch.HISTORY, Prefetch.ROUTER):
+    for prefetch in predictors:
         config = StreamerConfig(policy=Policy.LAYER, prefetch=prefetch)
         llm = load_streaming_llama(
             model, config, budget=budget, follow_memory=False, n_ctx=max(512, len(prompt_ids) + n + 1),
@@ -194,18 +202,135 @@ def prefetch_runs(model: Path, prompt_ids: list[int], n: int, budget: int) -> li
     return runs
 
 
-def _prefetch_table(runs: list[PrefetchRun]) -> list[str]:
+def _prefetch_table(rounds: list[list[PrefetchRun]]) -> list[str]:
+    """One row per predictor: the first round's counters (the same in every round: greedy decode,
+    one route per token), the median round's decode speed and its ratio to no read-ahead's."""
     lines = [
-        "| prefetch | hit rate | read ahead | of them used | MB read | flash wait s | decode tok/s |",
-        "|---|---|---|---|---|---|---|",
+        "| prefetch | hit rate | cache hits | read ahead | of them used | MB read | flash wait s "
+        "| decode tok/s (median) | vs off |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in runs:
+    speeds = [[r.tokens / (r.decode.wall_ns / 1e9) for r in runs] for runs in zip(*rounds, strict=True)]
+    base = float(np.median(speeds[0]))
+    for r, tok_s in zip(rounds[0], speeds, strict=True):
         d, s = r.decode, r.counters
         used = f"{d.prefetch_accuracy:.0%}" if d.prefetch_accuracy is not None else "-"
-        tok_s = d.n_tokens / (d.wall_ns / 1e9)
+        median = float(np.median(tok_s))
         lines.append(
-            f"| {r.prefetch.name.lower()} | {d.hit_rate or 0:.1%} | {s.prefetched} | {used} "
-            f"| {s.bytes_read / 1e6:.1f} | {s.flash_wait_ns / 1e9:.2f} | {tok_s:.1f} |"
+            f"| {r.prefetch.name.lower()} | {d.hit_rate or 0:.1%} | {s.hits} | {s.prefetched} | {used} "
+            f"| {s.bytes_read / 1e6:.1f} | {s.flash_wait_ns / 1e9:.2f} | {median:.1f} "
+            f"| {median / base:.2f}x |"
+        )
+    return lines
+
+
+@dataclasses.dataclass(frozen=True)
+class LossyOption:
+    """A lossy way to read less under a cap: fewer experts per token (the model's
+    expert_used_count overridden) or uncached low-weight experts dropped (StreamerConfig.skip_below).
+    Measured, never a default."""
+
+    label: str
+    skip_below: float = 0.0
+    top_k: int | None = None
+
+    def llama_kwargs(self, model: Path) -> dict[str, Any]:
+        if self.top_k is None:
+            return {}
+        arch = ModelShape.of(model).arch
+        return {"kv_overrides": {f"{arch}.expert_used_count": self.top_k}}
+
+
+LOSSY_OPTIONS = (
+    LossyOption("exact"),
+    LossyOption("top-k 3", top_k=3),
+    LossyOption("top-k 2", top_k=2),
+    LossyOption("skip < 0.1", skip_below=0.1),
+    LossyOption("skip < 0.2", skip_below=0.2),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossyRun:
+    option: LossyOption
+    perplexity: float  # held-out, one token per decode call, streamed under the cap
+    scored: DecodeStep  # the scoring pass's record (bytes read, hits, skipped)
+    tok_s: list[float]  # greedy decode speed under the cap, one per round
+
+
+def lossy_runs(
+    model: Path,
+    run_dir: Path,
+    budget: int,
+    *,
+    tokens: int = 2048,
+    decode: int = 128,
+    rounds: int = 3,
+    options: Sequence[LossyOption] = LOSSY_OPTIONS,
+) -> list[LossyRun]:
+    """Each option's held-out perplexity and its decode speed under `budget` bytes of experts.
+
+    Perplexity: `tokens` held-out tokens in windows of 256, each token its own decode call (as
+    a chat decodes; a batched prompt routes differently). Speed: `decode` greedy tokens after a
+    held-out prompt, the options alternated round after round (the machines drift)."""
+    held = np.fromfile(run_dir / "heldout.bin", dtype=np.uint16).astype(np.int64)
+    windows = heldout_windows(held, 256, tokens)
+    prompt_ids = (
+        tokenizer.load(run_dir / "tokenizer.json")
+        .encode(heldout_prompt(run_dir / "corpus" / "heldout.txt", 600))
+        .ids
+    )
+
+    def load(opt: LossyOption) -> Any:
+        config = StreamerConfig(policy=Policy.LAYER, skip_below=opt.skip_below)
+        return load_streaming_llama(
+            model, config, budget=budget, follow_memory=False, n_ctx=512, n_batch=1, n_ubatch=1,
+            logits_all=True, n_threads=1, n_threads_batch=1, flash_attn="off", verbose=False,
+            **opt.llama_kwargs(model),
+        )  # fmt: skip
+
+    scored: dict[str, tuple[float, DecodeStep]] = {}
+    for opt in options:
+        llm = load(opt)
+        try:
+            before, start = llm.stats(), time.perf_counter_ns()
+            nll = _nll(llm, windows, hashlib.sha256())
+            n = sum(len(w) for w in windows)
+            step = DecodeStep(n, time.perf_counter_ns() - start, llm.stats() - before)
+            scored[opt.label] = (float(np.exp(np.mean(nll))), step)
+        finally:
+            llm.close()
+    speeds: dict[str, list[float]] = {o.label: [] for o in options}
+    for _ in range(rounds):
+        for opt in options:
+            llm = load(opt)
+            try:
+                llm.eval(prompt_ids)
+                start = time.perf_counter_ns()
+                for _ in range(decode):
+                    llm.eval([int(np.argmax(_last_logits(llm)))])
+                speeds[opt.label].append(decode / ((time.perf_counter_ns() - start) / 1e9))
+            finally:
+                llm.close()
+    return [LossyRun(o, scored[o.label][0], scored[o.label][1], speeds[o.label]) for o in options]
+
+
+def _lossy_table(runs: list[LossyRun]) -> list[str]:
+    base = runs[0]
+    lines = [
+        "| option | perplexity | vs exact | MB read / token | hit rate | experts dropped "
+        "| decode tok/s (median) | vs exact |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        d, s = r.scored, r.scored.streamer
+        assert s is not None
+        dropped = s.skipped / max(1, s.hits + s.misses + s.skipped)
+        tok_s = float(np.median(r.tok_s))
+        lines.append(
+            f"| {r.option.label} | {r.perplexity:.2f} | {r.perplexity / base.perplexity:.3f} "
+            f"| {s.bytes_read / d.n_tokens / 1e6:.3f} | {d.hit_rate or 0:.1%} | {dropped:.1%} "
+            f"| {tok_s:.1f} | {tok_s / float(np.median(base.tok_s)):.2f}x |"
         )
     return lines
 
@@ -273,6 +398,68 @@ def _routing_table(traces: Sequence[tuple[str, Trace]]) -> list[str]:
     return lines
 
 
+def loss_chart(loss_csv: Path, out: Path) -> None:
+    """The run's loss curve: training loss (mean of 25 steps) and held-out loss, by step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = np.genfromtxt(loss_csv, delimiter=",", names=True)
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    n = len(rows) // 25 * 25
+    steps, loss = rows["step"][:n].reshape(-1, 25).mean(1), rows["loss"][:n].reshape(-1, 25).mean(1)
+    ax.plot(steps, loss, label="training loss (mean of 25 steps)", color="#1e88e5")
+    held = ~np.isnan(rows["heldout_loss"])
+    ax.plot(rows["step"][held], rows["heldout_loss"][held], "o-", label="held-out loss", color="#f44336")
+    run_json = loss_csv.with_name("run.json")
+    reschedules = json.loads(run_json.read_text()).get("reschedules", []) if run_json.exists() else []
+    for at, length in reschedules:
+        ax.axvline(at, color="#9e9e9e", linestyle="--")
+        label = f"cosine shortened\nto end at {length}"
+        ax.annotate(label, (at, 5.5), xytext=(6, 0), textcoords="offset points")
+    ax.set_xlabel("step (16 x 256 tokens)")
+    ax.set_ylabel("cross-entropy (nats / token)")
+    ax.set_ylim(bottom=min(1.5, float(np.nanmin(loss)) - 0.2), top=6)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("The demo model's training run")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def report(model: Path, run_dir: Path, max_tokens: int, trace_out: Path) -> list[str]:
+    """Every measurement of the module, as the Markdown lines of a report."""
+    out: list[str] = []
+    res, stream = perplexity(model, run_dir, max_tokens=max_tokens)
+    if res.logits_sha256 != stream.logits_sha256:
+        raise SystemExit("streamed logits differ from resident ones")
+    out += [f"## Perplexity ({res.tokens} held-out tokens)\n"]
+    out += [
+        f"model {res.model:.2f}, unigram {res.unigram:.2f}, ratio {res.model / res.unigram:.3f} (streamed "
+        f"under a quarter of the experts: identical logits, sha256 {res.logits_sha256[:16]})\n"
+    ]
+    out += ["## Greedy continuations\n"]
+    out += [f"- {prompt!r} -> {text!r}" for prompt, text in continuations(model, run_dir)]
+    prompt = heldout_prompt(run_dir / "corpus" / "heldout.txt")
+    trace = record_trace(model, prompt, trace_out)
+    budget = expert_share(model, 4)
+    prompt_ids = tokenizer.load(run_dir / "tokenizer.json").encode(prompt).ids
+    for share, cap in (("an eighth", expert_share(model, 8)), ("a quarter", budget)):
+        out += [f"\n## Prefetch under a cap of {share} of the experts ({cap / 2**20:.1f} MiB), 128 tokens\n"]
+        # the predictors alternated, three rounds (the machines drift)
+        out += _prefetch_table([prefetch_runs(model, prompt_ids, 128, cap) for _ in range(3)])
+    out += ["\n## Routing (skew and reuse per layer: min / median / max)\n"]
+    real = [(t.name, load_trace(t)) for t in REAL_TRACES if t.exists()]
+    out += _routing_table([("trained", trace), *real])
+    out += ["", "Per layer of the trained model: " + ", ".join(
+        f"{r.layer}: skew {r.skew:.2f} reuse {r.reuse:.2f}" for r in route_stats(trace))]  # fmt: skip
+    out += [f"\n## Lossy options under a cap of a quarter of the experts ({budget / 2**20:.1f} MiB)\n"]
+    out += _lossy_table(lossy_runs(model, run_dir, budget))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Measure a trained model: perplexity, continuations, routing")
     p.add_argument("--run-dir", type=Path, required=True, help="the training run (tokenizer, token files)")
@@ -281,25 +468,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--trace-out", type=Path, default=Path("trained.route.csv"), help="where the route trace goes"
     )
+    p.add_argument("--out", type=Path, default=None, help="also write the Markdown here")
+    p.add_argument("--loss-chart", type=Path, default=None, help="draw the run's loss.csv as this PNG")
     args = p.parse_args(argv)
-    res, stream = perplexity(args.model, args.run_dir, max_tokens=args.max_tokens)
-    if res.logits_sha256 != stream.logits_sha256:
-        raise SystemExit("streamed logits differ from resident ones")
-    print(f"## Perplexity ({res.tokens} held-out tokens)\n")
-    print(f"model {res.model:.2f}, unigram {res.unigram:.2f}, ratio {res.model / res.unigram:.3f} "
-          f"(streamed: identical logits, sha256 {res.logits_sha256[:16]})\n")  # fmt: skip
-    print("## Greedy continuations\n")
-    for prompt, text in continuations(args.model, args.run_dir):
-        print(f"- {prompt!r} -> {text!r}")
-    prompt = heldout_prompt(args.run_dir / "corpus" / "heldout.txt")
-    trace = record_trace(args.model, prompt, args.trace_out)
-    budget = _quarter(args.model)
-    prompt_ids = tokenizer.load(args.run_dir / "tokenizer.json").encode(prompt).ids
-    print(f"\n## Prefetch under a cap of a quarter of the experts ({budget / 2**20:.1f} MiB), 128 tokens\n")
-    print("\n".join(_prefetch_table(prefetch_runs(args.model, prompt_ids, 128, budget))))
-    print("\n## Routing (skew and reuse per layer: min / median / max)\n")
-    real = [(t.name, load_trace(t)) for t in REAL_TRACES if t.exists()]
-    print("\n".join(_routing_table([("trained", trace), *real])))
+    if args.loss_chart:
+        loss_chart(args.run_dir / "loss.csv", args.loss_chart)
+    lines = report(args.model, args.run_dir, args.max_tokens, args.trace_out)
+    print("\n".join(lines))
+    if args.out:
+        args.out.write_text("\n".join(lines) + "\n")
     return 0
 
 

@@ -1,7 +1,8 @@
 """Train the qwen3moe model on the corpus, on the CPU, resumably.
 
 A run lives in one directory (outside git, e.g. /work/train-runs/moe-v1):
-  run.json        the run's config and seed, written once; a resume reads it back
+  run.json        the run's config and seed; a resume reads it back (--reschedule-to appends a
+                  new schedule length from the step it is given at, so the run stays reproducible)
   corpus/         train.txt, heldout.txt, manifest.json (server/training/corpus.py)
   tokenizer.json  the trained tokenizer; train.bin, heldout.bin: token ids (uint16)
   ckpt.pt         the latest checkpoint (model, optimizer, step), replaced atomically
@@ -45,6 +46,9 @@ class RunConfig:
     batch: int = 16
     seq: int = 256
     steps: int = 6000  # the cosine schedule's length; a run may stop earlier and resume
+    # (step, length): from that step on the cosine runs to `length` instead; written by
+    # --reschedule-to so that a run shortened mid-way can be replayed from run.json alone
+    reschedules: tuple[tuple[int, int], ...] = ()
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup: int = 200
@@ -56,7 +60,20 @@ class RunConfig:
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> RunConfig:
-        return RunConfig(**{**d, "model": Config(**d["model"])})
+        resched = tuple((int(a), int(n)) for a, n in d.get("reschedules", ()))
+        return RunConfig(**{**d, "model": Config(**d["model"]), "reschedules": resched})
+
+    def steps_at(self, step: int) -> int:
+        """The schedule's length in force at `step`."""
+        n = self.steps
+        for at, length in self.reschedules:
+            if step >= at:
+                n = length
+        return n
+
+    @property
+    def last_step(self) -> int:
+        return self.reschedules[-1][1] if self.reschedules else self.steps
 
 
 # a tiny configuration for the tests: trains in seconds
@@ -70,7 +87,7 @@ TINY = RunConfig(
 def lr_at(rc: RunConfig, step: int) -> float:
     if step < rc.warmup:
         return rc.lr * (step + 1) / rc.warmup
-    t = min(1.0, (step - rc.warmup) / max(1, rc.steps - rc.warmup))
+    t = min(1.0, (step - rc.warmup) / max(1, rc.steps_at(step) - rc.warmup))
     return rc.lr * (rc.min_lr_ratio + (1 - rc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
@@ -165,8 +182,16 @@ def _trim_log(path: Path, step: int) -> None:
         csv.writer(f).writerows(kept)
 
 
-def train(run_dir: Path, rc: RunConfig, until: int | None = None, corpus_dir: Path | None = None) -> int:
-    """Train from the run's checkpoint (or from scratch) up to step `until` (default rc.steps).
+def train(
+    run_dir: Path,
+    rc: RunConfig,
+    until: int | None = None,
+    corpus_dir: Path | None = None,
+    reschedule_to: int | None = None,
+) -> int:
+    """Train from the run's checkpoint (or from scratch) up to step `until` (default: the
+    schedule's end). `reschedule_to` ends the cosine at that step instead, from the checkpoint's
+    step on, and records it in run.json.
 
     Raises RunBusyError when another process is training in `run_dir`."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -176,14 +201,16 @@ def train(run_dir: Path, rc: RunConfig, until: int | None = None, corpus_dir: Pa
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise RunBusyError(f"another process is training in {run_dir}") from None
-        return _train_locked(run_dir, rc, until, corpus_dir)
+        return _train_locked(run_dir, rc, until, corpus_dir, reschedule_to)
 
 
 class RunBusyError(RuntimeError):
     """Two trainers in one run directory would overwrite each other's checkpoints."""
 
 
-def _train_locked(run_dir: Path, rc: RunConfig, until: int | None, corpus_dir: Path | None) -> int:
+def _train_locked(
+    run_dir: Path, rc: RunConfig, until: int | None, corpus_dir: Path | None, reschedule_to: int | None
+) -> int:
     run_json = run_dir / "run.json"
     if run_json.exists():
         rc = RunConfig.from_json(json.loads(run_json.read_text()))
@@ -203,10 +230,22 @@ def _train_locked(run_dir: Path, rc: RunConfig, until: int | None, corpus_dir: P
         opt.load_state_dict(ckpt["optimizer"])
         step, seconds = int(ckpt["step"]), float(ckpt["seconds"])
         logger.info("resumed %s at step %d", run_dir, step)
+    if reschedule_to is not None and reschedule_to != rc.last_step:
+        if reschedule_to <= max(step, rc.warmup):
+            raise ValueError(
+                f"--reschedule-to {reschedule_to}: the run is at step {step}, warm-up {rc.warmup}"
+            )
+        # later entries replace any that start at or after this step: the run never reached them
+        kept = tuple(r for r in rc.reschedules if r[0] < step)
+        rc = dataclasses.replace(rc, reschedules=(*kept, (step, reschedule_to)))
+        tmp = run_json.with_name(run_json.name + ".tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(rc), indent=2) + "\n")
+        os.replace(tmp, run_json)
+        logger.info("schedule ends at step %d from step %d on", reschedule_to, step)
     _trim_log(log_path, step)
     if not log_path.exists():
         log_path.write_text(",".join(LOSS_COLUMNS) + "\n")
-    end = rc.steps if until is None else until
+    end = rc.last_step if until is None else until
     model.train()
     t0 = time.monotonic() - seconds  # seconds: training time of the sessions before this one
     while step < end:
@@ -239,11 +278,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", type=Path, required=True, help="the run's directory (outside git)")
     p.add_argument("--seed", type=int, default=0, help="a new run's seed (a resume keeps its own)")
     p.add_argument("--until", type=int, default=None, help="stop at this step (default: the schedule's end)")
+    p.add_argument(
+        "--reschedule-to",
+        type=int,
+        default=None,
+        help="end the cosine at this step, from the checkpoint's step on (recorded in run.json)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
-    train(args.run_dir, RunConfig(model=Config(), seed=args.seed), until=args.until)
+    logger.info("%d torch threads", args.threads)
+    train(
+        args.run_dir,
+        RunConfig(model=Config(), seed=args.seed),
+        until=args.until,
+        reschedule_to=args.reschedule_to,
+    )
     return 0
 
 

@@ -91,7 +91,11 @@ typedef struct mf_config {
     // marked ready, leaving its slices with whatever their memory held; a byte-identity gate must
     // then fail
     int32_t      skip_expert;
-    int32_t      reserved;           // 0; fills the struct's last 4 bytes, so that it has no padding
+    // LOSSY, for measurement only (never a default): a routed expert that is neither resident nor
+    // being read, whose routing weight renormalised over its token's k experts is below this, is
+    // dropped from that token (its slot computes the token's first expert at weight 0; the weights
+    // the layer normalises are the kept ones). 0 = off, lossless. See mf_skip.c
+    float        skip_below;
 } mf_config;
 
 #define MF_MAX_LANES 16
@@ -132,7 +136,8 @@ typedef struct mf_config {
     X(frames_released, COUNTER, COUNT,                                                                       \
       "free frames whose pages went back to the kernel (mf_streamer_drop_cache, a budget moved down)")     \
     X(budget_bytes, GAUGE, BYTES, "the expert budget now (mf_streamer_set_budget; it follows memory pressure)") \
-    X(restored, COUNTER, COUNT, "entries read back by mf_streamer_restore (warm start)")
+    X(restored, COUNTER, COUNT, "entries read back by mf_streamer_restore (warm start)")                  \
+    X(skipped, COUNTER, COUNT, "routed entries dropped by mf_config.skip_below (lossy; 0 unless set)")
 
 // Read with mf_streamer_get_stats (no lock on the hot path).
 typedef struct mf_stats {

@@ -45,7 +45,7 @@ void mf_callback_stop_if_all_resident(mf_streamer * s) {
 // one ffn_moe_topk-<il> node: makes the routed experts of layer il resident (queued), prefetches
 // layer il + 1's predicted ones and, without overlap, waits for layer il's reads. Returns false to
 // stop the graph (an error is recorded)
-static bool route_layer(mf_streamer * s, int32_t il, const struct ggml_tensor * ids) {
+static bool route_layer(mf_streamer * s, int32_t il, struct ggml_tensor * ids) {
     if (mf_error_pending(s)) {
         return false;  // stop the graph: the request fails with the recorded error
     }
@@ -69,12 +69,23 @@ static bool route_layer(mf_streamer * s, int32_t il, const struct ggml_tensor * 
             s->route_ids = grown;
         }
         int32_t * rows = grown ? realloc(s->pf_rows, n_ids * sizeof *rows) : NULL;
-        if (!rows) {
+        if (rows) {
+            s->pf_rows = rows;
+        }
+        uint8_t * mask = rows ? realloc(s->skip_mask, n_ids) : NULL;
+        if (!mask) {
             mf_streamer_fail(s, -ENOMEM, "no memory for the routing of %zu ids at layer %d", n_ids, (int) il);
             return false;
         }
-        s->pf_rows       = rows;
+        s->skip_mask     = mask;
         s->route_ids_cap = n_ids;
+    }
+    if (s->cfg.skip_below > 0.0f) {
+        const int64_t dropped = mf_skip_route(s, il, ids);  // lossy: see mf_skip.c
+        if (dropped < 0) {
+            return false;
+        }
+        ADD(s->st.skipped, (uint64_t) dropped);
     }
     memset(s->want, 0, (size_t) s->n_expert);
     for (int64_t i1 = 0; i1 < ids->ne[1]; i1++) {
@@ -161,12 +172,23 @@ bool mf_streamer_eval_cb(struct ggml_tensor * t, bool ask, void * user_data) {
             check_expert_matmul(s, t);
             return false;
         }
-        return strncmp(t->name, "ffn_moe_topk-", 13) == 0;
+        const bool skipping = s->cfg.skip_below > 0.0f;
+        return strncmp(t->name, MF_TOPK_PREFIX, MF_TOPK_PREFIX_LEN) == 0 ||
+               (skipping && (strncmp(t->name, MF_WEIGHTS_PREFIX, MF_WEIGHTS_PREFIX_LEN) == 0 ||
+                             strncmp(t->name, MF_WEIGHTS_SOFTMAX, strlen(MF_WEIGHTS_SOFTMAX)) == 0));
     }
-    if (strncmp(t->name, "ffn_moe_topk-", 13) != 0) {
+    if (strncmp(t->name, MF_WEIGHTS_PREFIX, MF_WEIGHTS_PREFIX_LEN) == 0) {
+        mf_skip_weights(s, (int32_t) strtol(t->name + MF_WEIGHTS_PREFIX_LEN, NULL, 10), t);
         return true;
     }
-    return route_layer(s, (int32_t) strtol(t->name + 13, NULL, 10), t);
+    if (strncmp(t->name, MF_WEIGHTS_SOFTMAX, strlen(MF_WEIGHTS_SOFTMAX)) == 0) {
+        mf_streamer_fail(s, -ENOTSUP, "skip_below: %s re-normalises the weights by a softmax", t->name);
+        return false;
+    }
+    if (strncmp(t->name, MF_TOPK_PREFIX, MF_TOPK_PREFIX_LEN) != 0) {
+        return true;
+    }
+    return route_layer(s, (int32_t) strtol(t->name + MF_TOPK_PREFIX_LEN, NULL, 10), t);
 }
 
 // ---------------------------------------------------------------- the ready hook

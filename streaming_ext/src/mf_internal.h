@@ -6,6 +6,7 @@
 //   mf_build.c     after the load: layers, expert memory, cache, routing and prediction scratch
 //   mf_callback.c  the graph's callbacks: the eval callback (routing) and the ready hook
 //   mf_prefetch.c  the next layer's prefetch and its gate
+//   mf_skip.c      dropping uncached low-weight experts (lossy, for measurement: skip_below)
 //   mf_route.c     route traces: replayed and recorded routing (beside the streamer: calls none of it)
 //   mf_buft.c      the three buffer types; registers expert tensors while the model loads
 //   mf_lanes.c     reader lanes and the memory of slices: carries out a route's loads and evictions
@@ -335,7 +336,7 @@ typedef struct mf_job {
 typedef struct mf_counters {
     atomic_uint_fast64_t routes, hits, misses, evictions, bytes_read, reads, flash_wait_ns, cache_ns, read_ns,
         dense_bytes, resident_bytes, violations, errors, prefetched, prefetch_hits, mapped_bytes, budget_bytes,
-        restored;
+        restored, skipped;
 } mf_counters;
 
 #define ADD(counter, v) atomic_fetch_add_explicit(&(counter), (uint64_t) (v), memory_order_relaxed)
@@ -368,6 +369,11 @@ struct mf_streamer {
     uint8_t *     want;  // [n_expert] scratch for routing
     int32_t *     route_ids;      // the routed ids of a route's tokens, row after row (grown as needed)
     size_t        route_ids_cap;  // capacity of route_ids, in ids
+    // skip_below (mf_skip.c, lossy): the slots the last route dropped, row after row, of layer
+    // skip_layer (-1: none since), skip_rows rows of skip_k (capacity route_ids_cap)
+    uint8_t *     skip_mask;
+    int32_t       skip_layer;
+    int64_t       skip_rows, skip_k;
     // the budget holds every expert (see mf_stats.hold_all); set before any expert is read
     bool          hold_all;
     // every expert resident under hold_all: the eval callback asks for no node (decode thread)
@@ -489,6 +495,22 @@ void         mf_callback_stop_if_all_resident(mf_streamer * s);
 // the mul_mat_id ready hook (ggml_cpu_set_mul_mat_id_ready_hook): where slice `expert` of src0
 // is once READY, NULL to skip it. Every compute thread; stateless (src0's buffer names the streamer)
 const void * mf_callback_ready_hook(const struct ggml_tensor * src0, int64_t expert, void * user_data);
+
+// ---------------------------------------------------------------- dropping experts (mf_skip.c, lossy)
+#define MF_TOPK_PREFIX         "ffn_moe_topk-"
+#define MF_TOPK_PREFIX_LEN     13
+#define MF_WEIGHTS_PREFIX      "ffn_moe_weights-"
+#define MF_WEIGHTS_PREFIX_LEN  16
+#define MF_WEIGHTS_SOFTMAX     "ffn_moe_weights_softmax-"
+// the router's score of expert e for token row i1 of a ffn_moe_topk node (the sorted selection
+// scores: the topk view's source's source), 0 when the graph does not hold them as F32
+float mf_topk_score(const struct ggml_tensor * topk, int64_t i1, int32_t e);
+// before layer il's route, with cfg.skip_below > 0: rewrites in `ids` each dropped slot to its
+// row's first expert and marks it in skip_mask. Returns how many were dropped, or a negative
+// errno (recorded) when the graph holds no scores to weigh them by. Decode thread
+int64_t mf_skip_route(mf_streamer * s, int32_t il, struct ggml_tensor * ids);
+// the layer's ffn_moe_weights-<il> node: zeroes the dropped slots' weights. Decode thread
+void    mf_skip_weights(mf_streamer * s, int32_t il, struct ggml_tensor * weights);
 
 // ---------------------------------------------------------------- prefetch and its gate (mf_prefetch.c)
 // layer il routes (its tokens' ids in route_ids, k a row, rows rows): scores the prediction made

@@ -13,7 +13,7 @@
 
 #define CONFIG_FIELDS(X)                                                                                      \
     X(model_path) X(n_lanes) X(reader) X(overlap) X(policy) X(prefetch) X(fault_errno) X(fault_after_bytes) \
-        X(skip_expert) X(reserved)
+        X(skip_expert) X(skip_below)
 
 #define ROUTE_RECORD_FIELDS(X) X(turn) X(phase) X(step) X(layer) X(slot) X(expert) X(weight)
 

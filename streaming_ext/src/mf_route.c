@@ -19,9 +19,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MF_TOPK_PREFIX     "ffn_moe_topk-"
-#define MF_TOPK_PREFIX_LEN 13
-
 struct mf_route_trace {
     int32_t n_layer, n_expert, k;
     int32_t * replay[2];   // per phase: [n_steps][n_layer][k] expert ids (-1: the model's own), or NULL
@@ -152,17 +149,6 @@ __attribute__((format(printf, 3, 4))) static bool fail(mf_route_trace * rt, int 
     return false;  // stops the graph
 }
 
-// the router's probability of expert e for token row i1 (the sorted selection scores, the topk
-// view's source's source), 0 when the graph does not have them as F32 [n_expert, n_tokens]
-static float selection_score(const struct ggml_tensor * topk, int64_t i1, int32_t e) {
-    const struct ggml_tensor * argsort = topk->view_src ? topk->view_src : topk->src[0];
-    const struct ggml_tensor * scores  = argsort ? argsort->src[0] : NULL;
-    if (!scores || scores->type != GGML_TYPE_F32 || !scores->data || e >= scores->ne[0] || i1 >= scores->ne[1]) {
-        return 0.0f;
-    }
-    return *(const float *) ((const char *) scores->data + i1 * scores->nb[1] + e * scores->nb[0]);
-}
-
 static int record(mf_route_trace * rt, int64_t step, int32_t layer, int32_t slot, int32_t expert, float weight) {
     if (rt->n_rec == rt->cap_rec) {
         const int64_t     cap = rt->cap_rec ? 2 * rt->cap_rec : 4096;
@@ -210,7 +196,7 @@ static bool route_node(mf_route_trace * rt, struct ggml_tensor * ids) {
             }
         }
         for (int32_t slot = 0; rt->recording && slot < rt->k; slot++) {
-            if (record(rt, step, (int32_t) il, slot, row[slot], selection_score(ids, i1, row[slot])) != 0) {
+            if (record(rt, step, (int32_t) il, slot, row[slot], mf_topk_score(ids, i1, row[slot])) != 0) {
                 return fail(rt, -ENOMEM, "no memory to record the routing of layer %ld", il);
             }
         }

@@ -76,13 +76,16 @@ int mf_streamer_new(const mf_config * cfg, mf_streamer ** out, char * last_error
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->work_cv, NULL);
     pthread_cond_init(&s->done_cv, NULL);
-    s->cfg       = *cfg;
-    s->page_size = mf_page_size();
+    s->cfg        = *cfg;
+    s->page_size  = mf_page_size();
+    s->skip_layer = -1;
     if (!cfg->model_path || cfg->n_lanes < 1 || cfg->n_lanes > MF_MAX_LANES || cfg->reader < MF_READER_DIRECT ||
         cfg->reader > MF_READER_BUFFERED || cfg->policy < MF_POLICY_LRU || cfg->policy > MF_POLICY_NONE ||
-        cfg->prefetch < MF_PREFETCH_OFF || cfg->prefetch > MF_PREFETCH_HISTORY || cfg->fault_errno < 0) {
+        cfg->prefetch < MF_PREFETCH_OFF || cfg->prefetch > MF_PREFETCH_HISTORY || cfg->fault_errno < 0 ||
+        !(cfg->skip_below >= 0.0f && cfg->skip_below < 1.0f)) {
         snprintf(s->last_error, sizeof s->last_error,
-                 "invalid streamer configuration (lanes 1..%d, reader, policy, prefetch, model path)", MF_MAX_LANES);
+                 "invalid streamer configuration (lanes 1..%d, reader, policy, prefetch, skip_below 0..1, model path)",
+                 MF_MAX_LANES);
         return fail_new(s, -EINVAL, last_error, last_error_size);
     }
     if (s->page_size == 0 || (s->page_size & (s->page_size - 1)) != 0 || MF_BOUNCE_SIZE % s->page_size != 0) {
@@ -139,6 +142,7 @@ void mf_streamer_free(mf_streamer * s) {
     free(s->queue);
     free(s->want);
     free(s->route_ids);
+    free(s->skip_mask);
     free(s->pf_rows);
     free(s->noted);
     free(s->pred_v);
@@ -235,6 +239,7 @@ void mf_streamer_get_stats(const mf_streamer * s, mf_stats * out) {
     out->frames_released     = atomic_load_explicit(&s->frames.released, memory_order_relaxed);
     out->budget_bytes        = LOAD(budget_bytes);
     out->restored            = LOAD(restored);
+    out->skipped             = LOAD(skipped);
 #undef LOAD
 }
 

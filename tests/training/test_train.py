@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import fcntl
+import json
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,35 @@ def test_resume_gives_the_same_weights(tiny_run: Path, small_corpus: Path, tmp_p
     with (run / "loss.csv").open() as f:
         steps = [int(r["step"]) for r in csv.DictReader(f)]
     assert steps == list(range(1, train.TINY.steps + 1))
+
+
+def test_a_shortened_schedule_replays_from_run_json(
+    tiny_run: Path, small_corpus: Path, tmp_path: Path
+) -> None:
+    # stopped at step 12 and rescheduled to end at 20; then replayed from step 0 with the
+    # run.json it left: the same lr at every step, the same weights
+    runs = []
+    for name in ("cut", "replay"):
+        run = tmp_path / name
+        run.mkdir()
+        for f in ("tokenizer.json", "train.bin", "heldout.bin"):
+            (run / f).write_bytes((tiny_run / f).read_bytes())
+        runs.append(run)
+    cut, replay = runs
+    assert train.train(cut, train.TINY, until=12, corpus_dir=small_corpus) == 12
+    assert train.train(cut, train.TINY, corpus_dir=small_corpus, reschedule_to=20) == 20
+    rc = train.RunConfig.from_json(json.loads((cut / "run.json").read_text()))
+    assert rc.reschedules == ((12, 20),) and rc.last_step == 20
+    assert train.lr_at(rc, 11) == train.lr_at(train.TINY, 11)
+    assert train.lr_at(rc, 19) < train.lr_at(train.TINY, 19)
+    (replay / "run.json").write_text((cut / "run.json").read_text())
+    assert train.train(replay, train.TINY, corpus_dir=small_corpus) == 20
+    a, _, _ = train.load_model(cut)
+    b, _, _ = train.load_model(replay)
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(x, y), name
+    with pytest.raises(ValueError, match="the run is at step 20"):
+        train.train(cut, train.TINY, corpus_dir=small_corpus, reschedule_to=15)
 
 
 def test_dispatch_runs_only_the_chosen_experts() -> None:
