@@ -10,7 +10,7 @@ export MOEFLASH_CPU
 HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?=
-DEMO_MODEL ?= models/demo-qwen3moe.gguf
+DEMO_MODEL := server/training/trained/demo-qwen3moe.gguf
 PYTEST_ARGS ?=
 
 LLAMA_SRC := vendor/llama.cpp/llama-cpp-python/vendor/llama.cpp
@@ -121,11 +121,14 @@ corpus-packages:
 		fi; \
 	fi
 
-# Trains the demo model, or resumes its run, in TRAIN_DIR (outside git) on one thread: hours, so
-# start it with nohup (docs/training.md). Neither `make serve` nor the tests train.
+# Trains the demo model, or resumes its run, in TRAIN_DIR (outside git) on TRAIN_THREADS torch
+# threads: hours, so start it with nohup (docs/training.md). TRAIN_ARGS: e.g. --reschedule-to N.
+# Neither `make serve` nor the tests train.
 TRAIN_DIR ?= ../train-runs/moe-v1
+TRAIN_THREADS ?= 1
+TRAIN_ARGS ?=
 train: $(VENV)/.deps-stamp $(VENV)/.training-stamp corpus-packages
-	RAYON_NUM_THREADS=1 $(VPY) -m server.training.train --run-dir $(TRAIN_DIR)
+	RAYON_NUM_THREADS=1 $(VPY) -m server.training.train --run-dir $(TRAIN_DIR) --threads $(TRAIN_THREADS) $(TRAIN_ARGS)
 
 # the moeflash packages themselves, editable, with the `moeflash` console script
 $(VENV)/.install-stamp: pyproject.toml $(VENV)/.deps-stamp
@@ -213,14 +216,12 @@ $(ARM_CTEST)/test_frames: tests/c/test_frames.c streaming_ext/src/mf_frames.c $(
 		-fsanitize=undefined -fno-sanitize-recover=undefined tests/c/test_frames.c streaming_ext/src/mf_frames.c \
 		-o $@ -lpthread
 
-$(DEMO_MODEL): | setup
-	@mkdir -p $(dir $@)
-	$(VENV)/bin/moeflash make-model $@ --preset tiny-qwen3moe
+# the demo model is committed (trained here: docs/training.md); this checks it is the one committed
+demo-model:
+	cd $(dir $(DEMO_MODEL)) && sha256sum --quiet --check $(notdir $(DEMO_MODEL)).sha256
 
-demo-model: $(DEMO_MODEL)
-
-# Runs the server on MODEL (default: the built-in demo model, generated on first use and served
-# with its experts streamed, so the web page shows the streamer's telemetry)
+# Runs the server on MODEL (default: the committed demo model, a small qwen3moe trained here,
+# served with its experts streamed, so the web page shows the streamer's telemetry)
 serve: setup
 	@if [ -z "$(MODEL)" ]; then $(MAKE) --no-print-directory demo-model; fi
 	$(VENV)/bin/moeflash serve --model "$(if $(MODEL),$(MODEL),$(DEMO_MODEL))" --host $(HOST) --port $(PORT) \
