@@ -86,7 +86,7 @@ def _with_counter_added(tmp_path: Path) -> Path:
         (copy / link).symlink_to(REPO / link)
     header = copy / "streaming_ext" / "include" / "moeflash_stream.h"
     text = header.read_text()
-    last = '    X(skipped, COUNTER, COUNT, "routed entries dropped by mf_config.skip_below (lossy; 0 unless set)")'
+    last = '    X(skipped, COUNTER, COUNT, "routed entries dropped by skip_below (lossy; 0 unless set)")'
     assert last in text
     added = '    X(test_added, COUNTER, COUNT, "a counter a test added")'
     header.write_text(text.replace(last, last + " \\\n" + added))
