@@ -163,7 +163,8 @@ static void check_expert_matmul(mf_streamer * s, const struct ggml_tensor * node
 }
 
 bool mf_streamer_eval_cb(struct ggml_tensor * t, bool ask, void * user_data) {
-    mf_streamer * s = user_data;
+    mf_streamer * s        = user_data;
+    const bool    skipping = s->cfg.skip_below > 0.0f;  // lossy (mf_skip.c): watch the weights too
     if (atomic_load_explicit(&s->routing_off, memory_order_relaxed)) {
         return !ask;  // ask for nothing (no split); go on if asked to
     }
@@ -172,16 +173,15 @@ bool mf_streamer_eval_cb(struct ggml_tensor * t, bool ask, void * user_data) {
             check_expert_matmul(s, t);
             return false;
         }
-        const bool skipping = s->cfg.skip_below > 0.0f;
         return strncmp(t->name, MF_TOPK_PREFIX, MF_TOPK_PREFIX_LEN) == 0 ||
                (skipping && (strncmp(t->name, MF_WEIGHTS_PREFIX, MF_WEIGHTS_PREFIX_LEN) == 0 ||
                              strncmp(t->name, MF_WEIGHTS_SOFTMAX, strlen(MF_WEIGHTS_SOFTMAX)) == 0));
     }
-    if (strncmp(t->name, MF_WEIGHTS_PREFIX, MF_WEIGHTS_PREFIX_LEN) == 0) {
+    if (skipping && strncmp(t->name, MF_WEIGHTS_PREFIX, MF_WEIGHTS_PREFIX_LEN) == 0) {
         mf_skip_weights(s, (int32_t) strtol(t->name + MF_WEIGHTS_PREFIX_LEN, NULL, 10), t);
         return true;
     }
-    if (strncmp(t->name, MF_WEIGHTS_SOFTMAX, strlen(MF_WEIGHTS_SOFTMAX)) == 0) {
+    if (skipping && strncmp(t->name, MF_WEIGHTS_SOFTMAX, strlen(MF_WEIGHTS_SOFTMAX)) == 0) {
         mf_streamer_fail(s, -ENOTSUP, "skip_below: %s re-normalises the weights by a softmax", t->name);
         return false;
     }
