@@ -365,6 +365,19 @@ def route_stats(trace: Trace) -> list[LayerRouting]:
     return out
 
 
+def uniform_chance(n_tokens: int, n_expert: int, k: int, draws: int = 400) -> tuple[float, ...]:
+    """Skew and reuse (route_stats) of independent uniform routing over `n_tokens` tokens: the
+    5th and 95th percentiles of `draws` draws (seeded), as (skew lo, skew hi, reuse lo, reuse hi)."""
+    rng = np.random.default_rng(0)
+    skew, reuse = [], []
+    for _ in range(draws):
+        routes = np.argsort(rng.random((n_tokens, n_expert)), axis=1)[:, :k]
+        counts = np.bincount(routes.ravel(), minlength=n_expert)
+        skew.append(counts.max() / counts.sum() * n_expert)
+        reuse.append(np.mean([len(set(a) & set(b)) / k for a, b in zip(routes, routes[1:], strict=False)]))
+    return (*np.percentile(skew, [5, 95]), *np.percentile(reuse, [5, 95]))
+
+
 def heldout_prompt(path: Path, chars: int = 1000) -> str:
     """The first held-out documents, joined by blank lines, cut to about `chars` characters."""
     docs = path.read_text(encoding="utf-8").split(corpus.DOC_SEPARATOR)
@@ -485,6 +498,10 @@ def report(model: Path, run_dir: Path, max_tokens: int, trace_out: Path) -> list
     out += ["\n## Routing (skew and reuse per layer: min / median / max)\n"]
     real = [(t.name, load_trace(t)) for t in REAL_TRACES if t.exists()]
     out += _routing_table([("trained", trace), *real])
+    tokens = len(trace.steps(False)) + len(trace.steps(True))
+    lo_s, hi_s, lo_r, hi_r = uniform_chance(tokens, trace.n_expert, trace.k)
+    out += ["", f"Independent uniform routing over as many tokens (5th-95th percentile of 400 draws): "
+            f"skew {lo_s:.2f}-{hi_s:.2f}, reuse {lo_r:.2f}-{hi_r:.2f}."]  # fmt: skip
     out += ["", "Per layer of the trained model: " + ", ".join(
         f"{r.layer}: skew {r.skew:.2f} reuse {r.reuse:.2f}" for r in route_stats(trace))]  # fmt: skip
     out += [f"\n## Lossy options under a cap of a quarter of the experts ({budget / 2**20:.1f} MiB)\n"]
