@@ -69,3 +69,9 @@ def test_prefetch_runs_count_each_predictor(tiny_run: Path, tiny_gguf: Callable[
     router = runs["ROUTER"].counters
     assert router.prefetched > 0 and 0 < router.prefetch_hits <= router.prefetched
     assert all(r.tokens == 8 and r.counters.hits + r.counters.misses > 0 for r in runs.values())
+
+
+def test_uniform_chance_is_what_route_stats_gives_uniform_routing() -> None:
+    lo_s, hi_s, lo_r, hi_r = measure.uniform_chance(2000, 8, 2, draws=50)
+    assert 1.0 <= lo_s <= hi_s < 1.25  # counts even out over many tokens
+    assert 0.2 < lo_r <= hi_r < 0.3  # k / n_expert = 0.25: consecutive tokens independent
