@@ -37,6 +37,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
+from server.hub.pull import sha256_of
 from server.loading.measured import DecodeStep
 from server.loading.route_trace import ModelShape, Trace, load_trace
 from server.loading.streaming import load_streaming_llama
@@ -455,15 +456,11 @@ def report_header(model: Path) -> list[str]:
     """What the report measured: the file (its name inside and its sha256) and how."""
     import gguf
 
-    digest = hashlib.sha256()
-    with model.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
     field = gguf.GGUFReader(model).fields["general.name"]
     name = bytes(field.parts[field.data[0]]).decode()
     return [
         "# The trained demo model: quality, routing, lossy options\n",
-        f"`{model.name}` ({name}, sha256 `{digest.hexdigest()}`), measured by `python -m "
+        f"`{model.name}` ({name}, sha256 `{sha256_of(model, progress=False)}`), measured by `python -m "
         'server.training.measure` (docs/training.md, "Export and measurement"): llama.cpp on one '
         "thread, experts streamed with O_DIRECT reads from this machine's disk; decode speeds are "
         "this machine's, their ratios from alternated rounds of one run.\n",
@@ -502,8 +499,9 @@ def report(model: Path, run_dir: Path, max_tokens: int, trace_out: Path) -> list
     lo_s, hi_s, lo_r, hi_r = uniform_chance(tokens, trace.n_expert, trace.k)
     out += ["", f"Independent uniform routing over as many tokens (5th-95th percentile of 400 draws): "
             f"skew {lo_s:.2f}-{hi_s:.2f}, reuse {lo_r:.2f}-{hi_r:.2f}."]  # fmt: skip
+    layers = route_stats(trace)
     out += ["", "Per layer of the trained model: " + ", ".join(
-        f"{r.layer}: skew {r.skew:.2f} reuse {r.reuse:.2f}" for r in route_stats(trace))]  # fmt: skip
+        f"{r.layer}: skew {r.skew:.2f} reuse {r.reuse:.2f}" for r in layers)]  # fmt: skip
     out += [f"\n## Lossy options under a cap of a quarter of the experts ({budget / 2**20:.1f} MiB)\n"]
     out += [
         "Perplexity of the first 2048 held-out tokens, each decoded alone as a chat decodes; decode "
@@ -512,7 +510,7 @@ def report(model: Path, run_dir: Path, max_tokens: int, trace_out: Path) -> list
     out += _lossy_table(lossy_runs(model, run_dir, budget))
     out += ["\n## Targets (issue 43)\n", "| target | figure | met |", "|---|---|---|"]
     ratio = hits[Prefetch.ROUTER] / max(1, hits[Prefetch.HISTORY])
-    skew = max(r.skew for r in route_stats(trace))
+    skew = max(r.skew for r in layers)
     looping = sum(loops(text) for _, text in texts)
     ppl = res.model / res.unigram
     for target, figure, met in (

@@ -289,12 +289,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
     logger.info("%d torch threads", args.threads)
-    train(
-        args.run_dir,
-        RunConfig(model=Config(), seed=args.seed),
-        until=args.until,
-        reschedule_to=args.reschedule_to,
-    )
+    try:
+        train(
+            args.run_dir,
+            RunConfig(model=Config(), seed=args.seed),
+            until=args.until,
+            reschedule_to=args.reschedule_to,
+        )
+    except (ValueError, RunBusyError) as exc:
+        p.error(str(exc))  # a message and exit status 2, not a traceback
     return 0
 
 

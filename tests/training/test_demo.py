@@ -3,12 +3,12 @@ answers chat questions in words, without looping."""
 
 from __future__ import annotations
 
-import hashlib
 import re
 from pathlib import Path
 
 import openai
 
+from server.hub.pull import sha256_of
 from server.training import DEMO_MODEL, measure
 from tests.servers import serve_process
 
@@ -17,11 +17,7 @@ QUESTIONS = ('What does "river" mean?', "What is a function?", 'What does "cynic
 
 def test_the_committed_demo_is_the_one_its_sha256_names() -> None:
     expected = (DEMO_MODEL.parent / f"{DEMO_MODEL.name}.sha256").read_text().split()[0]
-    digest = hashlib.sha256()
-    with DEMO_MODEL.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    assert digest.hexdigest() == expected
+    assert sha256_of(DEMO_MODEL, progress=False) == expected
 
 
 def test_the_demo_answers_in_words(built_corpus: Path) -> None:
