@@ -467,6 +467,25 @@ def report_header(model: Path) -> list[str]:
     ]
 
 
+def prefetch_report(model: Path, run_dir: Path) -> tuple[list[str], dict[Prefetch, int]]:
+    """The predictors under caps of an eighth and a quarter of `model`'s experts, 128 greedy tokens
+    after the run's held-out prompt; with the cache hits of each at an eighth."""
+    prompt_ids = (
+        tokenizer.load(run_dir / "tokenizer.json")
+        .encode(heldout_prompt(run_dir / "corpus" / "heldout.txt"))
+        .ids
+    )
+    out: list[str] = []
+    hits: dict[Prefetch, int] = {}
+    for share, cap in (("an eighth", expert_share(model, 8)), ("a quarter", expert_share(model, 4))):
+        out += [f"\n## Prefetch under a cap of {share} of the experts ({cap / 2**20:.1f} MiB), 128 tokens\n"]
+        # the predictors alternated, three rounds (the machines drift)
+        rounds = [prefetch_runs(model, prompt_ids, 128, cap) for _ in range(3)]
+        out += _prefetch_table(rounds)
+        hits = hits or {r.prefetch: r.counters.hits for r in rounds[0]}
+    return out, hits
+
+
 def report(model: Path, run_dir: Path, max_tokens: int, trace_out: Path) -> list[str]:
     """Every measurement of the module, as the Markdown lines of a report."""
     out: list[str] = report_header(model)
@@ -484,14 +503,8 @@ def report(model: Path, run_dir: Path, max_tokens: int, trace_out: Path) -> list
     prompt = heldout_prompt(run_dir / "corpus" / "heldout.txt")
     trace = record_trace(model, prompt, trace_out)
     budget = expert_share(model, 4)
-    prompt_ids = tokenizer.load(run_dir / "tokenizer.json").encode(prompt).ids
-    hits: dict[Prefetch, int] = {}
-    for share, cap in (("an eighth", expert_share(model, 8)), ("a quarter", budget)):
-        out += [f"\n## Prefetch under a cap of {share} of the experts ({cap / 2**20:.1f} MiB), 128 tokens\n"]
-        # the predictors alternated, three rounds (the machines drift)
-        rounds = [prefetch_runs(model, prompt_ids, 128, cap) for _ in range(3)]
-        out += _prefetch_table(rounds)
-        hits = hits or {r.prefetch: r.counters.hits for r in rounds[0]}
+    lines, hits = prefetch_report(model, run_dir)
+    out += lines
     out += ["\n## Routing (skew and reuse per layer: min / median / max)\n"]
     real = [(t.name, load_trace(t)) for t in REAL_TRACES if t.exists()]
     out += _routing_table([("trained", trace), *real])
@@ -537,7 +550,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", type=Path, default=None, help="also write the Markdown here")
     p.add_argument("--loss-chart", type=Path, default=None, help="draw the run's loss.csv as this PNG")
+    p.add_argument(
+        "--prefetch-only", action="store_true",
+        help="only the prefetch tables (any model of the run's vocabulary size, e.g. a random twin)",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    if args.prefetch_only:
+        print("\n".join(prefetch_report(args.model, args.run_dir)[0]))
+        return 0
     if args.loss_chart:
         loss_chart(args.run_dir / "loss.csv", args.loss_chart)
     lines = report(args.model, args.run_dir, args.max_tokens, args.trace_out)
