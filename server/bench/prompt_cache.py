@@ -3,7 +3,7 @@
     moeflash bench --prompt-cache --shape qwen30b-8l-shape --caps 0.5
 
 Real `moeflash serve` processes under a memory cgroup, streamed chat completions over HTTP.
-Three agents with long system prompts of their own (A, B, C: about 1,500, 1,150 and 950
+Three agents with long system prompts of their own (A, B, C: about 3,000, 2,250 and 1,900
 tokens on Qwen's vocabulary) take turns the way coding agents do, each conversation growing by
 its answers and a short question (`STEPS`); the server restarts (SIGTERM, then a new process on
 the same state directory) in the middle. The replay runs twice, on fresh state directories: with
@@ -70,8 +70,9 @@ def system_prompt(agent: str, rules: int) -> str:
     return "\n".join(lines)
 
 
-# rules per agent: about 1,500, 1,150 and 950 prompt tokens on Qwen's vocabulary (94 per rule)
-_RULES = {"A": 16, "B": 12, "C": 10}
+# rules per agent: about 3,000, 2,250 and 1,900 prompt tokens on Qwen's vocabulary (94 per rule),
+# the sizes of the agents' prompts in issue 40
+_RULES = {"A": 32, "B": 24, "C": 20}
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 # the context of every run unless --ctx-size says otherwise (a full-context run fills it)
 BENCH_CTX_SIZE = 1024
-# the prompt-cache replay's, as in issue 40's report (its conversations grow to about 2,000 tokens)
+# the prompt-cache replay's, as in issue 40's report (its conversations grow to about 3,400 tokens)
 PROMPT_CACHE_CTX_SIZE = 8192
 
 
