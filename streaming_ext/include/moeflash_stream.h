@@ -137,7 +137,8 @@ typedef struct mf_config {
       "free frames whose pages went back to the kernel (mf_streamer_drop_cache, a budget moved down)")     \
     X(budget_bytes, GAUGE, BYTES, "the expert budget now (mf_streamer_set_budget; it follows memory pressure)") \
     X(restored, COUNTER, COUNT, "entries read back by mf_streamer_restore (warm start)")                  \
-    X(skipped, COUNTER, COUNT, "routed entries dropped by skip_below (lossy; 0 unless set)")
+    X(skipped, COUNTER, COUNT, "routed entries dropped by skip_below (lossy; 0 unless set)")                 \
+    X(predictions, COUNTER, COUNT, "next-layer predictions (one a layer visit; fewer behind a closed gate)")
 
 // Read with mf_streamer_get_stats (no lock on the hot path).
 typedef struct mf_stats {

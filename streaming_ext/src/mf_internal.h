@@ -336,7 +336,7 @@ typedef struct mf_job {
 typedef struct mf_counters {
     atomic_uint_fast64_t routes, hits, misses, evictions, bytes_read, reads, flash_wait_ns, cache_ns, read_ns,
         dense_bytes, resident_bytes, violations, errors, prefetched, prefetch_hits, mapped_bytes, budget_bytes,
-        restored, skipped;
+        restored, skipped, predictions;
 } mf_counters;
 
 #define ADD(counter, v) atomic_fetch_add_explicit(&(counter), (uint64_t) (v), memory_order_relaxed)
@@ -392,6 +392,7 @@ struct mf_streamer {
     // experts that were not resident when predicted, and of those the layer then routed
     float *                     pf_guessed;   // [n_layers]
     float *                     pf_routed;    // [n_layers]
+    uint32_t *                  pf_closed_visits;  // [n_layers] visits while closed (MF_GATE_SAMPLE)
     uint8_t *                   pf_cand;      // [n_expert] the last prediction's non-resident experts
     int32_t                     pf_cand_layer;
     // the last prediction token by token, pf_k ids a row (-1: none), for pf_rows_n rows; 0 rows:

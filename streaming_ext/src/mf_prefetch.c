@@ -25,6 +25,15 @@
 // closed after the first scored layer; guessing its own routing, it stays open.
 #define MF_GATE_HALF_LIFE 16.0f
 #define MF_GATE_EVIDENCE  8.0f  // decayed guesses before the gate judges
+// A closed layer is still predicted, to see its guesses turn right again, but a prediction costs
+// its router matmul on the decode thread while the compute threads wait: it streams the next
+// layer's router weights (n_expert x n_embd F32, 1 MiB a layer on Qwen3-30B-A3B) from memory. So
+// a closed layer is predicted on one visit in MF_GATE_SAMPLE; its counts decay per scored visit,
+// so it reopens after MF_GATE_SAMPLE times as many visits as an every-visit gate would take.
+// A build with -DMF_GATE_SAMPLE=1 predicts every visit (docs/streamer.md, "Prefetch").
+#ifndef MF_GATE_SAMPLE
+#    define MF_GATE_SAMPLE 8
+#endif
 
 static bool gate_open(const mf_streamer * s, int32_t layer) {
     float guessed = s->pf_guessed[layer], routed = s->pf_routed[layer];
@@ -85,8 +94,13 @@ void mf_prefetch_next(mf_streamer * s, int32_t il, const struct ggml_tensor * id
     if (il + 1 >= s->n_layers || s->layers[il + 1].n_xt == 0) {
         return;
     }
+    s->pf_rows_n     = 0;
+    s->pf_cand_layer = -1;
+    if (!gate_open(s, il + 1) && s->pf_closed_visits[il + 1]++ % MF_GATE_SAMPLE != 0) {
+        return;
+    }
     int32_t n;
-    s->pf_rows_n = 0;
+    ADD(s->st.predictions, 1);
     if (s->predictor) {
         memset(s->want_next, 0, (size_t) s->n_expert);
         n = s->predictor(s->predictor_data, il + 1, s->want_next);

@@ -153,6 +153,7 @@ void mf_streamer_free(mf_streamer * s) {
     free(s->pf_cand);
     free(s->pf_guessed);
     free(s->pf_routed);
+    free(s->pf_closed_visits);
     free(s->bounce);
     mf_cache_free(s->cache);
     mf_frames_free(&s->frames);
@@ -240,6 +241,7 @@ void mf_streamer_get_stats(const mf_streamer * s, mf_stats * out) {
     out->budget_bytes        = LOAD(budget_bytes);
     out->restored            = LOAD(restored);
     out->skipped             = LOAD(skipped);
+    out->predictions         = LOAD(predictions);
 #undef LOAD
 }
 

@@ -86,7 +86,10 @@ def _with_counter_added(tmp_path: Path) -> Path:
         (copy / link).symlink_to(REPO / link)
     header = copy / "streaming_ext" / "include" / "moeflash_stream.h"
     text = header.read_text()
-    last = '    X(skipped, COUNTER, COUNT, "routed entries dropped by skip_below (lossy; 0 unless set)")'
+    last = (
+        '    X(predictions, COUNTER, COUNT, "next-layer predictions '
+        '(one a layer visit; fewer behind a closed gate)")'
+    )
     assert last in text
     added = '    X(test_added, COUNTER, COUNT, "a counter a test added")'
     header.write_text(text.replace(last, last + " \\\n" + added))
