@@ -98,8 +98,8 @@ class Request:
 
 class _DiskProbe:
     """The disk's sequential rate on the model file, each probe reading on from where the last
-    stopped (wrapping at the end): reread bytes come from the host's cache on these VMs (a probe
-    of the file's first second read 1.7 GB/s, the same bytes again 2.2-3.2), not the disk."""
+    stopped (wrapping at the end): on these VMs bytes read again come from the host's cache, not
+    the disk (a file smaller than the probes' total is read again all the same)."""
 
     def __init__(self, model: Path) -> None:
         self.model = model

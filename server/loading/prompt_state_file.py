@@ -6,9 +6,9 @@ llama.cpp sequence state. The state starts on a page so that it is read with O_D
 into page-aligned memory, no page cache in between (under a cgroup the page cache is charged to
 the process), in chunks whose checksum is computed on a second thread while the next is read.
 XXH3-64 (xxhash: over 10 GB/s on one core, where zlib's CRC-32 ran at about 1 GB/s and bounded a
-restore) detects a torn or corrupted file; which model and context a state
-belongs to is the key digest's business. A file is written to a temporary name, synced, then
-renamed: a crash leaves the old file or the new one, never half of one.
+restore) detects a torn or corrupted file; which model and context a state belongs to is the key
+digest's business. A file is written to a temporary name, synced, then renamed: a crash leaves
+the old file or the new one, never half of one.
 """
 
 from __future__ import annotations
