@@ -96,7 +96,9 @@ void mf_prefetch_next(mf_streamer * s, int32_t il, const struct ggml_tensor * id
     }
     s->pf_rows_n     = 0;
     s->pf_cand_layer = -1;
-    if (!gate_open(s, il + 1) && s->pf_closed_visits[il + 1]++ % MF_GATE_SAMPLE != 0) {
+    // the counts it judges by change only when a route is scored, before this call
+    const bool open = gate_open(s, il + 1);
+    if (!open && s->pf_closed_visits[il + 1]++ % MF_GATE_SAMPLE != 0) {
         return;
     }
     int32_t n;
@@ -118,7 +120,7 @@ void mf_prefetch_next(mf_streamer * s, int32_t il, const struct ggml_tensor * id
         fresh += s->pf_cand[e];
     }
     s->pf_cand_layer = fresh > 0 ? il + 1 : -1;
-    if (fresh == 0 || !gate_open(s, il + 1) || mf_cache_prefetch(s->cache, il + 1, s->want_next) < 0) {
+    if (fresh == 0 || !open || mf_cache_prefetch(s->cache, il + 1, s->want_next) < 0) {
         return;
     }
     if (s->cache->n_load == 0 && s->cache->n_evict == 0) {
