@@ -5,8 +5,8 @@ the token count, the state's bytes), the tokens (int32), zeros up to a 4 KiB bou
 llama.cpp sequence state. The state starts on a page so that it is read with O_DIRECT straight
 into page-aligned memory, no page cache in between (under a cgroup the page cache is charged to
 the process), in chunks whose checksum is computed on a second thread while the next is read.
-XXH3-64 (xxhash: over 10 GB/s on one core, where zlib's CRC-32 ran at about 1 GB/s and bounded a
-restore) detects a torn or corrupted file; which model and context a state belongs to is the key
+XXH3-64 (xxhash, many times faster than zlib's CRC-32, which bounded a restore below the disk's
+rate) detects a torn or corrupted file; which model and context a state belongs to is the key
 digest's business. A file is written to a temporary name, synced, then renamed: a crash leaves
 the old file or the new one, never half of one.
 """
@@ -145,8 +145,7 @@ def _read_chunks(fd: int, data: mmap.mmap, offset: int, size: int, tokens: tuple
     """Read the state in chunks, _READERS at a time (a deeper queue than one reader's), the
     checksum following them in order on its own thread (xxhash releases the GIL); returns it.
     Each reader faults its chunk's pages in just before reading it, so the page faults (zeroing
-    fresh memory: on these VMs a quarter of a restore's time when done up front) run on the
-    readers, beside the other reads."""
+    fresh memory, slow on these VMs) run on the readers, beside the other reads."""
     check = xxhash.xxh3_64(_tokens_bytes(tokens))
     view = memoryview(data)
     spans = [(at, min(_CHUNK, size - at)) for at in range(0, size, _CHUNK)]
