@@ -160,7 +160,7 @@ class ServerSettings(BaseSettings):
         "auto",
         description="RAM for the prompt cache, the KV states of recent prompt prefixes restored instead of "
         "prefilled again: a size (512M), auto (one full context's state) or 0 (no prompt cache); taken out "
-        "of the expert budget",
+        "of the expert budget and held from the start",
     )
     prompt_cache_flash: int = Field(
         8 << 30,

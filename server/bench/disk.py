@@ -1,5 +1,6 @@
 """The disk's ceiling on the model file itself: O_DIRECT reads of one expert's size at random
-page-aligned offsets, from 1, 2 or 4 concurrent readers, and one sequential pass.
+page-aligned offsets, from 1, 2 or 4 concurrent readers, and one sequential pass; and files
+for a sequential pass on bytes no cache has served yet.
 
 Readers are threads doing os.preadv into page-aligned anonymous buffers (the GIL is released
 during the read), the same access pattern the streamer's lanes produce. Where O_DIRECT is
@@ -100,3 +101,17 @@ def sequential_read(path: Path, seconds: float, chunk: int = 8 << 20, start: int
         buf.close()
         os.close(fd)
     return CeilingResult("sequential", 1, chunk, total, time.monotonic() - t0, direct)
+
+
+def write_unread(path: Path, size: int, chunk: int = 8 << 20) -> None:
+    """Write `size` random bytes (whole chunks) that no cache has served to `path`, synced and
+    dropped from the page cache, the way a prompt state is spilled to flash. Read once, later,
+    they give the disk's rate on such bytes. On these VMs bytes read again come from the host's
+    cache, up to 2-3x faster; so do pages alike (a block repeated with a counter read at 2-3 GB/s
+    where random bytes of the same history read at 1-1.5), hence random bytes throughout."""
+    with path.open("wb") as fh:
+        for _ in range(-(-size // chunk)):
+            fh.write(os.urandom(chunk))
+        fh.flush()
+        os.fsync(fh.fileno())
+        os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)

@@ -17,9 +17,11 @@ the bytes of prompt states kept in RAM and on flash after it.
 A request that resumes a conversation after another one's request or after the restart is
 "resumed": its TTFT with the cache over its TTFT without (which prefilled it whole) is the
 figure the target is written in (<= 0.2), and the restore's bytes per second over the disk's
-sequential read rate on the model file, measured for a second before the request on bytes no
-earlier probe read (server/bench/disk.py, _DiskProbe), the other (>= 0.5). The cgroup's peak
-memory over the cap says the memory discipline.
+sequential read rate just before the request, the other (>= 0.5). That rate is read on bytes
+of the same history as a spilled state's (_DiskProbe): written and synced earlier in the run,
+never read since. On these VMs bytes read again, or read soon after they were written, come
+from the host's cache at 2-3x the disk's rate, and every cold prefill reads the model file again.
+The cgroup's peak memory over the cap says the memory discipline.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from server.bench.cgroup import MemoryCgroup, drop_page_cache, probe
-from server.bench.disk import CeilingResult, sequential_read
+from server.bench.disk import CeilingResult, sequential_read, write_unread
 from server.bench.served import BenchServer, eog_bias, stream_chat, write_report
 from server.errors import MoeflashError
 
@@ -76,6 +78,25 @@ def system_prompt(agent: str, rules: int) -> str:
 _RULES = {"A": 32, "B": 24, "C": 20}
 
 
+class _DiskProbe:
+    """The disk's sequential rate on bytes written and synced at the start of the run (a file per
+    probe, `probe_bytes` each, server/bench/disk.py, write_unread) and read once, by the probe
+    before a request: bytes of the same history as a state spilled to flash earlier in the run."""
+
+    def __init__(self, directory: Path, count: int, probe_bytes: int) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.files = [directory / f"probe-{i}" for i in range(count)]
+        for path in self.files:
+            write_unread(path, probe_bytes)
+
+    def read(self) -> CeilingResult:
+        path = self.files.pop(0)
+        try:
+            return sequential_read(path, float("inf"))
+        finally:
+            path.unlink()
+
+
 @dataclass(frozen=True)
 class Request:
     """One request of the replay on one server."""
@@ -90,26 +111,10 @@ class Request:
     restored_tokens: int  # brought back from a kept state (not the live KV cache)
     read_bytes: int  # of it read from flash
     read_s: float
-    disk_bytes_per_s: float  # the disk's sequential rate on the model file, just before the request
+    disk_bytes_per_s: float  # the disk's sequential rate on a fresh file, just before the request
     ttft_s: float
     ram_bytes: int  # prompt states held in RAM after the request
     flash_bytes: int  # and on flash
-
-
-class _DiskProbe:
-    """The disk's sequential rate on the model file, each probe reading on from where the last
-    stopped (wrapping at the end): on these VMs bytes read again come from the host's cache, not
-    the disk (a file smaller than the probes' total is read again all the same)."""
-
-    def __init__(self, model: Path) -> None:
-        self.model = model
-        self.size = model.stat().st_size
-        self.at = 0
-
-    def read(self, seconds: float) -> CeilingResult:
-        got = sequential_read(self.model, seconds, start=self.at)
-        self.at = (self.at + got.bytes_total) % self.size
-        return got
 
 
 def _replay(
@@ -140,8 +145,8 @@ def _replay(
             talk = talks[agent]
             resumed = len(talk) > 1 and last != agent
             talk.append({"role": "user", "content": question})
-            # the disk's rate now (shared machines move it), read with O_DIRECT: no page cache
-            disk = probe_disk.read(1.0)
+            # the disk's rate now (shared machines move it), on bytes no cache has served
+            disk = probe_disk.read()
             reason = drop_page_cache()
             if reason is not None:
                 raise MoeflashError(reason)
@@ -192,8 +197,11 @@ def run_prompt_cache(
     ctx_size: int,
     settings_flags: tuple[str, ...],
     progress: Callable[[str], None],
+    probe_bytes: int = 256 << 20,
 ) -> dict[str, Any]:
-    """The replay with and without the prompt cache per cap (the module docstring says what)."""
+    """The replay with and without the prompt cache per cap (the module docstring says what); the
+    disk probe before each request reads `probe_bytes`, more than a state, so that it measures the
+    disk's sustained rate rather than a short read's latency."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
     support = probe()
     if support.version is None:
@@ -204,13 +212,15 @@ def run_prompt_cache(
         "--mode", "streaming", "--ctx-size", str(ctx_size), "--no-warm-start", *settings_flags,
     ]  # fmt: skip
     drop_page_cache()
-    probe_disk = _DiskProbe(model)
-    disk = probe_disk.read(5.0)
+    disk = sequential_read(model, 5.0)
     work = Path(tempfile.mkdtemp(prefix="moeflash-prompt-cache-bench-"))
     results: list[dict[str, Any]] = []
     try:
         for cap in caps:
             requests: list[Request] = []
+            asked = sum(agent != _RESTART for agent, _q in STEPS)
+            progress(f"writing {2 * asked} disk probes of {probe_bytes >> 20} MiB")
+            probe_disk = _DiskProbe(work / f"cap{cap}-probes", 2 * asked, probe_bytes)
             with MemoryCgroup(cap, support) as cgroup:
                 for cache in (True, False):
                     state = work / f"cap{cap}-{'cache' if cache else 'none'}"
@@ -241,6 +251,7 @@ def run_prompt_cache(
         "ctx_size": ctx_size,
         "disk_bytes_per_s": disk.bytes_per_s,
         "disk_direct_io": disk.direct_io,
+        "probe_bytes": probe_bytes,
         "caps": results,
     }
 
@@ -287,10 +298,13 @@ def markdown(data: dict[str, Any], rows: list[dict[str, Any]], command: str) -> 
         f"middle; {data['tokens']} tokens per answer, the page cache dropped before every request. "
         "With the prompt cache (the defaults) and without it (`--prompt-cache-ram 0`), under a memory "
         f"cgroup. The disk read the model file sequentially at {disk / 1e9:.2f} GB/s at the start "
-        f"({'O_DIRECT' if data['disk_direct_io'] else 'buffered'}), and is measured again for a second "
-        "before each request, reading on where the last probe stopped (bytes read again come from the host's "
-        "cache): a restore's rate is compared with that. A resumed request continues "
-        "its agent's conversation after another agent's request or the restart.",
+        f"({'O_DIRECT' if data['disk_direct_io'] else 'buffered'}). Before each request it reads a "
+        f"{data['probe_bytes'] >> 20} MiB file once, written and synced at the start of the cap's "
+        "runs and never read since, as a state spilled to flash earlier in the run is: a restore's "
+        "rate is compared with that. Bytes read again, or soon after they were written, come from the "
+        "host's cache at up to 2-3x the disk's rate, and every cold prefill reads the model file "
+        "again. A resumed request continues its agent's conversation after another agent's request or "
+        "the restart.",
         "",
         "| cap | step | agent | resumed | prompt | cached with / without | TTFT with / without (s) | "
         "with / without | read back | GB/s | disk GB/s | of the disk's | kept in RAM / on flash |",

@@ -12,8 +12,10 @@ DESIGN (llama-server's prompt cache, server_prompt_cache, in one sequence)
   restored whole, and only where they continue bit for bit (Window): the prefill stops once at
   such a point near the prompt's end to keep a checkpoint.
 - States live in RAM up to `ram_bytes` (a term of the memory budget, taken from the expert
-  cache); the least recently used is evicted first and written to flash once, under
-  `directory`, up to `flash_bytes` (least recently used files deleted first). At start the
+  cache), in one mapping of that size faulted in at start (_Arena): a state read back from flash
+  lands in memory faulted in already, which reads faster than fresh pages. The least recently
+  used state is evicted first and written to flash once, under `directory`, up to `flash_bytes`
+  (least recently used files deleted first). At start the
   directory's files are indexed (headers only); a file is read back when a prompt needs it.
 - A state is valid for one StateKey: the model files' content, flash attention, KV types and the
   context's sizes. Files (server/loading/prompt_state_file.py) live in a directory named by the
@@ -192,19 +194,64 @@ def reuse_live(llama: Llama, tokens: tuple[int, ...]) -> int:
 
 @dataclass
 class _State:
-    """One kept state: its tokens, its bytes in RAM and/or its file on flash."""
+    """One kept state: its tokens, its bytes in RAM (at an offset of the arena) and/or its file
+    on flash."""
 
     tokens: tuple[int, ...]
     size: int  # bytes of the llama.cpp state
     used: int  # LRU clock
-    data: mmap.mmap | None = None
+    at: int | None = None
     path: Path | None = None
 
-    def drop_data(self) -> None:
-        """Give the RAM copy back (at once: it is an anonymous mapping)."""
-        if self.data is not None:
-            self.data.close()
-            self.data = None
+
+class _Arena:
+    """The prompt cache's RAM: one anonymous mapping of its bound, faulted in once, at start. A
+    state read back from flash into pages faulted in already reads faster (zeroing fresh pages
+    is slow on these VMs, and a restore after a restart would fault every page it reads), and the
+    RAM term the budget counted is held from the start instead of reached later. States lie at
+    page-aligned offsets (O_DIRECT reads whole pages)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size // mmap.PAGESIZE * mmap.PAGESIZE
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+        self.map = mmap.mmap(-1, max(self.size, mmap.PAGESIZE), flags=flags)
+        self._base = ctypes.addressof(ctypes.c_uint8.from_buffer(self.map))
+
+    @staticmethod
+    def pages(size: int) -> int:
+        """`size` bytes in whole pages."""
+        return -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+
+    def view(self, at: int, size: int) -> memoryview:
+        return memoryview(self.map)[at : at + size]
+
+    def array(self, at: int, size: int) -> ctypes.Array[ctypes.c_uint8]:
+        """The bytes at `at` as a ctypes array, for llama.cpp's state calls."""
+        return (ctypes.c_uint8 * size).from_buffer(self.map, at)
+
+    def place(self, size: int, states: list[_State]) -> int:
+        """The offset of `size` free bytes, given the states in RAM (the caller made room for
+        them); when the free pages lie between states, the states move to the arena's start."""
+        need = self.pages(size)
+        held = sorted((s for s in states if s.at is not None), key=lambda s: s.at or 0)
+        free = 0
+        for state in held:
+            assert state.at is not None
+            if state.at - free >= need:
+                return free
+            free = state.at + self.pages(state.size)
+        if self.size - free >= need:
+            return free
+        free = 0
+        for state in held:  # in offset order, each moves down (memmove: the ranges may overlap)
+            assert state.at is not None
+            if state.at != free:
+                ctypes.memmove(self._base + free, self._base + state.at, state.size)
+                state.at = free
+            free += self.pages(state.size)
+        if self.size - free < need:
+            raise RuntimeError("the prompt cache placed more states than its RAM holds")
+        return free
 
 
 @dataclass(frozen=True)
@@ -236,6 +283,7 @@ class PromptCache:
         self.key = key
         self._digest = key.digest()
         self.ram_limit = ram_bytes
+        self._arena = _Arena(ram_bytes)
         self.flash_limit = flash_bytes if directory is not None else 0
         self.directory = directory
         self.window = window  # a sliding-window model's states restore whole only
@@ -291,19 +339,21 @@ class PromptCache:
             if llama.n_tokens >= MIN_TOKENS:
                 self._keep(llama, tuple(llama._input_ids.tolist()))
             for state in sorted(self._states, key=lambda s: s.used):
-                if state.path is None and state.data is not None:
+                if state.path is None and state.at is not None:
                     self._spill(state)
         except OSError as exc:
             logger.warning("prompt cache: cannot write the states to %s: %s", self.directory, exc)
         for state in self._states:
-            state.drop_data()
+            state.at = None
+        with contextlib.suppress(BufferError):  # a view still held: the mapping goes with it
+            self._arena.map.close()
 
     def stats(self) -> PromptCacheStats:
         states = list(self._states)
         return PromptCacheStats(
             hits=self.hits,
             restored_tokens=self.restored_tokens,
-            ram_bytes=sum(s.size for s in states if s.data is not None),
+            ram_bytes=sum(s.size for s in states if s.at is not None),
             flash_bytes=sum(
                 state_file.file_bytes(len(s.tokens), s.size) for s in states if s.path is not None
             ),
@@ -319,7 +369,7 @@ class PromptCache:
         best: _State | None = None
         n_best = 0
         for state in self._states:
-            if state.size > self.ram_limit:
+            if self._arena.pages(state.size) > self._arena.size:
                 continue  # kept by a run with more RAM for it: it cannot be read back into this one
             n = min(_common(state.tokens, tokens), cap)
             if self.window is not None and n != len(state.tokens):
@@ -343,43 +393,38 @@ class PromptCache:
                 return
         ctx = llama._ctx.ctx
         size = int(llama_cpp.llama_state_seq_get_size(ctx, 0))
-        if size > self.ram_limit:
+        if self._arena.pages(size) > self._arena.size:
             logger.debug("prompt cache: a %d-token state (%d bytes) exceeds its RAM bound", len(tokens), size)
             return
         self._make_room(size)
-        data = state_file.new_buffer(size)
-        got = llama_cpp.llama_state_seq_get_data(ctx, (ctypes.c_uint8 * size).from_buffer(data), size, 0)
+        at = self._arena.place(size, self._states)
+        got = llama_cpp.llama_state_seq_get_data(ctx, self._arena.array(at, size), size, 0)
         if got != size:
             logger.warning("prompt cache: llama.cpp copied %d of a %d-byte state", got, size)
-            data.close()
             return
         if self.window is None:
             # a state that can be cut back holds every shorter state of the same prefix
             for state in [s for s in self._states if tokens[: len(s.tokens)] == s.tokens]:
                 self._drop(state)
-        self._states.append(_State(tokens, size, self._tick(), data=data))
+        self._states.append(_State(tokens, size, self._tick(), at=at))
         logger.debug("prompt cache: kept a %d-token state (%d bytes)", len(tokens), size)
 
     def _restore(self, llama: Llama, state: _State, n: int) -> bool:
         """Put `state` back into seq 0 and cut it to `n` tokens; False (the context empty) if it
         cannot be."""
-        data = state.data
         if state not in self._states:
             return False  # evicted to make room for the live sequence, with no flash to go to
-        if data is None:
+        if state.at is None:
             self._make_room(state.size)
-            data = self._read(state)
-            if data is None:
+            if not self._read(state, self._arena.place(state.size, self._states)):
                 self._drop(state)
                 return False
-            state.data = data
+        assert state.at is not None
         ctx = llama._ctx.ctx
         llama.reset()  # type: ignore[no-untyped-call]
         # an empty memory: the state's cells go in from the first one, as they were decoded
         llama_cpp.llama_memory_clear(llama._ctx.memory, True)
-        got = llama_cpp.llama_state_seq_set_data(
-            ctx, (ctypes.c_uint8 * state.size).from_buffer(data), state.size, 0
-        )
+        got = llama_cpp.llama_state_seq_set_data(ctx, self._arena.array(state.at, state.size), state.size, 0)
         if got != state.size:
             logger.warning("prompt cache: llama.cpp refused a %d-token state; dropped", len(state.tokens))
             llama_cpp.llama_memory_clear(llama._ctx.memory, True)
@@ -398,23 +443,23 @@ class PromptCache:
 
     def _make_room(self, size: int) -> None:
         """Evict the least recently used states from RAM (to flash) until `size` more bytes fit."""
-        in_ram = sorted((s for s in self._states if s.data is not None), key=lambda s: s.used)
-        held = sum(s.size for s in in_ram)
+        in_ram = sorted((s for s in self._states if s.at is not None), key=lambda s: s.used)
+        held = sum(self._arena.pages(s.size) for s in in_ram)
         for state in in_ram:
-            if held + size <= self.ram_limit:
+            if held + self._arena.pages(size) <= self._arena.size:
                 break
-            held -= state.size
+            held -= self._arena.pages(state.size)
             if state.path is None and self.flash_limit > 0:
                 try:
                     self._spill(state)
                 except OSError as exc:
                     logger.warning("prompt cache: cannot write a state to %s: %s", self.directory, exc)
-            state.drop_data()
+            state.at = None
             if state.path is None:
                 self._states.remove(state)
 
     def _drop(self, state: _State) -> None:
-        state.drop_data()
+        state.at = None
         if state in self._states:
             self._states.remove(state)
         if state.path is not None:
@@ -424,14 +469,13 @@ class PromptCache:
 
     def _spill(self, state: _State) -> None:
         """Write `state` to its file once, then keep the files within the bound."""
-        assert self.directory is not None and state.data is not None
+        assert self.directory is not None and state.at is not None
         size = state_file.file_bytes(len(state.tokens), state.size)
         if size > self.flash_limit:
             return
         name = hashlib.sha256(str(state.tokens).encode()).hexdigest()[:24] + state_file.SUFFIX
-        state.path = state_file.write_state(
-            self.directory, name, self._digest, state.tokens, state.data, state.size
-        )
+        with self._arena.view(state.at, state.size) as view:
+            state.path = state_file.write_state(self.directory, name, self._digest, state.tokens, view)
         self.written_bytes += size
         self._bound_flash(keep=state)
 
@@ -447,7 +491,7 @@ class PromptCache:
             assert state.path is not None
             state.path.unlink(missing_ok=True)
             state.path = None
-            if state.data is None:
+            if state.at is None:
                 self._states.remove(state)
 
     def _index(self) -> None:
@@ -469,19 +513,22 @@ class PromptCache:
         if found:
             logger.info("prompt cache: %d states on flash in %s", len(found), self.directory)
 
-    def _read(self, state: _State) -> mmap.mmap | None:
-        """The state's bytes from its file, its checksum verified; None (with a warning) if not."""
+    def _read(self, state: _State, at: int) -> bool:
+        """Read the state's file into the arena at `at`, its checksum verified; False (with a
+        warning) if it cannot be."""
         if state.path is None:
-            return None
+            return False
         start = time.monotonic_ns()
         try:
-            data = state_file.read_state(state.path, self._digest, state.tokens, state.size)
+            with self._arena.view(at, self._arena.pages(state.size)) as view:
+                state_file.read_state(state.path, self._digest, state.tokens, state.size, view)
         except (OSError, ValueError, struct.error) as exc:
             logger.warning("prompt cache: ignoring %s: %s", state.path, exc)
-            return None
+            return False
         self.read_bytes += state.size
         self.read_ns += time.monotonic_ns() - start
-        return data
+        state.at = at
+        return True
 
 
 def state_directory(state_dir: Path, path: Path, key: StateKey) -> Path:

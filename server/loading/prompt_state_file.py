@@ -13,9 +13,7 @@ the old file or the new one, never half of one.
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import mmap
 import os
 import struct
 import tempfile
@@ -32,8 +30,6 @@ _PAGE = 4096
 # a read, and how many are in flight: a queue of several keeps the disk busy
 _CHUNK = 4 << 20
 _READERS = 4
-# Linux's madvise(MADV_POPULATE_WRITE) (5.14+; Python 3.11's mmap does not name it)
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 def _state_offset(n_tokens: int) -> int:
@@ -45,25 +41,16 @@ def file_bytes(n_tokens: int, size: int) -> int:
     return _state_offset(n_tokens) + size
 
 
-def new_buffer(size: int, *, populate: bool = True) -> mmap.mmap:
-    """Page-aligned anonymous memory for a state, in whole pages (O_DIRECT reads whole pages),
-    faulted in at once unless `populate` is False (a reader then faults its chunks in itself:
-    pages that O_DIRECT reads fault in one by one read at half the rate)."""
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if populate else 0)
-    return mmap.mmap(-1, max(_PAGE, -(-size // _PAGE) * _PAGE), flags=flags)
-
-
 def _tokens_bytes(tokens: tuple[int, ...]) -> bytes:
     return struct.pack(f"<{len(tokens)}i", *tokens)
 
 
-def write_state(
-    directory: Path, name: str, digest: bytes, tokens: tuple[int, ...], data: mmap.mmap, size: int
-) -> Path:
-    """Write a state file `name` in `directory` atomically; returns its path (OSError if not)."""
+def write_state(directory: Path, name: str, digest: bytes, tokens: tuple[int, ...], view: memoryview) -> Path:
+    """Write a state file `name` in `directory` (the state's bytes: `view`) atomically; returns its
+    path (OSError if not)."""
     directory.mkdir(parents=True, exist_ok=True)
     head = _tokens_bytes(tokens)
-    view = memoryview(data)[:size]
+    size = len(view)
     check = xxhash.xxh3_64(head)
     check.update(view)
     header = _HEADER.pack(MAGIC, FORMAT, digest, check.intdigest(), len(tokens), size)
@@ -80,8 +67,6 @@ def write_state(
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    finally:
-        view.release()
     return directory / name
 
 
@@ -103,23 +88,21 @@ def read_header(path: Path, digest: bytes) -> tuple[tuple[int, ...], int, int]:
     return tuple(struct.unpack(f"<{n_tokens}i", body)), int(size), int(check)
 
 
-def read_state(path: Path, digest: bytes, tokens: tuple[int, ...], size: int) -> mmap.mmap:
-    """The state of a file indexed as (`tokens`, `size`), its checksum verified; ValueError when
-    the file is not that state or is corrupt, OSError when it cannot be read."""
+def read_state(path: Path, digest: bytes, tokens: tuple[int, ...], size: int, into: memoryview) -> None:
+    """Read the state of a file indexed as (`tokens`, `size`) into `into` (page-aligned memory of
+    `size` bytes rounded up to whole pages: O_DIRECT reads whole pages), its checksum verified;
+    ValueError when the file is not that state or is corrupt, OSError when it cannot be read.
+    Memory faulted in already reads faster: zeroing fresh pages is slow on these VMs."""
     got_tokens, got_size, check = read_header(path, digest)
     if got_tokens != tokens or got_size != size:
         raise ValueError("it changed since it was indexed")
-    data = new_buffer(size, populate=False)  # each chunk's reader faults its pages in (_read_chunks)
-    try:
-        _read_into(path, data, _state_offset(len(tokens)), size, check, tokens)
-    except BaseException:
-        data.close()
-        raise
-    return data
+    if len(into) < -(-size // _PAGE) * _PAGE:
+        raise ValueError(f"a {size}-byte state does not fit {len(into)} bytes")
+    _read_into(path, into, _state_offset(len(tokens)), size, check, tokens)
 
 
 def _read_into(
-    path: Path, data: mmap.mmap, offset: int, size: int, expected: int, tokens: tuple[int, ...]
+    path: Path, view: memoryview, offset: int, size: int, expected: int, tokens: tuple[int, ...]
 ) -> None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
@@ -127,13 +110,13 @@ def _read_into(
         fd = os.open(path, os.O_RDONLY)  # a file system without O_DIRECT (tmpfs)
     try:
         try:
-            check = _read_chunks(fd, data, offset, size, tokens)
+            check = _read_chunks(fd, view, offset, size, tokens)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
             os.close(fd)  # O_DIRECT opened but refused on read: read it buffered
             fd = os.open(path, os.O_RDONLY)
-            check = _read_chunks(fd, data, offset, size, tokens)
+            check = _read_chunks(fd, view, offset, size, tokens)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
@@ -141,30 +124,22 @@ def _read_into(
         raise ValueError("its checksum does not match (corrupt)")
 
 
-def _read_chunks(fd: int, data: mmap.mmap, offset: int, size: int, tokens: tuple[int, ...]) -> int:
+def _read_chunks(fd: int, view: memoryview, offset: int, size: int, tokens: tuple[int, ...]) -> int:
     """Read the state in chunks, _READERS at a time (a deeper queue than one reader's), the
-    checksum following them in order on its own thread (xxhash releases the GIL); returns it.
-    Each reader faults its chunk's pages in just before reading it, so the page faults (zeroing
-    fresh memory, slow on these VMs) run on the readers, beside the other reads."""
+    checksum following them in order on its own thread (xxhash releases the GIL); returns it."""
     check = xxhash.xxh3_64(_tokens_bytes(tokens))
-    view = memoryview(data)
     spans = [(at, min(_CHUNK, size - at)) for at in range(0, size, _CHUNK)]
 
     def read(at: int, n: int) -> None:
         length = -(-n // _PAGE) * _PAGE
-        with contextlib.suppress(OSError):  # a kernel before 5.14: the read faults them in
-            data.madvise(_MADV_POPULATE_WRITE, at, length)
         got = os.preadv(fd, [view[at : at + length]], offset + at)
         if got < n:
             raise ValueError("truncated")
 
-    try:
-        with ThreadPoolExecutor(1, thread_name_prefix="moeflash-prompt-hash") as hasher:
-            with ThreadPoolExecutor(_READERS, thread_name_prefix="moeflash-prompt-read") as readers:
-                reads = [readers.submit(read, at, n) for at, n in spans]
-                for (at, n), done in zip(spans, reads, strict=True):
-                    done.result()
-                    hasher.submit(check.update, view[at : at + n])
-    finally:
-        view.release()
+    with ThreadPoolExecutor(1, thread_name_prefix="moeflash-prompt-hash") as hasher:
+        with ThreadPoolExecutor(_READERS, thread_name_prefix="moeflash-prompt-read") as readers:
+            reads = [readers.submit(read, at, n) for at, n in spans]
+            for (at, n), done in zip(spans, reads, strict=True):
+                done.result()
+                hasher.submit(check.update, view[at : at + n])
     return check.intdigest()

@@ -25,6 +25,7 @@ def test_the_replay_restores_each_agents_prefix_and_reports_it(tiny_model: Any, 
         ctx_size=32768,  # the agents' prompts on the tiny vocabulary are longer than on Qwen's
         settings_flags=("--threads", "2"),
         progress=lambda _m: None,
+        probe_bytes=8 << 20,
     )
     (cap,) = data["caps"]
     assert cap["oom_kills"] == 0 and 0 < cap["peak_bytes"] <= cap["cap_bytes"]
@@ -40,6 +41,8 @@ def test_the_replay_restores_each_agents_prefix_and_reports_it(tiny_model: Any, 
         assert r["cached_tokens"] > 1000 > r["cold_cached_tokens"], r
     # after the restart every state comes back from flash, and the bytes kept are reported
     assert all(r["read_bytes"] > 0 and r["read_bytes_per_s"] for r in resumed if r["after_restart"])
+    # each request has its own disk probe, read once (its files are gone with the run's directory)
+    assert all(r["disk_bytes_per_s"] > 0 for r in rows) and data["probe_bytes"] == 8 << 20
     assert max(r["ram_bytes"] for r in rows) > 0 and rows[-1]["flash_bytes"] > 0
     written = write_prompt_cache_report({"model": {"name": path.stem}, **data}, tmp_path / "report", "cmd")
     text = (tmp_path / "report.md").read_text()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,15 @@ import pytest
 from server.engine.token_loop import GenerationRequest, GenerationStats, SamplingParams, generate
 from server.loading.budget import prompt_cache_bytes
 from server.loading.measured import MeasuredLlama
-from server.loading.prompt_cache import PromptCache, StateKey, Window, model_identity, state_directory
+from server.loading.prompt_cache import (
+    PromptCache,
+    StateKey,
+    Window,
+    _Arena,
+    _State,
+    model_identity,
+    state_directory,
+)
 from server.loading.resident import load_resident_llama
 from server.loading.streaming import load_streaming_llama
 from streaming_ext import StreamerConfig
@@ -262,3 +271,26 @@ def test_foreign_and_corrupt_states_are_ignored(
 def _quiet(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     caplog.set_level(logging.INFO, logger="server.loading.prompt_cache")
     yield
+
+
+def test_the_arena_places_states_in_gaps_and_moves_them_down_intact() -> None:
+    page = mmap.PAGESIZE
+    arena = _Arena(8 * page)
+    # a state of 2 pages at page 0, one of 3 pages less a byte at page 4 (overlaps its move down)
+    first = _State((1,), 2 * page, 0, at=0)
+    second = _State((2,), 3 * page - 1, 0, at=4 * page)
+    payload = {id(s): bytes([7 + i]) * s.size for i, s in enumerate((first, second))}
+    for state in (first, second):
+        assert state.at is not None
+        arena.view(state.at, state.size)[:] = payload[id(state)]
+    assert arena.place(2 * page, [first, second]) == 2 * page  # the gap between them
+    assert arena.place(page, [first, second]) == 2 * page
+    # 3 pages: no gap holds them (2 between, 1 after), so the second state moves down to page 2
+    assert arena.place(3 * page, [first, second]) == 5 * page
+    assert (first.at, second.at) == (0, 2 * page)
+    for state in (first, second):
+        assert state.at is not None
+        assert bytes(arena.view(state.at, state.size)) == payload[id(state)]
+    with pytest.raises(RuntimeError):
+        arena.place(4 * page, [first, second])  # the caller makes room first (_make_room)
+    arena.map.close()
