@@ -104,14 +104,14 @@ def sequential_read(path: Path, seconds: float, chunk: int = 8 << 20, start: int
 
 
 def write_unread(path: Path, size: int, chunk: int = 8 << 20) -> None:
-    """Write `size` random bytes (whole chunks) that no cache has served to `path`, synced and
-    dropped from the page cache, the way a prompt state is spilled to flash. Read once, later,
-    they give the disk's rate on such bytes. On these VMs bytes read again come from the host's
-    cache, up to 2-3x faster; so do pages alike (a block repeated with a counter read at 2-3 GB/s
-    where random bytes of the same history read at 1-1.5), hence random bytes throughout."""
+    """Write `size` random bytes to `path` in `chunk`-byte writes, synced and dropped from the page
+    cache, the way a prompt state is spilled to flash. Read once, later, they give the disk's rate
+    on bytes no cache has served. On these VMs bytes read again come from the host's cache, and so
+    do pages alike (the host deduplicates): a probe of either reads faster than the disk, hence
+    random bytes throughout (the measurements are in the commit that made this probe)."""
     with path.open("wb") as fh:
-        for _ in range(-(-size // chunk)):
-            fh.write(os.urandom(chunk))
+        for at in range(0, size, chunk):
+            fh.write(os.urandom(min(chunk, size - at)))
         fh.flush()
         os.fsync(fh.fileno())
         os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)

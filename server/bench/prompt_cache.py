@@ -84,10 +84,15 @@ class _DiskProbe:
     before a request: bytes of the same history as a state spilled to flash earlier in the run."""
 
     def __init__(self, directory: Path, count: int, probe_bytes: int) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
         self.files = [directory / f"probe-{i}" for i in range(count)]
-        for path in self.files:
-            write_unread(path, probe_bytes)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            for path in self.files:
+                write_unread(path, probe_bytes)
+        except OSError as exc:
+            raise MoeflashError(
+                f"cannot write {count} disk probes of {probe_bytes >> 20} MiB in {directory}: {exc}"
+            ) from exc
 
     def read(self) -> CeilingResult:
         path = self.files.pop(0)

@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 
 from server.bench.cgroup import probe
-from server.bench.prompt_cache import STEPS, run_prompt_cache, summarize, write_prompt_cache_report
+from server.bench.prompt_cache import (
+    STEPS,
+    _DiskProbe,
+    run_prompt_cache,
+    summarize,
+    write_prompt_cache_report,
+)
+from server.errors import MoeflashError
 
 
 @pytest.mark.slow
@@ -48,3 +55,12 @@ def test_the_replay_restores_each_agents_prefix_and_reports_it(tiny_model: Any, 
     text = (tmp_path / "report.md").read_text()
     assert [p.suffix for p in written] == [".json", ".md"]
     assert text.count("after the restart") == 3 and "| 0 |" in text  # no OOM kill
+
+
+def test_disk_probes_are_read_once_each_and_a_failed_write_says_where(tmp_path: Any) -> None:
+    probes = _DiskProbe(tmp_path / "probes", 2, 4 << 20)
+    assert [probes.read().bytes_total for _ in range(2)] == [4 << 20, 4 << 20]
+    assert list((tmp_path / "probes").iterdir()) == []  # each file gone once read
+    (tmp_path / "file").write_text("")
+    with pytest.raises(MoeflashError, match="cannot write 2 disk probes of 4 MiB in"):
+        _DiskProbe(tmp_path / "file" / "probes", 2, 4 << 20)
