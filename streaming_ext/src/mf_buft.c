@@ -92,6 +92,7 @@ void mf_buft_free_xtensors(mf_streamer * s) {
     for (int32_t i = 0; i < s->n_xt; i++) {
         free(s->xts[i]->state);
         free(s->xts[i]->slot);
+        free(s->xts[i]->pending);
         free(s->xts[i]);
     }
     free(s->xts);
@@ -122,10 +123,12 @@ static enum ggml_status xbuf_init_tensor(ggml_backend_buffer_t buffer, struct gg
     mf_xtensor * xt = calloc(1, sizeof *xt);
     atomic_int * st = calloc((size_t) t->ne[2], sizeof *st);
     char **      sl = calloc((size_t) t->ne[2], sizeof *sl);
-    if (!xt || !st || !sl) {
+    int32_t *    pn = calloc((size_t) t->ne[2], sizeof *pn);
+    if (!xt || !st || !sl || !pn) {
         free(xt);
         free(st);
         free(sl);
+        free(pn);
         mf_streamer_fail(s, -ENOMEM, "out of memory registering %s", t->name);
         return GGML_STATUS_ALLOC_FAILED;
     }
@@ -140,9 +143,11 @@ static enum ggml_status xbuf_init_tensor(ggml_backend_buffer_t buffer, struct gg
     xt->data         = t->data;
     xt->state        = st;
     xt->slot         = sl;
+    xt->pending      = pn;
     if (register_xtensor(s, xt) != 0) {
         free(st);
         free(sl);
+        free(pn);
         free(xt);
         return GGML_STATUS_FAILED;
     }

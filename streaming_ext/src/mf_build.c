@@ -231,7 +231,8 @@ static int build_route_buffers(mf_streamer * s) {
     free(s->want);
     s->want = calloc((size_t) s->n_expert, 1);
     free(s->queue);
-    s->queue_cap = (size_t) s->n_expert * MF_MAX_XT * 2;
+    // a slice is at most n_lanes + 1 chunks (mf_lanes.c); the queue grows if one is more
+    s->queue_cap = (size_t) s->n_expert * MF_MAX_XT * (size_t) (s->cfg.n_lanes + 1) * 2;
     s->queue     = calloc(s->queue_cap, sizeof *s->queue);
     s->q_head    = 0;
     s->q_len     = 0;

@@ -291,6 +291,7 @@ typedef struct mf_xtensor {
     // [n_expert] where each resident slice's bytes are (in its entry's frame; under hold_all at
     // data + e * nb2): what the ready hook hands the matmul. Set before the slice turns LOADING.
     char **              slot;
+    int32_t *            pending;    // [n_expert] chunks of a LOADING slice not yet read (under s->mu)
     size_t               frame_off;  // this tensor's pages within its layer's frames
 } mf_xtensor;
 
@@ -326,10 +327,13 @@ typedef struct mf_layer {
 } mf_layer;
 
 // ---------------------------------------------------------------- the streamer
+// one read: a chunk of slice `expert` of xt, the file bytes [off, off + len) (mf_lanes.c)
 typedef struct mf_job {
     mf_xtensor * xt;
     int32_t      expert;
     bool         demand;  // a read the running layer waits for (not a prefetch)
+    uint64_t     off;
+    uint64_t     len;
 } mf_job;
 
 // the counters of mf_stats that are counted (relaxed atomics: read without locks), same names

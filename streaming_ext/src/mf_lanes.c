@@ -5,8 +5,10 @@
 // system call), then each load takes a frame, its slices' addresses in it are noted (xt->slot,
 // what the ready hook hands the matmul) and they turn LOADING, and the reads are queued. N lanes
 // pop jobs from one FIFO (one mutex, work_cv), read unlocked, and mark each slice READY or FAILED
-// under the mutex, broadcasting done_cv. No frame changes hands while a read into it is in flight:
-// a route first waits for every job of the one before. Demand reads (the running layer's) are
+// under the mutex, broadcasting done_cv. The running layer's slices are read in chunks, one job
+// each, so that the lanes read them one at a time in the order the matmuls need them (see
+// chunk_bytes). No frame changes hands while a read into it is in flight: a route first waits
+// for every job of the one before. Demand reads (the running layer's) are
 // counted apart from prefetches so a layer waits only for its own. Lanes block all signals (the
 // host process handles them) and stop by flag + broadcast + join. Everything but the lanes
 // themselves runs on the decode thread.
@@ -59,21 +61,23 @@ static bool place_entry(mf_streamer * s, mf_layer * L, int32_t e) {
 }
 
 // ---------------------------------------------------------------- reader lanes
-// one job: slice e of xt, into its slot
-static int read_slice(mf_streamer * s, mf_xtensor * xt, int32_t e) {
-    const size_t len = (size_t) xt->nb2;
-    if (s->cfg.skip_expert > 0 && e == s->cfg.skip_expert - 1) {
+// one job: a chunk of slice e of xt, into its slot
+static int read_chunk(mf_streamer * s, const mf_job * job) {
+    mf_xtensor * xt = job->xt;
+    if (s->cfg.skip_expert > 0 && job->expert == s->cfg.skip_expert - 1) {
         return 0;  // negative control: the slice keeps whatever its frame held (see mf_config.skip_expert)
     }
     if (s->cfg.fault_errno) {
-        const uint64_t before = atomic_fetch_add(&s->expert_bytes_read_total, len);
-        if (before + len > s->cfg.fault_after_bytes) {
+        const uint64_t before = atomic_fetch_add(&s->expert_bytes_read_total, job->len);
+        if (before + job->len > s->cfg.fault_after_bytes) {
             return -s->cfg.fault_errno;
         }
     }
-    // the slot is congruent to the file offset modulo the page (place_entry, xbuf_init_tensor)
-    return mf_read_in_place(&s->ix.files[xt->loc->file], s->direct, s->page_size, xt->slot[e],
-                            xt->loc->offset + (uint64_t) e * xt->nb2, len);
+    // the slot is congruent to the file offset modulo the page (place_entry, xbuf_init_tensor), and
+    // a chunk's bounds inside the slice are page-aligned: chunks never share a page
+    const uint64_t f0  = xt->loc->offset + (uint64_t) job->expert * xt->nb2;
+    char * const   dst = xt->slot[job->expert] + (job->off - f0);
+    return mf_read_in_place(&s->ix.files[xt->loc->file], s->direct, s->page_size, dst, job->off, (size_t) job->len);
 }
 
 // a reader lane: pops jobs, reads unlocked, marks the slices READY or FAILED under the mutex
@@ -97,14 +101,13 @@ static void * lane_main(void * arg) {
         pthread_mutex_unlock(&s->mu);
 
         const uint64_t t0 = mf_now_ns();
-        const int      rc = read_slice(s, job.xt, job.expert);
+        const int      rc = read_chunk(s, &job);
         ADD(s->st.read_ns, mf_now_ns() - t0);
-        ADD(s->st.reads, 1);
 
         pthread_mutex_lock(&s->mu);
+        atomic_int * const state = &job.xt->state[job.expert];
         if (rc == 0) {
-            ADD(s->st.bytes_read, job.xt->nb2);
-            atomic_store_explicit(&job.xt->state[job.expert], MF_SLICE_READY, memory_order_release);
+            ADD(s->st.bytes_read, job.len);
         } else {
             char msg[MF_ERR_LEN];
             snprintf(msg, sizeof msg, "reading expert %d of %s from %s failed: %s", (int) job.expert,
@@ -112,12 +115,24 @@ static void * lane_main(void * arg) {
                      rc == -ENODATA ? "the file ended early (it changed size while open)" : strerror(-rc));
             mf_error_record_locked(s, rc, msg);
             ADD(s->st.errors, 1);
-            atomic_store_explicit(&job.xt->state[job.expert], MF_SLICE_FAILED, memory_order_release);
+            // at once, though other chunks may still be in flight: the matmul must not wait for
+            // them to skip it, and the entry is forgotten only once no read is in flight
+            atomic_store_explicit(state, MF_SLICE_FAILED, memory_order_release);
             s->n_failed++;
+        }
+        const bool slice_done = --job.xt->pending[job.expert] == 0;
+        if (slice_done) {
+            ADD(s->st.reads, 1);
+            if (atomic_load_explicit(state, memory_order_relaxed) == MF_SLICE_LOADING) {
+                atomic_store_explicit(state, MF_SLICE_READY, memory_order_release);
+            }
         }
         s->outstanding--;
         s->demand_left -= job.demand ? 1 : 0;
-        pthread_cond_broadcast(&s->done_cv);
+        // waiters wait for a slice to turn READY or FAILED, or for one of the two counts to reach zero
+        if (slice_done || rc != 0 || s->outstanding == 0 || (job.demand && s->demand_left == 0)) {
+            pthread_cond_broadcast(&s->done_cv);
+        }
     }
     pthread_mutex_unlock(&s->mu);
     return NULL;
@@ -208,11 +223,50 @@ void mf_lanes_apply_evictions(mf_streamer * s) {
     ADD(s->st.evictions, s->cache->n_evict);
 }
 
-static void push_job_locked(mf_streamer * s, mf_xtensor * xt, int32_t e, bool demand) {
-    s->queue[(s->q_head + s->q_len) % s->queue_cap] = (mf_job){ .xt = xt, .expert = e, .demand = demand };
-    s->q_len++;
-    s->outstanding++;
-    s->demand_left += demand ? 1 : 0;
+// The bytes of one read of a slice of xt. The running layer waits for its reads (`demand`), and
+// a slice's chunks lie in the queue together: with chunks of a slice's n_lanes-th part the lanes
+// read one slice at a time in queue order (the matmuls' order), and the first slice the layer
+// needs arrives after its own bytes' read time, where whole slices read side by side would all
+// arrive at the end. A chunk is at least MF_READ_CHUNK_MIN: a read's fixed costs (a system call,
+// the device's latency per request) must stay small beside its bytes. A prefetch is read whole:
+// its layer does not wait for it yet, and fewer, larger reads keep the disk's rate. A build with
+// -DMF_READ_CHUNK_MIN=1073741824 (above any slice) reads every slice whole (docs/streamer.md,
+// "Threads and the route").
+#ifndef MF_READ_CHUNK_MIN
+#    define MF_READ_CHUNK_MIN (256 << 10)
+#endif
+
+static uint64_t chunk_bytes(const mf_streamer * s, const mf_xtensor * xt, bool demand) {
+    const uint64_t whole = mf_align_up(xt->nb2, s->page_size) + s->page_size;  // the widest span
+    const uint64_t lanes = (uint64_t) s->cfg.n_lanes;
+    const uint64_t share = mf_align_up((xt->nb2 + lanes - 1) / lanes, s->page_size);
+    const uint64_t least = mf_align_up((uint64_t) MF_READ_CHUNK_MIN, s->page_size);
+    return !demand ? whole : share > least ? share : least;
+}
+
+// the most jobs one slice of xt takes (its bytes, plus the page its start is not aligned to)
+static size_t max_chunks(const mf_streamer * s, const mf_xtensor * xt, bool demand) {
+    const uint64_t c = chunk_bytes(s, xt, demand);
+    return (size_t) ((xt->nb2 + s->page_size + c - 1) / c);
+}
+
+// queues slice e of xt, chunk by chunk (bounds page-aligned in the file but for the slice's own)
+static void push_slice_locked(mf_streamer * s, mf_xtensor * xt, int32_t e, bool demand) {
+    const uint64_t f0 = xt->loc->offset + (uint64_t) e * xt->nb2;
+    const uint64_t f1 = f0 + xt->nb2;
+    const uint64_t c  = chunk_bytes(s, xt, demand);
+    int32_t        n  = 0;
+    for (uint64_t a = mf_align_down(f0, s->page_size); a < f1; a += c) {
+        const uint64_t lo = a > f0 ? a : f0;
+        const uint64_t hi = a + c < f1 ? a + c : f1;
+        s->queue[(s->q_head + s->q_len) % s->queue_cap] =
+            (mf_job){ .xt = xt, .expert = e, .demand = demand, .off = lo, .len = hi - lo };
+        s->q_len++;
+        s->outstanding++;
+        s->demand_left += demand ? 1 : 0;
+        n++;
+    }
+    xt->pending[e] = n;
 }
 
 // makes room for `need` more jobs; lanes may be popping (called with mu held)
@@ -245,9 +299,13 @@ int mf_lanes_queue_route(mf_streamer * s, int32_t il, bool demand) {
         // taken from the compute threads on a small machine
         return 0;
     }
-    mf_layer * L = &s->layers[il];
+    mf_layer * L    = &s->layers[il];
+    size_t     jobs = 0;
+    for (int32_t j = 0; j < L->n_xt; j++) {
+        jobs += (size_t) c->n_load * max_chunks(s, L->xt[j], demand);
+    }
     pthread_mutex_lock(&s->mu);
-    int rc = reserve_jobs_locked(s, (size_t) c->n_load * MF_MAX_XT);
+    int rc = reserve_jobs_locked(s, jobs);
     pthread_mutex_unlock(&s->mu);
     mf_lanes_apply_evictions(s);
     int32_t placed = 0;
@@ -268,7 +326,7 @@ int mf_lanes_queue_route(mf_streamer * s, int32_t il, bool demand) {
     for (int32_t j = 0; j < L->n_xt; j++) {
         for (int32_t i = 0; i < placed; i++) {
             atomic_store_explicit(&L->xt[j]->state[c->load[i]], MF_SLICE_LOADING, memory_order_release);
-            push_job_locked(s, L->xt[j], c->load[i], demand);
+            push_slice_locked(s, L->xt[j], c->load[i], demand);
         }
     }
     pthread_cond_broadcast(&s->work_cv);

@@ -103,9 +103,17 @@ def test_unknown_cache_policy_is_refused_by_the_settings() -> None:
         load_settings({"cache_policy": "mru"})
 
 
-def test_io_error_fails_the_request_not_the_process(tiny_model: Callable[..., Path]) -> None:
+# n_ff_exp 4096: 576 KiB slices, read in chunks of 256 KiB, so the read that fails is a slice's
+# second chunk while its others are read on
+@pytest.mark.parametrize("width", [{}, {"n_ff_exp": 4096}], ids=["whole-slices", "chunked-slices"])
+def test_io_error_fails_the_request_not_the_process(
+    tiny_model: Callable[..., Path], width: dict[str, int]
+) -> None:
     llm = load(
-        tiny_model("tiny-qwen3moe"), policy=Policy.NONE, fault_errno=errno.EIO, fault_after_bytes=300_000
+        tiny_model("tiny-qwen3moe", **width),
+        policy=Policy.NONE,
+        fault_errno=errno.EIO,
+        fault_after_bytes=300_000,
     )
     try:
         with pytest.raises(ExpertReadError, match="Input/output error"):

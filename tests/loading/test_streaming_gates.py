@@ -215,14 +215,17 @@ def test_gate_reader_modes(
     [
         pytest.param(128, False, id="4.5-page-slices"),
         pytest.param(512, True, id="18-page-slices-overlap"),
+        # 576 KiB slices: each read as three chunks by the four lanes (mf_lanes.c, chunk_bytes)
+        pytest.param(4096, True, id="chunked-slices-overlap"),
+        pytest.param(4096, False, id="chunked-slices-serial"),
     ],
 )
 def test_gate_frames(
     tiny_model: Callable[..., Path], reference: Callable[..., Result], n_ff_exp: int, overlap: bool
 ) -> None:
     # slices that start and end inside pages (the model's expert data is 32-byte aligned in the
-    # file), read whole-page into frames by four lanes at once; every route evicts, and the memory
-    # held stays within the budget's entries in frames
+    # file), read whole-page into frames by four lanes at once, large ones in chunks that share no
+    # page; every route evicts, and the memory held stays within the budget's entries in frames
     path = tiny_model("tiny-qwen3moe", n_ff_exp=n_ff_exp)
     budget = expert_layer_bytes(path)
     stats = gate(path, options(budget=budget, overlap=overlap, lanes=4), reference)
