@@ -295,10 +295,15 @@ typedef struct mf_xtensor {
     size_t               frame_off;  // this tensor's pages within its layer's frames
 } mf_xtensor;
 
+// the file offset of slice e's first byte
+static inline uint64_t mf_slice_offset(const mf_xtensor * xt, int32_t e) {
+    return xt->loc->offset + (uint64_t) e * xt->nb2;
+}
+
 // the page-aligned file range [*a0, *a1) an O_DIRECT read of slice e brings (its bytes and the
 // neighbours' that share its first and last pages)
 static inline void mf_slice_pages(const mf_xtensor * xt, int32_t e, size_t page, uint64_t * a0, uint64_t * a1) {
-    const uint64_t f0 = xt->loc->offset + (uint64_t) e * xt->nb2;
+    const uint64_t f0 = mf_slice_offset(xt, e);
     *a0               = mf_align_down(f0, page);
     *a1               = mf_align_up(f0 + xt->nb2, page);
 }

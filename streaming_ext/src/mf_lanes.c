@@ -54,7 +54,7 @@ static bool place_entry(mf_streamer * s, mf_layer * L, int32_t e) {
         mf_xtensor * xt = L->xt[j];
         // the slice's first byte sits at its file offset's place within a page, as in the tensor
         // itself: a page-aligned O_DIRECT read brings it in place
-        const uint64_t f0 = xt->loc->offset + (uint64_t) e * xt->nb2;
+        const uint64_t f0 = mf_slice_offset(xt, e);
         xt->slot[e]       = frm + xt->frame_off + (size_t) (f0 & (s->page_size - 1));
     }
     return true;
@@ -75,7 +75,7 @@ static int read_chunk(mf_streamer * s, const mf_job * job) {
     }
     // the slot is congruent to the file offset modulo the page (place_entry, xbuf_init_tensor), and
     // a chunk's bounds inside the slice are page-aligned: chunks never share a page
-    const uint64_t f0  = xt->loc->offset + (uint64_t) job->expert * xt->nb2;
+    const uint64_t f0  = mf_slice_offset(xt, job->expert);
     char * const   dst = xt->slot[job->expert] + (job->off - f0);
     return mf_read_in_place(&s->ix.files[xt->loc->file], s->direct, s->page_size, dst, job->off, (size_t) job->len);
 }
@@ -252,7 +252,7 @@ static size_t max_chunks(const mf_streamer * s, const mf_xtensor * xt, bool dema
 
 // queues slice e of xt, chunk by chunk (bounds page-aligned in the file but for the slice's own)
 static void push_slice_locked(mf_streamer * s, mf_xtensor * xt, int32_t e, bool demand) {
-    const uint64_t f0 = xt->loc->offset + (uint64_t) e * xt->nb2;
+    const uint64_t f0 = mf_slice_offset(xt, e);
     const uint64_t f1 = f0 + xt->nb2;
     const uint64_t c  = chunk_bytes(s, xt, demand);
     int32_t        n  = 0;

@@ -215,7 +215,7 @@ def test_gate_reader_modes(
     [
         pytest.param(128, False, id="4.5-page-slices"),
         pytest.param(512, True, id="18-page-slices-overlap"),
-        # 576 KiB slices: each read as three chunks by the four lanes (mf_lanes.c, chunk_bytes)
+        # 576 KiB slices: a demand read is three chunks for the four lanes (mf_lanes.c, chunk_bytes)
         pytest.param(4096, True, id="chunked-slices-overlap"),
         pytest.param(4096, False, id="chunked-slices-serial"),
     ],
