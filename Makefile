@@ -269,7 +269,7 @@ bench-warm-start: setup-dev
 
 replay: setup-dev
 	$(VENV)/bin/moeflash bench --replay bench/route-traces/qwen.route.csv \
-		bench/route-traces/gemma.route.csv --out bench/reports/trace-replay
+		bench/route-traces/gemma.route.csv bench/route-traces/trained.route.csv --out bench/reports/trace-replay
 
 lint: setup-dev
 	$(VENV)/bin/ruff check server streaming_ext tests

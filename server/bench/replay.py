@@ -2,8 +2,9 @@
 
 A route trace (bench/route-traces/*.route.csv, read by server/loading/route_trace.py)
 lists, per token and layer, the experts the router picked. Replaying it through
-`streaming_ext.CachePolicy` runs the very C code the streamer runs (mf_cache.c); LFU, random and
-Belady's offline optimum are reference policies written here (they are not streamer policies).
+`streaming_ext.CachePolicy` runs the very C code the streamer runs (mf_cache.c); LFU, random,
+`rates` (every entry's rate known in advance) and Belady's offline optimum are reference policies
+written here (they are not streamer policies).
 Hit rates are per routed (layer, expert) entry:
 cumulative over the whole trace and over decode steps only, as in the published curves.
 """
@@ -120,6 +121,74 @@ def _replay_reference(trace: Trace, budget_mib: int, name: str, seed: int = 0) -
             budget.add(key)
         counter.add(route, misses, trace.entry_bytes[route.layer])
     return counter.result(name, budget_mib)
+
+
+def _decode_rates(trace: Trace) -> list[list[float]]:
+    """Per layer and expert, the share of the layer's decode visits that route it over the whole
+    trace (an expert never routed in decode gets half a route, so that distance still ranks it)."""
+    visits = [0] * trace.n_layer
+    routed = [[0] * trace.n_expert for _ in range(trace.n_layer)]
+    for route in trace.routes:
+        if route.decode:
+            visits[route.layer] += 1
+            for e in set(route.experts):
+                routed[route.layer][e] += 1
+    return [[min(1.0, max(c, 0.5) / max(n, 1)) for c in row] for row, n in zip(routed, visits, strict=True)]
+
+
+def _rates_known(trace: Trace, budget_bytes: int) -> _Counter:
+    """The `rates` reference: every entry's decode rate p over the whole trace known in advance,
+    its order not. It evicts the entry with the most layer steps to its expected next use per
+    byte, d + n_layer (1 - p) / p for an entry d steps before its layer's next visit: what
+    frequencies alone buy when they are known, not learned. Within a layer d and the size are the
+    same for every entry, so each layer's candidate is its rarest resident entry (a heap)."""
+    rates = _decode_rates(trace)
+    n_layer = trace.n_layer
+    heaps: list[list[tuple[float, int]]] = [[] for _ in range(n_layer)]  # (p, expert), lazily invalidated
+    resident: set[tuple[int, int]] = set()
+    budget = _Bytes(trace, budget_bytes)
+    counter = _Counter()
+
+    def rarest(layer: int, pinned: set[int]) -> tuple[float, int] | None:
+        heap, held, found = heaps[layer], [], None
+        while heap:
+            p, e = heap[0]
+            if (layer, e) not in resident:
+                heapq.heappop(heap)  # stale: evicted since
+            elif e in pinned:
+                held.append(heapq.heappop(heap))
+            else:
+                found = (p, e)
+                break
+        for item in held:
+            heapq.heappush(heap, item)
+        return found
+
+    for route in trace.routes:
+        cur, want, misses = route.layer, set(route.experts), 0
+        for e in want:
+            if (cur, e) in resident:
+                continue
+            misses += 1
+            while budget.full_for(cur):
+                worst: tuple[float, int, int] | None = None
+                for layer in range(n_layer):
+                    found = rarest(layer, want if layer == cur else set())
+                    if found is None:
+                        continue
+                    d = (layer - cur) % n_layer or n_layer
+                    steps = (d + n_layer * (1.0 - found[0]) / found[0]) * trace.entry_bytes[layer]
+                    if worst is None or steps > worst[0]:
+                        worst = (steps, layer, found[1])
+                if worst is None:
+                    break  # only the running route's own entries are resident
+                resident.discard((worst[1], worst[2]))
+                budget.add((worst[1], worst[2]), -1)
+            resident.add((cur, e))
+            heapq.heappush(heaps[cur], (rates[cur][e], e))
+            budget.add((cur, e))
+        counter.add(route, misses, trace.entry_bytes[cur])
+    return counter
 
 
 def _next_uses(trace: Trace) -> Iterator[list[int]]:
@@ -245,6 +314,52 @@ def replay_served(trace: Trace, budgets_mib: Iterable[int] = BUDGETS_MIB) -> lis
         results.append(replay_streamer(run, budget, Policy.LRU))
         results.append(replay_belady(run, budget))
     return results
+
+
+# budgets of the across-shapes table, in token working sets (one token's routed experts over
+# every layer): the scale on which traces of models of different shapes compare
+WORKING_SETS = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def token_working_set(trace: Trace) -> int:
+    """Bytes of one token's routed experts over every layer."""
+    return trace.k * sum(trace.entry_bytes)
+
+
+@dataclass(frozen=True)
+class WorkingSetResult:
+    """Decode hit rates (%) on a trace as served at a budget of some token working sets."""
+
+    working_sets: float
+    budget_mib: float
+    default: float  # the streamer's default policy (mf_cache.c)
+    lru: float
+    rates: float  # the `rates` reference: every entry's decode rate known in advance
+    belady: float  # the offline optimum
+
+
+def replay_working_sets(trace: Trace, multiples: Iterable[float] = WORKING_SETS) -> list[WorkingSetResult]:
+    """The default policy, LRU, the `rates` reference and Belady on the trace as served, at budgets
+    of `multiples` token working sets that hold the largest route and not every expert."""
+    run = served(trace)
+    need = max(len(r.experts) * trace.entry_bytes[r.layer] for r in run.routes)
+    everything = trace.n_expert * sum(trace.entry_bytes)
+    out: list[WorkingSetResult] = []
+    for m in multiples:
+        budget = int(m * token_working_set(trace))
+        if budget < need or budget >= everything:
+            continue
+        out.append(
+            WorkingSetResult(
+                m,
+                budget / _MIB,
+                _streamer(run, budget, Policy.LAYER).result("layer", 0).hit_pct_decode,
+                _streamer(run, budget, Policy.LRU).result("lru", 0).hit_pct_decode,
+                _rates_known(run, budget).result("rates", 0).hit_pct_decode,
+                _belady(run, budget).result("belady", 0).hit_pct_decode,
+            )
+        )
+    return out
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ itself) next to LFU, random and Belady's optimum at budgets from 250 MiB to 8 Gi
 curves beside the trace (<name>-curve.csv) are reproduced as a check (LRU's and Belady's decode
 hit rates must match); and the default policy's targets: never below LRU, no 0% cliff, and its
 share of Belady's hit rate. The same policies also replay the trace as a run serves it (the
-prompt in micro-batches), where the default must never read more bytes than LRU.
+prompt in micro-batches), where the default must never read more bytes than LRU. Across shapes,
+every trace replays at budgets of some token working sets, where a trace the policy was not tuned
+on (a holdout) must see the default keep its share of the `rates` reference.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ from server.bench.replay import (
     SERVED_N_BATCH,
     PrefetchResult,
     ReplayResult,
+    WorkingSetResult,
     replay_all,
     replay_prefetch,
     replay_served,
+    replay_working_sets,
+    token_working_set,
 )
-from server.bench.targets import REPLAY_SHARE_OF_BELADY
+from server.bench.targets import POLICY_TUNED_ON, REPLAY_SHARE_OF_BELADY
 from server.errors import ConfigError
 from server.loading.route_trace import Trace, load_trace
 
@@ -262,28 +267,104 @@ def _prefetch_markdown(results: list[PrefetchResult]) -> list[str]:
     return [*lines, ""]
 
 
-def _chart(curves: dict[str, list[ReplayResult]], path: Path) -> None:
+def summarize_working_sets(by_trace: dict[str, list[WorkingSetResult]]) -> dict[str, Any]:
+    """Per trace and budget in token working sets, the default's shares of Belady and of the
+    `rates` reference; on each holdout (a trace not in POLICY_TUNED_ON), whether the default keeps
+    at every budget the lowest share of `rates` it reaches on the tuned traces replayed with it."""
+    rows = {
+        name: [
+            {
+                **asdict(r),
+                "default_over_belady": r.default / r.belady if r.belady else None,
+                "default_over_rates": r.default / r.rates if r.rates else None,
+            }
+            for r in results
+        ]
+        for name, results in by_trace.items()
+    }
+    floor: dict[float, float] = {}
+    for name in POLICY_TUNED_ON:
+        for r in rows.get(name, []):
+            if r["default_over_rates"] is not None:
+                ws = r["working_sets"]
+                floor[ws] = min(floor.get(ws, r["default_over_rates"]), r["default_over_rates"])
+    holdouts: dict[str, bool | None] = {}
+    for name, trace_rows in rows.items():
+        if name in POLICY_TUNED_ON:
+            continue
+        verdicts = [
+            r["default_over_rates"] >= floor[r["working_sets"]] - 1e-9
+            for r in trace_rows
+            if r["working_sets"] in floor and r["default_over_rates"] is not None
+        ]
+        holdouts[name] = all(verdicts) if verdicts else None
+    return {
+        "tuned_on": list(POLICY_TUNED_ON),
+        "tuned_floor_over_rates": {str(k): v for k, v in sorted(floor.items())},
+        "holdout_keeps_share_of_rates": holdouts,
+        "never_below_lru": all(r["default"] >= r["lru"] - 1e-9 for t in rows.values() for r in t),
+        "rows": rows,
+    }
+
+
+def _working_sets_markdown(summary: dict[str, Any], shapes: dict[str, str]) -> list[str]:
+    lines = [
+        "## Across shapes: budgets in token working sets",
+        "",
+        "Every trace as served, at budgets of some token working sets (one token's routed experts over"
+        " every layer: the scale on which models of different shapes compare; budgets that hold every"
+        " expert are left out). Decode hit rate %; `rates` knows every entry's decode rate over the"
+        " whole trace in advance, not the order (what frequencies alone buy, known rather than learned);"
+        f" the default was tuned on {' and '.join(summary['tuned_on'])}, every other trace is a holdout.",
+        "",
+        "| trace | shape | working sets | MiB | default / lru / rates / belady"
+        " | default / rates | default / belady |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, trace_rows in summary["rows"].items():
+        for r in trace_rows:
+            hits = " / ".join(f"{r[p]:.1f}" for p in ("default", "lru", "rates", "belady"))
+            over = [r["default_over_rates"], r["default_over_belady"]]
+            lines.append(
+                f"| {name} | {shapes[name]} | {r['working_sets']:g} | {r['budget_mib']:.1f} | {hits} | "
+                + " | ".join("n/a" if v is None else f"{v:.2f}" for v in over)
+                + " |"
+            )
+    lines += ["", f"- the default never below LRU: {summary['never_below_lru']}"]
+    for name, kept in summary["holdout_keeps_share_of_rates"].items():
+        verdict = "n/a (no tuned trace replayed beside it)" if kept is None else str(kept)
+        lines.append(
+            f"- holdout {name}: the default keeps, at every budget, the lowest share of `rates` it"
+            f" reaches on {' and '.join(summary['tuned_on'])}: {verdict}"
+        )
+    return [*lines, ""]
+
+
+def _chart(by_trace: dict[str, list[WorkingSetResult]], path: Path) -> None:
+    """One panel per trace: decode hit rate by budget in token working sets, per policy."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4.5), squeeze=False)
-    for ax, (name, results) in zip(axes[0], curves.items(), strict=True):
-        for policy, style in (
-            ("layer", "-o"),
-            ("lru", "-s"),
-            ("lfu", "--"),
-            ("random", ":"),
-            ("belady", "-^"),
+    shown = {name: results for name, results in by_trace.items() if results}
+    fig, axes = plt.subplots(1, len(shown), figsize=(5.5 * len(shown), 4.5), squeeze=False, sharey=True)
+    for ax, (name, results) in zip(axes[0], shown.items(), strict=True):
+        ws = [r.working_sets for r in results]
+        for field, label, style in (
+            ("default", "default (layer)", "-o"),
+            ("lru", "lru", "-s"),
+            ("rates", "rates known", "--"),
+            ("belady", "belady", "-^"),
         ):
-            pts = sorted((r.budget_mib, r.hit_pct_decode) for r in results if r.policy == policy)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=policy)
-        ax.set_xscale("log")
-        ax.set_xlabel("budget (MiB)")
-        ax.set_ylabel("decode hit rate (%)")
-        ax.set_title(name)
-        ax.legend()
+            ax.plot(ws, [getattr(r, field) for r in results], style, label=label)
+        holdout = "" if name in POLICY_TUNED_ON else " (holdout)"
+        ax.set_title(f"{name}{holdout}")
+        ax.set_xlabel("budget (token working sets)")
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+    axes[0][0].set_ylabel("decode hit rate (%)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -301,35 +382,48 @@ def run_replay(traces: list[Path], out: Path | None, command: str, progress: Cal
             raise ConfigError(f"two traces are named {trace.name!r}: {loaded[trace.name][0]} and {path}")
         loaded[trace.name] = (path, trace, _published(path))
     out.parent.mkdir(parents=True, exist_ok=True)
-    curves: dict[str, list[ReplayResult]] = {}
+    by_ws: dict[str, list[WorkingSetResult]] = {}
+    shapes: dict[str, str] = {}
     data: dict[str, Any] = {"command": command, "budgets_mib": list(BUDGETS_MIB), "traces": {}}
     md = [f"# Trace replay\n\nProduced by `{command}`.\n"]
     for path, trace, published in loaded.values():
         progress(f"replaying {path}")
-        results = replay_all(trace)
-        as_served = summarize_served(replay_served(trace))
-        derived = replay_derived(trace)
-        prefetch = [replay_prefetch(trace, b, p) for b in PREFETCH_BUDGETS_MIB for p in PREDICTORS]
-        summary = summarize(results, published)
-        curves[trace.name] = results
-        data["traces"][trace.name] = {
+        by_ws[trace.name] = replay_working_sets(trace)
+        shapes[trace.name] = f"{trace.n_layer} x {trace.n_expert} ({trace.k})"
+        entry: dict[str, Any] = {
             "path": str(path),
             "n_layer": trace.n_layer,
             "n_expert": trace.n_expert,
+            "k": trace.k,
+            "token_working_set_mib": token_working_set(trace) / 2**20,
             "routes": len(trace.routes),
-            "results": [asdict(r) for r in results],
-            "prefetch": [asdict(r) for r in prefetch],
-            "summary": summary,
-            "served": as_served,
-            "derived": derived,
         }
+        data["traces"][trace.name] = entry
+        if trace.n_expert * sum(trace.entry_bytes) <= min(BUDGETS_MIB) * 2**20:
+            # a small model: every expert fits the smallest MiB budget, so only the working sets say anything
+            md.append(f"## {trace.name}\n\nEvery expert fits {min(BUDGETS_MIB)} MiB: see Across shapes.\n")
+            continue
+        results = replay_all(trace)
+        summary = summarize(results, published)
+        as_served = summarize_served(replay_served(trace))
+        derived = replay_derived(trace)
+        prefetch = [replay_prefetch(trace, b, p) for b in PREFETCH_BUDGETS_MIB for p in PREDICTORS]
+        entry.update(
+            results=[asdict(r) for r in results],
+            prefetch=[asdict(r) for r in prefetch],
+            summary=summary,
+            served=as_served,
+            derived=derived,
+        )
         md.append(_markdown(trace.name, results, summary, command))
         md += _served_markdown(as_served)
         md += _derived_markdown(derived)
         md += _prefetch_markdown(prefetch)
+    data["working_sets"] = summarize_working_sets(by_ws)
+    md += _working_sets_markdown(data["working_sets"], shapes)
     out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
     out.with_suffix(".md").write_text("\n".join(md))
-    _chart(curves, out.with_suffix(".png"))
+    _chart(by_ws, out.with_suffix(".png"))
     for suffix in (".json", ".md", ".png"):
         print(out.with_suffix(suffix))
     return 0

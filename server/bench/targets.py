@@ -16,6 +16,10 @@ _FRACTION_SLACK = 0.01
 SPEEDUP_TARGETS = ((0.25, 20.0), (0.5, 18.0))  # (largest cap fraction, speedup over stock mmap)
 # trace replay: the default policy's decode hit rate over Belady's at 2000 MiB (set for Qwen)
 REPLAY_SHARE_OF_BELADY = 0.85
+# the traces the default policy was designed and tuned on; any other replayed trace is a holdout,
+# where the policy must keep, per budget in token working sets, the lowest share of the `rates`
+# reference (every entry's decode rate known in advance) it reaches on these
+POLICY_TUNED_ON = ("qwen", "gemma")
 # time to first token of the 20-token prompt, seconds: half of the 20-30 s the issue measured for
 # BigMoeOnEdge on qwen30b-shape at these caps (a whole-file read at load, then ~12 GB of experts);
 # that engine is not on this machine to measure side by side

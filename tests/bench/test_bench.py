@@ -188,11 +188,21 @@ def test_replay_reproduces_the_published_lru_and_belady_curves(tmp_path: Path) -
         "--replay",
         str(TRACES / "qwen.route.csv"),
         str(TRACES / "gemma.route.csv"),
+        str(TRACES / "trained.route.csv"),
         "--out",
         str(out),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.with_suffix(".json").read_text())
+    # across shapes: budgets in token working sets; the trained model's routing is the holdout
+    shapes = data["working_sets"]
+    assert shapes["never_below_lru"] is True
+    assert shapes["holdout_keeps_share_of_rates"] == {"trained": True}
+    assert [r["working_sets"] for r in shapes["rows"]["trained"]] == [1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    for rows in shapes["rows"].values():
+        assert all(r["lru"] <= r["default"] and r["rates"] <= r["belady"] for r in rows)
+    # every expert of the trained model fits the smallest MiB budget: no MiB tables for it
+    assert "results" not in data["traces"]["trained"]
     for name in ("qwen", "gemma"):
         summary = data["traces"][name]["summary"]
         assert summary["published_lru_reproduced"] is True
@@ -224,6 +234,43 @@ def test_replay_reproduces_the_published_lru_and_belady_curves(tmp_path: Path) -
     assert data["traces"]["qwen"]["summary"]["share_of_belady_at_2000"] >= 0.821
     assert data["traces"]["gemma"]["summary"]["share_of_belady_at_2000"] >= 0.848
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_rates_reference_keeps_the_frequent_expert() -> None:
+    # one layer, room for two of three experts: expert 0 is routed every other token, 1 and 2 in
+    # turn between; knowing the rates, the reference keeps 0 and swaps 1 and 2 (hits: every 0 but
+    # the first)
+    from server.bench.replay import _rates_known
+
+    routes = [Route(True, 0, (0,) if step % 2 == 0 else (1 + (step // 2) % 2,)) for step in range(40)]
+    trace = Trace("hot", 1, 3, [2**20], routes)
+    rates = _rates_known(trace, 2 * 2**20).result("rates", 2)
+    assert rates.hit_pct_decode == pytest.approx(100.0 * 19 / 40)
+    # on skewed routing that drifts, it lies between LRU and the offline optimum
+    from server.bench.replay import replay_belady, replay_streamer
+    from streaming_ext import Policy
+
+    zipf = _synthetic_trace("zipf")
+    ours = _rates_known(zipf, 400 * 2**20).result("rates", 400).hit_pct_decode
+    lru, best = replay_streamer(zipf, 400, Policy.LRU), replay_belady(zipf, 400)
+    assert lru.hit_pct_decode < ours < best.hit_pct_decode
+
+
+def test_a_holdout_must_keep_the_tuned_traces_share_of_rates() -> None:
+    from server.bench.replay import WorkingSetResult
+    from server.bench.replay_report import summarize_working_sets
+
+    def rows(default: float) -> list[WorkingSetResult]:
+        return [WorkingSetResult(2.0, 10.0, default, 30.0, 50.0, 70.0)]
+
+    kept = summarize_working_sets({"qwen": rows(52.0), "gemma": rows(51.0), "other": rows(51.0)})
+    assert kept["holdout_keeps_share_of_rates"] == {"other": True}
+    assert kept["tuned_floor_over_rates"] == {"2.0": pytest.approx(1.02)}
+    lost = summarize_working_sets({"qwen": rows(52.0), "gemma": rows(51.0), "other": rows(50.0)})
+    assert lost["holdout_keeps_share_of_rates"] == {"other": False}
+    alone = summarize_working_sets({"other": rows(20.0)})
+    assert alone["holdout_keeps_share_of_rates"] == {"other": None}
+    assert alone["never_below_lru"] is False
 
 
 def test_default_policy_learns_a_micro_batch_from_its_tokens() -> None:
