@@ -348,6 +348,13 @@ def _chart(by_trace: dict[str, list[WorkingSetResult]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     shown = {name: results for name, results in by_trace.items() if results}
+    if not shown:  # every budget held a trace's every expert or not its largest route
+        fig, ax = plt.subplots(figsize=(6, 2))
+        ax.text(0.5, 0.5, "no budget in token working sets to replay", ha="center", va="center")
+        ax.set_axis_off()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return
     fig, axes = plt.subplots(1, len(shown), figsize=(5.5 * len(shown), 4.5), squeeze=False, sharey=True)
     for ax, (name, results) in zip(axes[0], shown.items(), strict=True):
         ws = [r.working_sets for r in results]

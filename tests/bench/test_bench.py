@@ -408,6 +408,21 @@ def test_replay_refuses_a_bad_trace_and_writes_nothing(
     assert not list(tmp_path.glob("replay*"))
 
 
+def test_replay_of_a_trace_every_budget_holds_whole(tmp_path: Path) -> None:
+    # k = n_expert: one token's working set is every expert, so no budget in working sets is left
+    trace = tmp_path / "whole.route.csv"
+    head = _TRACE_TOP.replace("n_expert_used=1", "n_expert_used=4")
+    rows = "".join(f"0,1,{t},{layer},{e},{e},1,0,1\n" for t in range(3) for layer in (0, 1) for e in range(4))
+    trace.write_text(head + rows)
+    out = tmp_path / "replay"
+    proc = moeflash("bench", "--replay", str(trace), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["working_sets"]["rows"] == {"whole": []}
+    assert "Every expert fits 250 MiB" in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
 def test_replay_refuses_a_bad_published_curve(tmp_path: Path) -> None:
     trace = tmp_path / "t.route.csv"
     trace.write_text(_TRACE_TOP + "0,1,0,0,0,1,1,0,1\n")
