@@ -17,6 +17,7 @@ import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
+from server.bench.systems import EMULATED_PREDICTOR_ERROR
 from server.loading.route_trace import Route, Trace
 from streaming_ext import CachePolicy, Policy
 
@@ -383,8 +384,44 @@ def replay_run(
     return RunReplay(ours.hit_pct_decode, best.hit_pct_decode)
 
 
-# next-layer predictors of prefetch that use only past routing, and the trace itself (an oracle)
-PREDICTORS = ("none", "previous token", "co-occurrence", "trace")
+# next-layer predictors of prefetch that use only past routing, the trace with a share of its
+# experts replaced (the emulated predictor of `make bench`), and the trace itself (an oracle)
+PREDICTORS = ("none", "previous token", "co-occurrence", "emulated", "trace")
+# classes of a read-ahead guess by its expert's recent rate in its layer (routes per visit,
+# decayed with the cache policy's half-life of 16 visits) over a uniform router's k / n_expert
+RATE_CLASSES = ((0.0, "< 0.5x"), (0.5, "0.5-1x"), (1.0, "1-2x"), (2.0, ">= 2x"))
+_RATE_HALF_LIFE = 16.0
+
+
+class _RecentRates:
+    """Each expert's routes per visit of its layer, counts decayed per visit (as mf_reuse.c's)."""
+
+    def __init__(self, n_layer: int, n_expert: int) -> None:
+        self.decay = 2.0 ** (-1.0 / _RATE_HALF_LIFE)
+        self.routed = [[0.0] * n_expert for _ in range(n_layer)]
+        self.visits = [0.0] * n_layer
+
+    def visit(self, layer: int, experts: tuple[int, ...]) -> None:
+        row = self.routed[layer]
+        for e in range(len(row)):
+            row[e] *= self.decay
+        for e in set(experts):
+            row[e] += 1.0
+        self.visits[layer] = self.visits[layer] * self.decay + 1.0
+
+    def rate_class(self, layer: int, expert: int, uniform: float) -> int:
+        if self.visits[layer] == 0.0:
+            return 0
+        ratio = self.routed[layer][expert] / self.visits[layer] / uniform
+        return max(i for i, (low, _) in enumerate(RATE_CLASSES) if ratio >= low)
+
+
+def _emulated_guess(following: tuple[int, ...], n_expert: int, rng: random.Random) -> list[int]:
+    """The next layer's experts with each replaced, at EMULATED_PREDICTOR_ERROR, by one it does not
+    route (mf_route.c's emulated predictor)."""
+    others = [e for e in range(n_expert) if e not in following]
+    wrong = EMULATED_PREDICTOR_ERROR
+    return [rng.choice(others) if others and rng.random() < wrong else e for e in following]
 
 
 class _CoOccurrence:
@@ -427,6 +464,8 @@ class PrefetchResult:
     slot_pct: float  # of the routed entries, the share the predictor named (cached or not)
     useful_pct: float  # of the entries prefetch read, the share their layer then routed
     read_mib_per_token: float  # demand misses plus prefetch reads
+    # per RATE_CLASSES class of the read entries: (entries read, of them routed by their layer)
+    by_rate: tuple[tuple[int, int], ...] = ()
 
 
 def replay_prefetch(
@@ -439,15 +478,20 @@ def replay_prefetch(
         raise ValueError(f"predictor must be one of {PREDICTORS}")
     cache = CachePolicy(trace.n_layer, trace.n_expert, trace.entry_bytes, budget_mib * _MIB, policy)
     cooc = _CoOccurrence(trace.n_layer, trace.n_expert)
+    rates = _RecentRates(trace.n_layer, trace.n_expert)
+    uniform = trace.k / trace.n_expert
+    rng = random.Random(0)
+    by_rate = [[0, 0] for _ in RATE_CLASSES]
     by_token = trace.by_token()
     routed = hits = named = loaded = useful = read_bytes = 0
     latest: dict[int, tuple[int, ...]] = {}  # per layer: the experts of its last route
     guessed: dict[int, set[int]] = {}  # per layer: the last prediction for it, and what it read
-    pending: dict[int, set[int]] = {}
+    pending: dict[int, dict[int, int]] = {}  # per layer: the entries read for it -> rate class
     try:
         for r in trace.routes:
             token = (r.decode, r.turn, r.step)
             misses = cache.route(r.layer, list(r.experts))
+            rates.visit(r.layer, r.experts)
             before = by_token.get((*token, r.layer - 1))
             if before is not None:
                 cooc.learn(r.layer - 1, before, r.experts)
@@ -456,18 +500,25 @@ def replay_prefetch(
                 routed += len(want)
                 hits += len(want) - misses
                 named += len(want & guessed.pop(r.layer, set()))
-                useful += len(want & pending.pop(r.layer, set()))
+                read_ahead = pending.pop(r.layer, {})
+                useful += len(want & read_ahead.keys())
+                for e, c in read_ahead.items():
+                    by_rate[c][0] += 1
+                    by_rate[c][1] += e in want
                 read_bytes += misses * trace.entry_bytes[r.layer]
             following = by_token.get((*token, r.layer + 1))
             if r.decode and predictor != "none" and following is not None:
                 if predictor == "trace":
                     guess = list(following)
+                elif predictor == "emulated":
+                    guess = _emulated_guess(following, trace.n_expert, rng)
                 elif predictor == "previous token":
                     guess = list(latest.get(r.layer + 1, ()))
                 else:
                     guess = cooc.predict(r.layer, r.experts, trace.k)
                 read = cache.prefetch(r.layer + 1, guess)
-                guessed[r.layer + 1], pending[r.layer + 1] = set(guess), set(read)
+                guessed[r.layer + 1] = set(guess)
+                pending[r.layer + 1] = {e: rates.rate_class(r.layer + 1, e, uniform) for e in read}
                 loaded += len(read)
                 read_bytes += len(read) * trace.entry_bytes[r.layer + 1]
             latest[r.layer] = r.experts
@@ -481,4 +532,5 @@ def replay_prefetch(
         100.0 * named / routed if routed else 0.0,
         100.0 * useful / loaded if loaded else 0.0,
         read_bytes / _MIB / n_decode if n_decode else 0.0,
+        tuple((n, right) for n, right in by_rate),
     )

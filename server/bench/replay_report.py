@@ -23,6 +23,7 @@ from server.bench.derived import derivations
 from server.bench.replay import (
     BUDGETS_MIB,
     PREDICTORS,
+    RATE_CLASSES,
     SERVED_N_BATCH,
     PrefetchResult,
     ReplayResult,
@@ -33,6 +34,7 @@ from server.bench.replay import (
     replay_working_sets,
     token_working_set,
 )
+from server.bench.systems import EMULATED_PREDICTOR_ERROR
 from server.bench.targets import POLICY_TUNED_ON, REPLAY_SHARE_OF_BELADY
 from server.errors import ConfigError
 from server.loading.route_trace import Trace, load_trace
@@ -252,9 +254,11 @@ def _prefetch_markdown(results: list[PrefetchResult]) -> list[str]:
         "Prefetch by predictor (decode tokens; the prompt warms the cache and the predictors): each"
         " layer's successor predicted as the layer routes and admitted by the streamer's own"
         " prefetch code (mf_cache_prefetch), as in a run. `previous token` and `co-occurrence` use"
-        " past routing only (`co-occurrence` is `--prefetch history`); `trace` knows the next layer"
-        " (the upper bound). Slots: routed experts the predictor named; useful: prefetched experts"
-        " then routed; read: demand misses plus prefetches per token.",
+        " past routing only (`co-occurrence` is `--prefetch history`); `emulated` is the trace's"
+        f" next layer with {EMULATED_PREDICTOR_ERROR:.0%} of its experts replaced (`make bench`'s"
+        " emulated predictor); `trace` knows the next layer (the upper bound). Slots: routed experts"
+        " the predictor named; useful: prefetched experts then routed; read: demand misses plus"
+        " prefetches per token.",
         "",
         "| budget MiB | predictor | decode hit rate | slots named | useful | read MiB/token |",
         "|---|---|---|---|---|---|",
@@ -264,6 +268,26 @@ def _prefetch_markdown(results: list[PrefetchResult]) -> list[str]:
             f"| {r.budget_mib} | {r.predictor} | {r.hit_pct_decode:.1f}% | {r.slot_pct:.1f}% | "
             f"{r.useful_pct:.1f}% | {r.read_mib_per_token:.1f} |"
         )
+    classes = " | ".join(label for _, label in RATE_CLASSES)
+    lines += [
+        "",
+        "The emulated predictor's read-aheads by their expert's recent rate in its layer (routes per"
+        " visit, decayed with the cache policy's half-life of 16 visits) over a uniform router's"
+        " k / n_expert, known before a guess is read: per class, the share of the entries read and,"
+        " in brackets, the share of them their layer then routed.",
+        "",
+        f"| budget MiB | {classes} |",
+        "|---|" + "---|" * len(RATE_CLASSES),
+    ]
+    for r in results:
+        if r.predictor != "emulated":
+            continue
+        read = sum(n for n, _ in r.by_rate)
+        cells = [
+            f"{100.0 * n / read:.0f}% ({100.0 * right / n:.0f}% routed)" if n else "-"
+            for n, right in r.by_rate
+        ]
+        lines.append(f"| {r.budget_mib} | " + " | ".join(cells) + " |")
     return [*lines, ""]
 
 

@@ -229,6 +229,15 @@ def test_replay_reproduces_the_published_lru_and_belady_curves(tmp_path: Path) -
             assert oracle["read_mib_per_token"] == pytest.approx(off["read_mib_per_token"], rel=0.05)
             # past routing alone names more than half the routed experts (bench/reports/trace-replay.md)
             assert prefetch[(budget, "co-occurrence")]["slot_pct"] > 50.0
+            # the emulated predictor's read-aheads, classed by their expert's recent rate: every one
+            # counted once, and the rarely routed ones right less than half the time, the others
+            # far more often (bench/reports/trace-replay.md: 39-44% against 80-94%)
+            emulated = prefetch[(budget, "emulated")]
+            by_rate = emulated["by_rate"]
+            assert len(by_rate) == 4 and all(right <= n for n, right in by_rate)
+            assert 0 < emulated["useful_pct"] < 100.0
+            rare, *others = by_rate
+            assert rare[1] < 0.5 * rare[0] and all(right > 0.7 * n for n, right in others if n >= 50)
     # regression guards at the measured level (bench/reports/trace-replay.md: 0.824 / 0.851 of
     # Belady under the byte budget)
     assert data["traces"]["qwen"]["summary"]["share_of_belady_at_2000"] >= 0.821
