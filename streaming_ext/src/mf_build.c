@@ -208,15 +208,18 @@ static int build_prediction(mf_streamer * s) {
     s->pf_mark     = calloc((size_t) s->n_expert, 1);
     s->pf_layer    = -1;
     free(s->pf_cand);
+    free(s->pf_class);
     free(s->pf_guessed);
     free(s->pf_routed);
     free(s->pf_closed_visits);
+    const size_t cells  = (size_t) s->n_layers * MF_RATE_CLASSES;
     s->pf_cand          = calloc((size_t) s->n_expert, 1);
-    s->pf_guessed       = calloc((size_t) s->n_layers, sizeof *s->pf_guessed);
-    s->pf_routed        = calloc((size_t) s->n_layers, sizeof *s->pf_routed);
+    s->pf_class         = calloc((size_t) s->n_expert, 1);
+    s->pf_guessed       = calloc(cells, sizeof *s->pf_guessed);
+    s->pf_routed        = calloc(cells, sizeof *s->pf_routed);
     s->pf_closed_visits = calloc((size_t) s->n_layers, sizeof *s->pf_closed_visits);
     s->pf_cand_layer    = -1;
-    if (!s->pf_cand || !s->pf_guessed || !s->pf_routed || !s->pf_closed_visits) {
+    if (!s->pf_cand || !s->pf_class || !s->pf_guessed || !s->pf_routed || !s->pf_closed_visits) {
         return -ENOMEM;
     }
     if (s->cfg.prefetch == MF_PREFETCH_HISTORY && mf_history_init(s) != 0) {

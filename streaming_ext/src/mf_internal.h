@@ -273,6 +273,11 @@ void mf_reuse_learn_token(mf_cache * c, int32_t layer, const uint8_t * want);
 // scores every resident entry (c->score: keep value per byte, FLT_MAX for the pinned ones, which
 // can't be victims), counting distances from layer cur
 void mf_reuse_score(mf_cache * c, int32_t cur);
+// classes of an expert by its recent routing rate in its layer over a uniform router's
+// k / n_expert: under 0.5x, 0.5-1x, 1-2x, 2x and above, and unknown (the layer not yet learned,
+// or a policy that does not learn). The prefetch gate keeps its counts per class
+#define MF_RATE_CLASSES 5
+int32_t mf_reuse_rate_class(const mf_cache * c, int32_t layer, int32_t e);
 
 // ---------------------------------------------------------------- expert tensors (mf_buft.c)
 enum mf_slice_state { MF_SLICE_ABSENT = 0, MF_SLICE_LOADING = 1, MF_SLICE_READY = 2, MF_SLICE_FAILED = 3 };
@@ -397,12 +402,14 @@ struct mf_streamer {
     uint8_t *                   want_next;    // [n_expert] the prediction
     uint8_t *                   pf_mark;      // [n_expert] experts prefetched for layer pf_layer
     int32_t                     pf_layer;
-    // the prefetch gate (mf_prefetch.c, mf_prefetch_next): per layer, decayed counts of predicted
-    // experts that were not resident when predicted, and of those the layer then routed
-    float *                     pf_guessed;   // [n_layers]
-    float *                     pf_routed;    // [n_layers]
+    // the prefetch gate (mf_prefetch.c, mf_prefetch_next): per layer and rate class
+    // (mf_reuse_rate_class), decayed counts of predicted experts that were not resident when
+    // predicted, and of those the layer then routed
+    float *                     pf_guessed;   // [n_layers * MF_RATE_CLASSES]
+    float *                     pf_routed;    // [n_layers * MF_RATE_CLASSES]
     uint32_t *                  pf_closed_visits;  // [n_layers] visits while closed (MF_GATE_SAMPLE)
     uint8_t *                   pf_cand;      // [n_expert] the last prediction's non-resident experts
+    uint8_t *                   pf_class;     // [n_expert] their rate classes when predicted
     int32_t                     pf_cand_layer;
     // the last prediction token by token, pf_k ids a row (-1: none), for pf_rows_n rows; 0 rows:
     // the predictor named only the batch's union (capacity route_ids_cap, grown with it)

@@ -14,35 +14,50 @@
 // The prefetch gate. A prefetched expert that its layer then routes was read early (its wait
 // hidden behind compute); one it does not route was read for nothing (its bytes added to the
 // token, its frame taken from the cache). With the disk the bound, reading pays only while more
-// of a layer's guesses are routed than not. So every prediction is scored, read or not: of the
+// of the guesses read are routed than not. So every prediction is scored, read or not: of the
 // experts it names that are not resident, how many the layer routes, each token's guesses against
 // that token's own routing (a prompt's union routes most experts: against it even random guesses
-// would look right). A layer whose recent guesses (counts decayed with a half-life of
-// MF_GATE_HALF_LIFE of its routes) were routed less than half the time is predicted but not read,
-// until they are again. A layer with too few scored guesses of its own is judged by all layers'
-// (a prompt visits each layer once: its first guesses would otherwise all be read unjudged); with
-// none anywhere it is open. The model's router guessing a replayed trace's routing (2% routed) is
-// closed after the first scored layer; guessing its own routing, it stays open.
+// would look right). The counts are kept per layer and per rate class of the guessed expert
+// (mf_reuse_rate_class: a guess of an expert its layer rarely routes is wrong far more often than
+// one of a frequent expert, and the class is known before the guess is read), decayed with a
+// half-life of MF_GATE_HALF_LIFE of the layer's routes. A guess whose cell's recent guesses were
+// routed less than half the time is not read, until they are again. A cell with too few scored
+// guesses is judged by its class over all layers, then by everything (a prompt visits each layer
+// once: its first guesses would otherwise all be read unjudged); with no evidence anywhere it is
+// open. The model's router guessing a replayed trace's routing (2% routed) closes every class
+// after the first scored layer; guessing its own routing, it stays open.
 #define MF_GATE_HALF_LIFE 16.0f
 #define MF_GATE_EVIDENCE  8.0f  // decayed guesses before the gate judges
-// A closed layer is still predicted, to see its guesses turn right again, but a prediction costs
-// its router matmul on the decode thread while the compute threads wait: it streams the next
-// layer's router weights (n_expert x n_embd F32, 1 MiB a layer on Qwen3-30B-A3B) from memory. So
-// a closed layer is predicted on one visit in MF_GATE_SAMPLE; its counts decay per scored visit,
-// so it reopens after MF_GATE_SAMPLE times as many visits as an every-visit gate would take.
-// A build with -DMF_GATE_SAMPLE=1 predicts every visit (docs/streamer.md, "Prefetch").
+// A layer whose every class is closed is still predicted, to see its guesses turn right again,
+// but a prediction costs its router matmul on the decode thread while the compute threads wait:
+// it streams the next layer's router weights (n_expert x n_embd F32, 1 MiB a layer on
+// Qwen3-30B-A3B) from memory. So a closed layer is predicted on one visit in MF_GATE_SAMPLE; its
+// counts decay per scored visit, so it reopens after MF_GATE_SAMPLE times as many visits as an
+// every-visit gate would take. A build with -DMF_GATE_SAMPLE=1 predicts every visit
+// (docs/streamer.md, "Prefetch").
 #ifndef MF_GATE_SAMPLE
 #    define MF_GATE_SAMPLE 8
 #endif
 
-static bool gate_open(const mf_streamer * s, int32_t layer) {
-    float guessed = s->pf_guessed[layer], routed = s->pf_routed[layer];
-    if (guessed < MF_GATE_EVIDENCE) {
-        guessed = routed = 0.0f;
-        for (int32_t l = 0; l < s->n_layers; l++) {
-            guessed += s->pf_guessed[l];
-            routed += s->pf_routed[l];
+static bool gate_open(const mf_streamer * s, int32_t layer, int32_t cls) {
+    const size_t cell = (size_t) layer * MF_RATE_CLASSES + (size_t) cls;
+    if (s->pf_guessed[cell] >= MF_GATE_EVIDENCE) {
+        return 2.0f * s->pf_routed[cell] >= s->pf_guessed[cell];
+    }
+    float class_guessed = 0.0f, class_routed = 0.0f, guessed = 0.0f, routed = 0.0f;
+    for (int32_t l = 0; l < s->n_layers; l++) {
+        for (int32_t c = 0; c < MF_RATE_CLASSES; c++) {
+            const size_t i = (size_t) l * MF_RATE_CLASSES + (size_t) c;
+            guessed += s->pf_guessed[i];
+            routed += s->pf_routed[i];
+            if (c == cls) {
+                class_guessed += s->pf_guessed[i];
+                class_routed += s->pf_routed[i];
+            }
         }
+    }
+    if (class_guessed >= MF_GATE_EVIDENCE) {
+        return 2.0f * class_routed >= class_guessed;
     }
     return guessed < MF_GATE_EVIDENCE || 2.0f * routed >= guessed;
 }
@@ -61,26 +76,32 @@ void mf_prefetch_score(mf_streamer * s, int32_t il, int64_t rows, int64_t k) {
     if (s->pf_cand_layer != il) {
         return;
     }
-    int32_t guessed = 0, routed = 0;
+    int32_t guessed[MF_RATE_CLASSES] = { 0 }, routed[MF_RATE_CLASSES] = { 0 };
     if (s->pf_rows_n > 0) {
         for (int64_t r = 0; r < s->pf_rows_n && r < rows; r++) {
             for (int64_t m = 0; m < s->pf_k; m++) {
-                const int32_t e    = s->pf_rows[r * s->pf_k + m];
-                const bool    cand = e >= 0 && s->pf_cand[e];
-                guessed += cand;
-                routed += cand && routes(s->route_ids + r * k, k, e);
+                const int32_t e = s->pf_rows[r * s->pf_k + m];
+                if (e >= 0 && s->pf_cand[e]) {
+                    guessed[s->pf_class[e]]++;
+                    routed[s->pf_class[e]] += routes(s->route_ids + r * k, k, e);
+                }
             }
         }
     } else {  // a predictor of the union (the trace oracle): against the union
         for (int32_t e = 0; e < s->n_expert; e++) {
-            guessed += s->pf_cand[e];
-            routed += s->pf_cand[e] && s->want[e];
+            if (s->pf_cand[e]) {
+                guessed[s->pf_class[e]]++;
+                routed[s->pf_class[e]] += s->want[e] != 0;
+            }
         }
     }
     const float decay = exp2f(-1.0f / MF_GATE_HALF_LIFE);
-    s->pf_guessed[il] = s->pf_guessed[il] * decay + (float) guessed;
-    s->pf_routed[il]  = s->pf_routed[il] * decay + (float) routed;
-    s->pf_cand_layer  = -1;
+    for (int32_t c = 0; c < MF_RATE_CLASSES; c++) {
+        const size_t i  = (size_t) il * MF_RATE_CLASSES + (size_t) c;
+        s->pf_guessed[i] = s->pf_guessed[i] * decay + (float) guessed[c];
+        s->pf_routed[i]  = s->pf_routed[i] * decay + (float) routed[c];
+    }
+    s->pf_cand_layer = -1;
 }
 
 // reads layer il + 1's predicted experts behind layer il's own reads (see mf_predict.c); a route
@@ -97,7 +118,10 @@ void mf_prefetch_next(mf_streamer * s, int32_t il, const struct ggml_tensor * id
     s->pf_rows_n     = 0;
     s->pf_cand_layer = -1;
     // the counts it judges by change only when a route is scored, before this call
-    const bool open = gate_open(s, il + 1);
+    bool open = false;
+    for (int32_t c = 0; c < MF_RATE_CLASSES && !open; c++) {
+        open = gate_open(s, il + 1, c);
+    }
     if (!open && s->pf_closed_visits[il + 1]++ % MF_GATE_SAMPLE != 0) {
         return;
     }
@@ -114,13 +138,20 @@ void mf_prefetch_next(mf_streamer * s, int32_t il, const struct ggml_tensor * id
     if (n <= 0) {
         return;
     }
-    int32_t fresh = 0;
+    // every non-resident guess is scored; only those whose cell is open are read
+    int32_t fresh = 0, read = 0;
     for (int32_t e = 0; e < s->n_expert; e++) {
         s->pf_cand[e] = s->want_next[e] && !mf_cache_is_resident(s->cache, il + 1, e);
-        fresh += s->pf_cand[e];
+        if (s->pf_cand[e]) {
+            const int32_t cls = mf_reuse_rate_class(s->cache, il + 1, e);
+            s->pf_class[e]    = (uint8_t) cls;
+            s->want_next[e]   = gate_open(s, il + 1, cls);
+            fresh++;
+            read += s->want_next[e];
+        }
     }
     s->pf_cand_layer = fresh > 0 ? il + 1 : -1;
-    if (fresh == 0 || !open || mf_cache_prefetch(s->cache, il + 1, s->want_next) < 0) {
+    if (read == 0 || mf_cache_prefetch(s->cache, il + 1, s->want_next) < 0) {
         return;
     }
     if (s->cache->n_load == 0 && s->cache->n_evict == 0) {

@@ -151,6 +151,7 @@ void mf_streamer_free(mf_streamer * s) {
     mf_history_free(s);
     free(s->pf_mark);
     free(s->pf_cand);
+    free(s->pf_class);
     free(s->pf_guessed);
     free(s->pf_routed);
     free(s->pf_closed_visits);

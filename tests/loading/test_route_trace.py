@@ -248,27 +248,40 @@ def test_history_prefetch_learns_what_follows_what(tiny_model: Callable[..., Pat
 
 class Prefetches(NamedTuple):
     """Of a run that evicts: experts prefetched in the prompt, and per decode step the experts
-    prefetched and the next-layer predictions made."""
+    prefetched, the next-layer predictions made and the prefetched experts then routed."""
 
     prompt: int
     decode: list[int]
     predictions: list[int]
+    hits: list[int]
 
 
 def prefetches(
-    path: Path, trace: Path | None, prefetch: Literal["router", "history"], n_tokens: int
+    path: Path,
+    trace: Path | None,
+    prefetch: Literal["router", "history"],
+    n_tokens: int,
+    trace_error: float | None = None,
+    budget_layers: float = 2.0,
 ) -> Prefetches:
+    """trace_error: prefetch from the trace, that share of its guesses replaced (emulated);
+    budget_layers: the budget in layers' experts."""
     """The prefetches of a run routed by `trace` (None: the model's own routing)."""
     settings = ModelSettings(
         model=path,
         mode="streaming",
-        budget=2 * expert_layer_bytes(path),
+        budget=int(budget_layers * expert_layer_bytes(path)),
         ctx_size=512,
         threads=2,
         flash_attn="off",
         prefetch=prefetch,
     )
-    loaded = load_model(settings, RouteTraceSettings(route_trace=trace))
+    routing = RouteTraceSettings(
+        route_trace=trace,
+        prefetch_from_trace=trace_error is not None,
+        prefetch_trace_error=trace_error or 0.0,
+    )
+    loaded = load_model(settings, routing)
     try:
         params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
         generate(
@@ -279,7 +292,12 @@ def prefetches(
         loaded.close()
     assert len(steps) == n_tokens
     decode = steps[1:]
-    return Prefetches(steps[0].prefetched, [s.prefetched for s in decode], [s.predictions for s in decode])
+    return Prefetches(
+        steps[0].prefetched,
+        [s.prefetched for s in decode],
+        [s.predictions for s in decode],
+        [s.prefetch_hits for s in decode],
+    )
 
 
 def test_the_prefetch_gate_closes_on_wrong_guesses_and_stays_open_on_right_ones(
@@ -316,6 +334,40 @@ def test_the_prefetch_gate_guards_a_prompt(tiny_model: Callable[..., Path], tmp_
     # guessing the model's own routing, the router's prefetch reads ahead of every later layer
     own = prefetches(path, None, "router", 2).prompt
     assert own > shape.n_expert, own
+
+
+def skewed_trace(path: Path, out: Path, hot: int, steps: tuple[int, int], seed: int = 1) -> Path:
+    """Every token of every layer routes k of that layer's first `hot` experts (the others never):
+    the rarely routed experts are known as such before any of them is guessed."""
+    shape = ModelShape.of(path)
+    rng = random.Random(seed)
+    routes = [
+        Route(phase == 1, layer, tuple(rng.sample(range(hot), shape.n_expert_used)), 0, step)
+        for phase, n_steps in enumerate(steps)
+        for step in range(n_steps)
+        for layer in range(shape.n_layer)
+    ]
+    write_trace(out, shape, routes)
+    return out
+
+
+def test_the_prefetch_gate_drops_guesses_of_rarely_routed_experts(
+    tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Half of each token's guesses replaced by experts it does not route: of a layer's 16 experts
+    8 are routed, so two thirds of the wrong guesses name one of the 8 never routed. The gate keeps
+    its counts per rate class of the guessed expert (mf_reuse_rate_class): the never-routed class
+    closes, the routed ones stay open, and what is read is routed more often than what is guessed."""
+    path = tiny_model("tiny-qwen3moe")
+    assert ModelShape.of(path).n_expert == 16
+    n_tokens = 60
+    trace = skewed_trace(path, tmp_path / "skewed.route.csv", 8, (len(PROMPT), n_tokens - 1))
+    # room for 24 of the 32 routed entries: the routed experts are read again and again
+    noisy = prefetches(path, trace, "router", n_tokens, trace_error=0.5, budget_layers=1.5)
+    # past the first tokens (the gate learning), what is read is mostly routed: wrong guesses of
+    # the 12 routed experts still cost reads, those of the 4 others do not
+    read, hits = sum(noisy.decode[8:]), sum(noisy.hits[8:])
+    assert read > 0 and hits > 0.6 * read, (read, hits)
 
 
 def test_a_trace_that_does_not_fit_is_refused(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
