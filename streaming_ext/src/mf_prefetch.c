@@ -39,27 +39,34 @@
 #    define MF_GATE_SAMPLE 8
 #endif
 
-static bool gate_open(const mf_streamer * s, int32_t layer, int32_t cls) {
-    const size_t cell = (size_t) layer * MF_RATE_CLASSES + (size_t) cls;
-    if (s->pf_guessed[cell] >= MF_GATE_EVIDENCE) {
-        return 2.0f * s->pf_routed[cell] >= s->pf_guessed[cell];
-    }
-    float class_guessed = 0.0f, class_routed = 0.0f, guessed = 0.0f, routed = 0.0f;
+static bool judged_open(float guessed, float routed) {
+    return 2.0f * routed >= guessed;
+}
+
+// which rate classes of `layer` are open: each judged by its own cell, else by its class over all
+// layers, else by every guess (open with no evidence); one pass over the counts per prediction
+static void gate_classes(const mf_streamer * s, int32_t layer, bool open[MF_RATE_CLASSES]) {
+    float class_guessed[MF_RATE_CLASSES] = { 0 }, class_routed[MF_RATE_CLASSES] = { 0 };
+    float guessed = 0.0f, routed = 0.0f;
     for (int32_t l = 0; l < s->n_layers; l++) {
         for (int32_t c = 0; c < MF_RATE_CLASSES; c++) {
             const size_t i = (size_t) l * MF_RATE_CLASSES + (size_t) c;
+            class_guessed[c] += s->pf_guessed[i];
+            class_routed[c] += s->pf_routed[i];
             guessed += s->pf_guessed[i];
             routed += s->pf_routed[i];
-            if (c == cls) {
-                class_guessed += s->pf_guessed[i];
-                class_routed += s->pf_routed[i];
-            }
         }
     }
-    if (class_guessed >= MF_GATE_EVIDENCE) {
-        return 2.0f * class_routed >= class_guessed;
+    for (int32_t c = 0; c < MF_RATE_CLASSES; c++) {
+        const size_t cell = (size_t) layer * MF_RATE_CLASSES + (size_t) c;
+        if (s->pf_guessed[cell] >= MF_GATE_EVIDENCE) {
+            open[c] = judged_open(s->pf_guessed[cell], s->pf_routed[cell]);
+        } else if (class_guessed[c] >= MF_GATE_EVIDENCE) {
+            open[c] = judged_open(class_guessed[c], class_routed[c]);
+        } else {
+            open[c] = guessed < MF_GATE_EVIDENCE || judged_open(guessed, routed);
+        }
     }
-    return guessed < MF_GATE_EVIDENCE || 2.0f * routed >= guessed;
 }
 
 static bool routes(const int32_t * ids, int64_t k, int32_t e) {
@@ -118,9 +125,10 @@ void mf_prefetch_next(mf_streamer * s, int32_t il, const struct ggml_tensor * id
     s->pf_rows_n     = 0;
     s->pf_cand_layer = -1;
     // the counts it judges by change only when a route is scored, before this call
-    bool open = false;
-    for (int32_t c = 0; c < MF_RATE_CLASSES && !open; c++) {
-        open = gate_open(s, il + 1, c);
+    bool classes_open[MF_RATE_CLASSES], open = false;
+    gate_classes(s, il + 1, classes_open);
+    for (int32_t c = 0; c < MF_RATE_CLASSES; c++) {
+        open = open || classes_open[c];
     }
     if (!open && s->pf_closed_visits[il + 1]++ % MF_GATE_SAMPLE != 0) {
         return;
@@ -145,7 +153,7 @@ void mf_prefetch_next(mf_streamer * s, int32_t il, const struct ggml_tensor * id
         if (s->pf_cand[e]) {
             const int32_t cls = mf_reuse_rate_class(s->cache, il + 1, e);
             s->pf_class[e]    = (uint8_t) cls;
-            s->want_next[e]   = gate_open(s, il + 1, cls);
+            s->want_next[e]   = classes_open[cls];
             fresh++;
             read += s->want_next[e];
         }
