@@ -6,7 +6,7 @@ MOEFLASH_STREAM_LIB names another build to load instead (the test suite uses it 
 """
 
 try:
-    from streaming_ext._declared import Policy, Prefetch, Reader, StreamerStats
+    from streaming_ext._declared import Policy, Prefetch, RateClass, Reader, StreamerStats
 except ModuleNotFoundError as exc:  # a checkout that was never built
     raise ImportError("streaming_ext/_declared.py is missing: run `make ext` (or `make setup`)") from exc
 from streaming_ext._lib import StreamLib, StreamLibError, library_path, load_library
@@ -17,6 +17,7 @@ __all__ = [
     "CachePolicy",
     "Policy",
     "Prefetch",
+    "RateClass",
     "Reader",
     "RouteRecord",
     "RouteTracer",

@@ -148,6 +148,7 @@ def _declare(cdll: ctypes.CDLL) -> None:
         ),
         "mf_cache_prefetch": ([vp, i32, ctypes.POINTER(ctypes.c_uint8)], i32),
         "mf_cache_loads": ([vp, ctypes.POINTER(i32), i32], i32),
+        "mf_cache_rate_class": ([vp, i32, i32], i32),
         "mf_cache_counts": ([vp, ctypes.POINTER(u64), ctypes.POINTER(u64), ctypes.POINTER(u64)], None),
         "mf_route_trace_new": ([i32, i32, i32, ctypes.POINTER(vp)], ctypes.c_int),
         "mf_route_trace_free": ([vp], None),

@@ -17,7 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # the C enums, by the name mf_enum_member_* knows them and the Python class generated for each
-ENUMS: tuple[tuple[str, str], ...] = (("policy", "Policy"), ("prefetch", "Prefetch"), ("reader", "Reader"))
+ENUMS: tuple[tuple[str, str], ...] = (
+    ("policy", "Policy"),
+    ("prefetch", "Prefetch"),
+    ("reader", "Reader"),
+    ("rate_class", "RateClass"),
+)
 KINDS = ("COUNTER", "GAUGE")
 UNITS = ("COUNT", "BYTES", "NS", "FLAG")
 
@@ -116,6 +121,15 @@ def render(decls: Declarations) -> str:
         out += ["", "", f"class {classes[c_name]}(IntEnum):", f'    """enum mf_{c_name}."""', ""]
         for m in members:
             out.append(f"    {m.name} = {m.value}  # {m.text}")
+        texts = ", ".join(f"{m.value}: {m.text!r}" for m in members)
+        out += [
+            "",
+            "    @property",
+            "    def text(self) -> str:",
+            '        """The member\'s description in moeflash_stream.h."""',
+            f"        texts = {{{texts}}}",
+            "        return texts[self.value]",
+        ]
     out += ["", "", "STATS: tuple[Stat, ...] = ("]
     for s in decls.stats:
         out.append(f"    Stat({s.name!r}, {s.kind!r}, {s.unit!r}, {s.text!r}),")

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from streaming_ext._declared import Policy, Prefetch, Reader, StreamerStats
+from streaming_ext._declared import Policy, Prefetch, RateClass, Reader, StreamerStats
 from streaming_ext._lib import MfConfig, MfStats, StreamLib, load_library
 
 logger = logging.getLogger(__name__)
@@ -289,6 +289,13 @@ class CachePolicy:
         out = (ctypes.c_int32 * max(n, 1))()
         self.lib.cdll.mf_cache_loads(self._handle, out, n)
         return list(out[:n])
+
+    def rate_class(self, layer: int, expert: int) -> RateClass:
+        """The expert's class by its recent rate in its layer, as the prefetch gate judges a guess."""
+        rc = int(self.lib.cdll.mf_cache_rate_class(self._handle, layer, expert))
+        if rc < 0:
+            raise StreamerError(f"no expert {expert} in layer {layer}: {os.strerror(-rc)}", -rc)
+        return RateClass(rc)
 
     def counts(self) -> tuple[int, int, int]:
         """(hits, misses, evictions) so far."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from server.bench.systems import EMULATED_PREDICTOR_ERROR
 from server.loading.route_trace import Route, Trace
-from streaming_ext import CachePolicy, Policy
+from streaming_ext import CachePolicy, Policy, RateClass
 
 logger = logging.getLogger(__name__)
 
@@ -387,33 +387,6 @@ def replay_run(
 # next-layer predictors of prefetch that use only past routing, the trace with a share of its
 # experts replaced (the emulated predictor of `make bench`), and the trace itself (an oracle)
 PREDICTORS = ("none", "previous token", "co-occurrence", "emulated", "trace")
-# classes of a read-ahead guess by its expert's recent rate in its layer (routes per visit,
-# decayed with the cache policy's half-life of 16 visits) over a uniform router's k / n_expert
-RATE_CLASSES = ((0.0, "< 0.5x"), (0.5, "0.5-1x"), (1.0, "1-2x"), (2.0, ">= 2x"))
-_RATE_HALF_LIFE = 16.0
-
-
-class _RecentRates:
-    """Each expert's routes per visit of its layer, counts decayed per visit (as mf_reuse.c's)."""
-
-    def __init__(self, n_layer: int, n_expert: int) -> None:
-        self.decay = 2.0 ** (-1.0 / _RATE_HALF_LIFE)
-        self.routed = [[0.0] * n_expert for _ in range(n_layer)]
-        self.visits = [0.0] * n_layer
-
-    def visit(self, layer: int, experts: tuple[int, ...]) -> None:
-        row = self.routed[layer]
-        for e in range(len(row)):
-            row[e] *= self.decay
-        for e in set(experts):
-            row[e] += 1.0
-        self.visits[layer] = self.visits[layer] * self.decay + 1.0
-
-    def rate_class(self, layer: int, expert: int, uniform: float) -> int:
-        if self.visits[layer] == 0.0:
-            return 0
-        ratio = self.routed[layer][expert] / self.visits[layer] / uniform
-        return max(i for i, (low, _) in enumerate(RATE_CLASSES) if ratio >= low)
 
 
 def _emulated_guess(following: tuple[int, ...], n_expert: int, rng: random.Random) -> list[int]:
@@ -464,7 +437,7 @@ class PrefetchResult:
     slot_pct: float  # of the routed entries, the share the predictor named (cached or not)
     useful_pct: float  # of the entries prefetch read, the share their layer then routed
     read_mib_per_token: float  # demand misses plus prefetch reads
-    # per RATE_CLASSES class of the read entries: (entries read, of them routed by their layer)
+    # per RateClass of the read entries, the prefetch gate's classes: (entries read, of them routed)
     by_rate: tuple[tuple[int, int], ...] = ()
 
 
@@ -478,10 +451,8 @@ def replay_prefetch(
         raise ValueError(f"predictor must be one of {PREDICTORS}")
     cache = CachePolicy(trace.n_layer, trace.n_expert, trace.entry_bytes, budget_mib * _MIB, policy)
     cooc = _CoOccurrence(trace.n_layer, trace.n_expert)
-    rates = _RecentRates(trace.n_layer, trace.n_expert)
-    uniform = trace.k / trace.n_expert
     rng = random.Random(0)
-    by_rate = [[0, 0] for _ in RATE_CLASSES]
+    by_rate = [[0, 0] for _ in RateClass]
     by_token = trace.by_token()
     routed = hits = named = loaded = useful = read_bytes = 0
     latest: dict[int, tuple[int, ...]] = {}  # per layer: the experts of its last route
@@ -491,7 +462,6 @@ def replay_prefetch(
         for r in trace.routes:
             token = (r.decode, r.turn, r.step)
             misses = cache.route(r.layer, list(r.experts))
-            rates.visit(r.layer, r.experts)
             before = by_token.get((*token, r.layer - 1))
             if before is not None:
                 cooc.learn(r.layer - 1, before, r.experts)
@@ -518,7 +488,7 @@ def replay_prefetch(
                     guess = cooc.predict(r.layer, r.experts, trace.k)
                 read = cache.prefetch(r.layer + 1, guess)
                 guessed[r.layer + 1] = set(guess)
-                pending[r.layer + 1] = {e: rates.rate_class(r.layer + 1, e, uniform) for e in read}
+                pending[r.layer + 1] = {e: cache.rate_class(r.layer + 1, e) for e in read}
                 loaded += len(read)
                 read_bytes += len(read) * trace.entry_bytes[r.layer + 1]
             latest[r.layer] = r.experts

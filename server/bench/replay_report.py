@@ -23,7 +23,6 @@ from server.bench.derived import derivations
 from server.bench.replay import (
     BUDGETS_MIB,
     PREDICTORS,
-    RATE_CLASSES,
     SERVED_N_BATCH,
     PrefetchResult,
     ReplayResult,
@@ -38,6 +37,7 @@ from server.bench.systems import EMULATED_PREDICTOR_ERROR
 from server.bench.targets import POLICY_TUNED_ON, REPLAY_SHARE_OF_BELADY
 from server.errors import ConfigError
 from server.loading.route_trace import Trace, load_trace
+from streaming_ext import RateClass
 
 # published hit rates beside a trace: (budget MiB, policy) -> column -> value
 Curves = dict[tuple[int, str], dict[str, float]]
@@ -268,16 +268,17 @@ def _prefetch_markdown(results: list[PrefetchResult]) -> list[str]:
             f"| {r.budget_mib} | {r.predictor} | {r.hit_pct_decode:.1f}% | {r.slot_pct:.1f}% | "
             f"{r.useful_pct:.1f}% | {r.read_mib_per_token:.1f} |"
         )
-    classes = " | ".join(label for _, label in RATE_CLASSES)
+    classes = " | ".join(c.text for c in RateClass)
     lines += [
         "",
         "The emulated predictor's read-aheads by their expert's recent rate in its layer (routes per"
         " visit, decayed with the cache policy's half-life of 16 visits) over a uniform router's"
-        " k / n_expert, known before a guess is read: per class, the share of the entries read and,"
-        " in brackets, the share of them their layer then routed.",
+        " k / n_expert, known before a guess is read: the classes the prefetch gate judges guesses by"
+        " (enum mf_rate_class, read from the cache policy). Per class, the share of the entries read"
+        " and, in brackets, the share of them their layer then routed.",
         "",
         f"| budget MiB | {classes} |",
-        "|---|" + "---|" * len(RATE_CLASSES),
+        "|---|" + "---|" * len(RateClass),
     ]
     for r in results:
         if r.predictor != "emulated":

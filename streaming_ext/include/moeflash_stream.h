@@ -63,15 +63,28 @@ typedef struct mf_streamer mf_streamer;
     X(DIRECT, 0, "O_DIRECT (page-aligned reads straight into place); buffered if refused")        \
     X(BUFFERED, 1, "plain pread through the page cache")
 
-#define MF_POLICY_MEMBER(name, value, text)   MF_POLICY_##name = value,
-#define MF_PREFETCH_MEMBER(name, value, text) MF_PREFETCH_##name = value,
-#define MF_READER_MEMBER(name, value, text)   MF_READER_##name = value,
+// An expert's class by its recent routes per visit of its layer (decayed with the cache policy's
+// half-life) over a uniform router's k / n_expert, unknown before the layer is routed or under a
+// policy that does not learn: the prefetch gate judges guesses per class.
+#define MF_RATE_CLASS_MEMBERS(X)                                              \
+    X(RARE, 0, "< 0.5x")                                                      \
+    X(BELOW, 1, "0.5-1x")                                                     \
+    X(ABOVE, 2, "1-2x")                                                       \
+    X(FREQUENT, 3, ">= 2x")                                                   \
+    X(UNKNOWN, 4, "unknown")
+
+#define MF_POLICY_MEMBER(name, value, text)     MF_POLICY_##name = value,
+#define MF_PREFETCH_MEMBER(name, value, text)   MF_PREFETCH_##name = value,
+#define MF_READER_MEMBER(name, value, text)     MF_READER_##name = value,
+#define MF_RATE_CLASS_MEMBER(name, value, text) MF_RATE_##name = value,
 enum mf_policy { MF_POLICY_MEMBERS(MF_POLICY_MEMBER) };
 enum mf_prefetch { MF_PREFETCH_MEMBERS(MF_PREFETCH_MEMBER) };
 enum mf_reader { MF_READER_MEMBERS(MF_READER_MEMBER) };
+enum mf_rate_class { MF_RATE_CLASS_MEMBERS(MF_RATE_CLASS_MEMBER) };
 #undef MF_POLICY_MEMBER
 #undef MF_PREFETCH_MEMBER
 #undef MF_READER_MEMBER
+#undef MF_RATE_CLASS_MEMBER
 
 // The streamer's options. Every field is read; the expert budget is not one of them: it is set
 // with mf_streamer_set_budget once its floor (mf_streamer_layer_bytes) and the memory the model
@@ -298,6 +311,8 @@ MF_API int32_t mf_cache_prefetch(mf_cache * c, int32_t layer, const uint8_t * wa
 // The experts (of the layer) that the last mf_cache_route or mf_cache_prefetch admitted, to be
 // read: up to max of them into out; returns how many there are.
 MF_API int32_t mf_cache_loads(const mf_cache * c, int32_t * out, int32_t max);
+// An expert's enum mf_rate_class now; -EINVAL for a layer or expert out of range.
+MF_API int32_t mf_cache_rate_class(const mf_cache * c, int32_t layer, int32_t e);
 
 // Counters of a stand-alone cache: hits, misses, evictions.
 MF_API void mf_cache_counts(const mf_cache * c, uint64_t * hits, uint64_t * misses, uint64_t * evictions);

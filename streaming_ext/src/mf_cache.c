@@ -429,6 +429,13 @@ int32_t mf_cache_hot_set(const mf_cache * c, int32_t * out, uint32_t * uses, int
     return c->n_res;
 }
 
+int32_t mf_cache_rate_class(const mf_cache * c, int32_t layer, int32_t e) {
+    if (layer < 0 || layer >= c->n_layer || e < 0 || e >= c->n_expert) {
+        return -EINVAL;
+    }
+    return mf_reuse_rate_class(c, layer, e);
+}
+
 int32_t mf_cache_loads(const mf_cache * c, int32_t * out, int32_t max) {
     for (int32_t i = 0; i < c->n_load && i < max; i++) {
         out[i] = c->load[i];

@@ -273,10 +273,8 @@ void mf_reuse_learn_token(mf_cache * c, int32_t layer, const uint8_t * want);
 // scores every resident entry (c->score: keep value per byte, FLT_MAX for the pinned ones, which
 // can't be victims), counting distances from layer cur
 void mf_reuse_score(mf_cache * c, int32_t cur);
-// classes of an expert by its recent routing rate in its layer over a uniform router's
-// k / n_expert: under 0.5x, 0.5-1x, 1-2x, 2x and above, and unknown (the layer not yet learned,
-// or a policy that does not learn). The prefetch gate keeps its counts per class
-#define MF_RATE_CLASSES 5
+// an expert's enum mf_rate_class; the prefetch gate keeps its counts per class
+#define MF_RATE_CLASSES (MF_RATE_UNKNOWN + 1)
 int32_t mf_reuse_rate_class(const mf_cache * c, int32_t layer, int32_t e);
 
 // ---------------------------------------------------------------- expert tensors (mf_buft.c)

@@ -222,9 +222,12 @@ void mf_reuse_learn_token(mf_cache * c, int32_t layer, const uint8_t * want) {
 int32_t mf_reuse_rate_class(const mf_cache * c, int32_t layer, int32_t e) {
     const float norm = c->rates[layer].norm;
     if (norm <= 0.0f) {
-        return MF_RATE_CLASSES - 1;
+        return MF_RATE_UNKNOWN;
     }
     const float rate = c->recent[(size_t) layer * (size_t) c->n_expert + (size_t) e] / norm;
     const float u    = prior_rate(c);
-    return rate < 0.5f * u ? 0 : rate < u ? 1 : rate < 2.0f * u ? 2 : 3;
+    return rate < 0.5f * u  ? MF_RATE_RARE :
+           rate < u         ? MF_RATE_BELOW :
+           rate < 2.0f * u  ? MF_RATE_ABOVE :
+                              MF_RATE_FREQUENT;
 }

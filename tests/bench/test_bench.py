@@ -21,6 +21,7 @@ from server.bench.models import describe_model
 from server.bench.systems import CAPPED_ROUNDS, default_systems
 from server.loading.route_trace import Route, Trace
 from server.modelgen import QType, preset
+from streaming_ext import RateClass
 from tests.commands import moeflash
 
 REPO = Path(__file__).resolve().parents[2]
@@ -234,9 +235,9 @@ def test_replay_reproduces_the_published_lru_and_belady_curves(tmp_path: Path) -
             # far more often (bench/reports/trace-replay.md: 39-44% against 80-94%)
             emulated = prefetch[(budget, "emulated")]
             by_rate = emulated["by_rate"]
-            assert len(by_rate) == 4 and all(right <= n for n, right in by_rate)
+            assert len(by_rate) == len(RateClass) and all(right <= n for n, right in by_rate)
             assert 0 < emulated["useful_pct"] < 100.0
-            rare, *others = by_rate
+            rare, others = by_rate[RateClass.RARE], by_rate[RateClass.BELOW : RateClass.UNKNOWN]
             assert rare[1] < 0.5 * rare[0] and all(right > 0.7 * n for n, right in others if n >= 50)
     # regression guards at the measured level (bench/reports/trace-replay.md: 0.824 / 0.851 of
     # Belady under the byte budget)
@@ -364,6 +365,29 @@ def test_cache_refuses_token_routing_outside_the_routed_set() -> None:
         assert cache.route(0, [1, 2, 3], tokens=[(1, 2), (2, 3)]) == 3
         assert cache.route(1, [1, 2, 3], tokens=[(1, 2), (3,)]) == 3  # tokens may route fewer
         assert cache.counts() == (0, 6, 0)
+    finally:
+        cache.close()
+
+
+def test_cache_classes_experts_by_their_recent_rate() -> None:
+    # two layers of 8 experts routing 2 a token (a uniform router's rate: 1/4). Each token routes
+    # expert 0 (4x) and, in turn, one of 1-3 on layer 0 (1.33x) and of 1-5 on layer 1 (0.8x); the
+    # rest never (0x). Unknown before a layer's first route.
+    from streaming_ext import CachePolicy, StreamerError
+
+    cache = CachePolicy(2, 8, [2**20, 2**20], 16 * 2**20)
+    try:
+        assert cache.rate_class(0, 0) is RateClass.UNKNOWN
+        for step in range(60):
+            cache.route(0, [0, 1 + step % 3])
+            cache.route(1, [0, 1 + step % 5])
+        classes = [[cache.rate_class(layer, e) for e in range(8)] for layer in (0, 1)]
+        assert classes[0] == [RateClass.FREQUENT] + [RateClass.ABOVE] * 3 + [RateClass.RARE] * 4
+        assert classes[1] == [RateClass.FREQUENT] + [RateClass.BELOW] * 5 + [RateClass.RARE] * 2
+        with pytest.raises(StreamerError, match="no expert 8 in layer 0"):
+            cache.rate_class(0, 8)
+        with pytest.raises(StreamerError, match="no expert 0 in layer 2"):
+            cache.rate_class(2, 0)
     finally:
         cache.close()
 
