@@ -65,7 +65,8 @@ typedef struct mf_streamer mf_streamer;
 
 // An expert's class by its recent routes per visit of its layer (decayed with the cache policy's
 // half-life) over a uniform router's k / n_expert, unknown before the layer is routed or under a
-// policy that does not learn: the prefetch gate judges guesses per class.
+// policy that does not learn: the prefetch gate judges guesses per class (UNKNOWN stays last:
+// the library sizes its counts by MF_RATE_UNKNOWN + 1).
 #define MF_RATE_CLASS_MEMBERS(X)                                              \
     X(RARE, 0, "< 0.5x")                                                      \
     X(BELOW, 1, "0.5-1x")                                                     \
