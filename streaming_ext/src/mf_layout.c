@@ -128,9 +128,9 @@ typedef struct mf_enum_info {
 } mf_enum_info;
 
 #define ENUM_INFO(name, value, text) { #name, value, text },
-static const mf_enum_info policy_members[]   = { MF_POLICY_MEMBERS(ENUM_INFO) };
-static const mf_enum_info prefetch_members[] = { MF_PREFETCH_MEMBERS(ENUM_INFO) };
-static const mf_enum_info reader_members[]   = { MF_READER_MEMBERS(ENUM_INFO) };
+static const mf_enum_info policy_members[]     = { MF_POLICY_MEMBERS(ENUM_INFO) };
+static const mf_enum_info prefetch_members[]   = { MF_PREFETCH_MEMBERS(ENUM_INFO) };
+static const mf_enum_info reader_members[]     = { MF_READER_MEMBERS(ENUM_INFO) };
 static const mf_enum_info rate_class_members[] = { MF_RATE_CLASS_MEMBERS(ENUM_INFO) };
 
 static const mf_enum_info * enum_member(const char * enum_name, int32_t i) {
@@ -139,9 +139,9 @@ static const mf_enum_info * enum_member(const char * enum_name, int32_t i) {
         const mf_enum_info * members;
         int32_t              n;
     } enums[] = {
-        { "policy",   policy_members,   N_OF(policy_members)   },
-        { "prefetch", prefetch_members, N_OF(prefetch_members) },
-        { "reader",   reader_members,   N_OF(reader_members)   },
+        { "policy",     policy_members,     N_OF(policy_members)     },
+        { "prefetch",   prefetch_members,   N_OF(prefetch_members)   },
+        { "reader",     reader_members,     N_OF(reader_members)     },
         { "rate_class", rate_class_members, N_OF(rate_class_members) },
     };
     for (int32_t e = 0; enum_name && e < N_OF(enums); e++) {
