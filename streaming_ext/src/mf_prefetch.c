@@ -44,8 +44,9 @@ static bool judged_open(float guessed, float routed) {
 }
 
 // which rate classes of `layer` are open: each judged by its own cell, else by its class over all
-// layers, else by every guess (open with no evidence); one pass over the counts per prediction
-static void gate_classes(const mf_streamer * s, int32_t layer, bool open[MF_RATE_CLASSES]) {
+// layers, else by every guess (open with no evidence); one pass over the counts per prediction.
+// Returns whether any is.
+static bool gate_classes(const mf_streamer * s, int32_t layer, bool open[MF_RATE_CLASSES]) {
     float class_guessed[MF_RATE_CLASSES] = { 0 }, class_routed[MF_RATE_CLASSES] = { 0 };
     float guessed = 0.0f, routed = 0.0f;
     for (int32_t l = 0; l < s->n_layers; l++) {
@@ -57,6 +58,7 @@ static void gate_classes(const mf_streamer * s, int32_t layer, bool open[MF_RATE
             routed += s->pf_routed[i];
         }
     }
+    bool any = false;
     for (int32_t c = 0; c < MF_RATE_CLASSES; c++) {
         const size_t cell = (size_t) layer * MF_RATE_CLASSES + (size_t) c;
         if (s->pf_guessed[cell] >= MF_GATE_EVIDENCE) {
@@ -66,7 +68,9 @@ static void gate_classes(const mf_streamer * s, int32_t layer, bool open[MF_RATE
         } else {
             open[c] = guessed < MF_GATE_EVIDENCE || judged_open(guessed, routed);
         }
+        any = any || open[c];
     }
+    return any;
 }
 
 static bool routes(const int32_t * ids, int64_t k, int32_t e) {
@@ -125,11 +129,8 @@ void mf_prefetch_next(mf_streamer * s, int32_t il, const struct ggml_tensor * id
     s->pf_rows_n     = 0;
     s->pf_cand_layer = -1;
     // the counts it judges by change only when a route is scored, before this call
-    bool classes_open[MF_RATE_CLASSES], open = false;
-    gate_classes(s, il + 1, classes_open);
-    for (int32_t c = 0; c < MF_RATE_CLASSES; c++) {
-        open = open || classes_open[c];
-    }
+    bool       classes_open[MF_RATE_CLASSES];
+    const bool open = gate_classes(s, il + 1, classes_open);
     if (!open && s->pf_closed_visits[il + 1]++ % MF_GATE_SAMPLE != 0) {
         return;
     }
