@@ -33,8 +33,9 @@ class ChatMessage:
     # assistant turns: the calls it made and its earlier reasoning (templates that use it)
     tool_calls: tuple[ToolCall, ...] = ()
     reasoning: str | None = None
-    # tool turns: the call this is the result of
+    # tool turns: the call this is the result of, and its tool's name where known
     tool_call_id: str | None = None
+    name: str | None = None
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,8 @@ class ChatTemplate:
                 ]
         if role == "tool":
             out["tool_call_id"] = message.tool_call_id
+            if message.name is not None:
+                out["name"] = message.name
         return out
 
     def render(

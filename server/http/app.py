@@ -27,7 +27,7 @@ from server.errors import InvalidRequest, MethodNotAllowed, MoeflashError, NotFo
 from server.http import ollama
 from server.http.chat_completions import create_chat_completion
 from server.http.completions import create_completion
-from server.http.errors import error_response
+from server.http.errors import error_response, validation_error
 from server.http.messages import (
     CountTokensRequest,
     MessageOut,
@@ -68,14 +68,11 @@ def _validation_message(exc: RequestValidationError, request: Request) -> Invali
             f"Content-Type must be application/json, not {content_type!r}", code="unsupported_content_type"
         )
     errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": "value_error"}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    if first.get("type") == "json_invalid":
-        return InvalidRequest(f"the request body is not valid JSON: {first.get('msg')}", code="invalid_json")
-    param = ".".join(loc) or None
-    where = f"{param}: " if param else ""
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return InvalidRequest(f"{where}{first.get('msg')}{more}", param=param, code="invalid_value")
+    if errors and errors[0].get("type") == "json_invalid":
+        return InvalidRequest(
+            f"the request body is not valid JSON: {errors[0].get('msg')}", code="invalid_json"
+        )
+    return validation_error(errors, exc.body)
 
 
 def _card(ctx: ServeContext, name: str) -> ModelCard:

@@ -15,6 +15,8 @@ this server's additions to either envelope. The Ollama routes (/api/...): Ollama
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from starlette.responses import JSONResponse
 
@@ -141,3 +143,35 @@ def error_response(exc: BaseException, queue_full_status: int = 429, path: str =
         exc, queue_full_status, anthropic=is_anthropic(path), ollama=is_ollama(path)
     )
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _located(loc: Sequence[Any], body: Any, kind: str) -> tuple[str, ...]:
+    """The parts of a validation error's location that name a place in `body`: pydantic's union
+    branch labels (`str`, `list[...]`) and tags (`function_call`) are not in the body and are
+    dropped; the last part stays for a field that is missing or not allowed."""
+    node, out = body, []
+    for i, part in enumerate(loc):
+        if isinstance(part, int) and isinstance(node, list) and 0 <= part < len(node):
+            node = node[part]
+        elif isinstance(part, str) and isinstance(node, dict) and part in node:
+            node = node[part]
+        elif not (i == len(loc) - 1 and kind in ("missing", "extra_forbidden")):
+            continue
+        out.append(str(part))
+    return tuple(out)
+
+
+def validation_error(errors: Sequence[Mapping[str, Any]], body: Any) -> InvalidRequest:
+    """One 400 for a request's validation errors: the deepest error, its `param` the field in the
+    body that failed (`input.1.arguments`), never a union branch (`input.str`). Errors at the
+    places above it are the union's other branches failing too, and are not counted as more."""
+    if not errors:
+        return InvalidRequest("invalid request", code="invalid_value")
+    located = [(_located(e.get("loc", ())[1:], body, str(e.get("type"))), e) for e in errors]
+    path, first = max(located, key=lambda pair: len(pair[0]))
+    others = {p for p, _ in located if p != path[: len(p)]}
+    param = ".".join(path) or None
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    more = f" (and {len(others)} more problems)" if others else ""
+    where = f"{param}: " if param else ""
+    return InvalidRequest(f"{where}{message}{more}", param=param, code="invalid_value")

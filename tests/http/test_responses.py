@@ -14,7 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from server.http.responses import ResponsesRequest, Toolbox, to_chat_request
+from server.http.responses import ResponsesRequest, to_chat_request
 from tests.servers import RunningServer, running_server
 
 WEATHER: dict[str, Any] = {
@@ -396,8 +396,7 @@ def test_tools_reach_the_engine_under_flat_names() -> None:
         }
     )
     warned: set[str] = set()
-    tools = Toolbox.of(body.tools, warned)
-    chat = to_chat_request(body, tools, 16)
+    chat, _ = to_chat_request(body, warned, 16)
     assert [tool.name for tool in chat.tools] == [
         "get_weather",
         "apply_patch",

@@ -2,12 +2,18 @@
 
 The mapping:
   system (string or text blocks)      -> a system message
-  user text blocks                    -> a user message, after that turn's tool results
+  text, search_result (its title, source and text), a document whose source is plain text or
+  text blocks (its title, context and text), compaction (its summary) -> the turn's text
   user tool_result blocks             -> tool messages (tool_call_id = tool_use_id; is_error
                                          prefixes the text with "Error: ")
-  assistant text / tool_use blocks    -> an assistant message with content and tool calls
-  assistant thinking blocks           -> its reasoning (redacted_thinking is dropped)
-  image / document blocks             -> 400 unsupported_content (the models take text only)
+  tool_use, server_tool_use, mcp_tool_use -> the assistant turn's tool calls (an MCP tool's
+                                         name joined to its server's by "__")
+  a server or MCP tool's result (SERVER_TOOL_RESULTS) -> a tool message for its call, its
+                                         content as JSON (encrypted parts left out); in an
+                                         assistant turn it closes the turn's calls
+  thinking blocks                     -> the assistant turn's reasoning
+  DROPPED_BLOCKS (redacted_thinking, container_upload, ...) -> left out, logged once per type
+  image blocks, other documents (PDF, URL, file) -> 400 unsupported_content (text only)
   tool_choice auto / any / tool / none -> auto / required / named / none
   stop_sequences, max_tokens, temperature, top_p, top_k -> their sampling equivalents
   output_config.format (a JSON schema)  -> the json_schema output format; its effort (low,
@@ -24,6 +30,7 @@ count is the prompt a Messages request with those fields is served.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from server.engine.chat import (
@@ -39,18 +46,28 @@ from server.engine.token_loop import SamplingParams
 from server.engine.tool_calls import json_text
 from server.errors import InvalidRequest
 from server.http.messages.protocol import (
+    DROPPED_BLOCKS,
+    CompactionBlock,
     CountTokensRequest,
+    DocumentBlock,
+    DroppedBlock,
     InputBlock,
     MediaBlock,
     MessagesRequest,
-    RedactedThinkingBlock,
+    ResultPart,
+    SearchResultBlock,
+    ServerToolResultBlock,
+    ServerToolUseBlock,
     TextBlock,
     ThinkingBlock,
     ToolChoiceParam,
     ToolDefinition,
+    ToolReferenceBlock,
     ToolResultBlock,
     ToolUseBlock,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def _text_only(param: str, kind: str) -> InvalidRequest:
@@ -66,72 +83,185 @@ def _misplaced(param: str, kind: str, role: str) -> InvalidRequest:
     return InvalidRequest(f"a {kind!r} block cannot be in a {role} turn ({param})", param=param)
 
 
+def _document_text(block: DocumentBlock, param: str) -> str:
+    """A document's text (its title and context first): a plain-text source's data, or a content
+    source's text blocks; InvalidRequest for a PDF, a URL or a stored file."""
+    source = block.source
+    kind = source.get("type")
+    if kind == "text" and isinstance(source.get("data"), str):
+        body = str(source["data"])
+    elif kind == "content" and isinstance(source.get("content"), str):
+        body = str(source["content"])
+    elif kind == "content" and isinstance(source.get("content"), list):
+        parts: list[str] = []
+        for k, part in enumerate(source["content"]):
+            if not (
+                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            ):
+                raise _text_only(
+                    f"{param}.source.content.{k}", str(part.get("type") if isinstance(part, dict) else part)
+                )
+            parts.append(part["text"])
+        body = "".join(parts)
+    else:
+        raise InvalidRequest(
+            f"this model takes text only: the document at {param} has a {kind!r} source (PDFs, URLs and "
+            "stored files are not read); send its text as a 'text' source",
+            param=f"{param}.source",
+            code="unsupported_content",
+        )
+    return "\n".join(text for text in (block.title, block.context, body) if text)
+
+
+def _search_result_text(block: SearchResultBlock) -> str:
+    return "\n".join([block.title, block.source, *(part.text for part in block.content)])
+
+
+def _part_text(part: ResultPart, param: str) -> str:
+    if isinstance(part, TextBlock):
+        return part.text
+    if isinstance(part, DocumentBlock):
+        return _document_text(part, param)
+    if isinstance(part, SearchResultBlock):
+        return _search_result_text(part)
+    if isinstance(part, ToolReferenceBlock):
+        return part.tool_name
+    raise _text_only(param, part.type)
+
+
 def _result_text(block: ToolResultBlock, param: str) -> str:
     if block.content is None or isinstance(block.content, str):
         text = block.content or ""
     else:
-        parts: list[str] = []
-        for k, part in enumerate(block.content):
-            if isinstance(part, MediaBlock):
-                raise _text_only(f"{param}.content.{k}", part.type)
-            parts.append(part.text)
-        text = "".join(parts)  # as chat content parts are joined
+        # as chat content parts are joined
+        text = "".join(_part_text(part, f"{param}.content.{k}") for k, part in enumerate(block.content))
     return "Error: " + text if block.is_error else text
 
 
-def _user_turn(blocks: list[InputBlock], i: int) -> list[ChatMessage]:
-    """Tool messages for the turn's tool results, then a user message for its text (if any)."""
-    results: list[ChatMessage] = []
-    texts: list[str] = []
-    for j, block in enumerate(blocks):
-        param = f"messages.{i}.content.{j}"
+def _server_content(value: Any, param: str) -> Any:
+    """A server tool result's content as the model reads it: encrypted parts left out, a
+    document as its text; InvalidRequest for an image or a PDF in it (text only)."""
+    if isinstance(value, list):
+        return [_server_content(v, f"{param}.{k}") for k, v in enumerate(value)]
+    if not isinstance(value, dict):
+        return value
+    if value.get("type") == "image":
+        raise _text_only(param, "image")
+    if value.get("type") == "document" and isinstance(value.get("source"), dict):
+        return _document_text(DocumentBlock.model_validate(value), param)
+    return {k: _server_content(v, f"{param}.{k}") for k, v in value.items() if k != "encrypted_content"}
+
+
+def _server_result_text(block: ServerToolResultBlock, param: str) -> str:
+    content = _server_content(block.content, f"{param}.content")
+    text = content if isinstance(content, str) else json_text(content)
+    return "Error: " + text if block.is_error else text
+
+
+class _Turns:
+    """The chat messages a conversation's turns make, block by block."""
+
+    def __init__(self, warned: set[str]) -> None:
+        self.messages: list[ChatMessage] = []
+        self._warned = warned
+        self._texts: list[str] = []
+        self._calls: list[ToolCall] = []
+        self._reasoning: list[str] = []
+
+    def _close_assistant(self) -> None:
+        if self._texts or self._calls or self._reasoning:
+            self.messages.append(
+                ChatMessage(
+                    "assistant",
+                    "".join(self._texts),
+                    tool_calls=tuple(self._calls),
+                    reasoning="".join(self._reasoning) or None,
+                )
+            )
+        self._texts, self._calls, self._reasoning = [], [], []
+
+    def _drop(self, kind: str) -> None:
+        if f"block.{kind}" not in self._warned:
+            self._warned.add(f"block.{kind}")
+            reason = DROPPED_BLOCKS.get(kind, "a failed compaction (no summary) holds nothing to read")
+            logger.warning("dropping %r content blocks: %s (logged once)", kind, reason)
+
+    def _text(self, block: InputBlock, param: str) -> str | None:
+        """The text a text-like block shows the model; None for a block of another kind."""
         if isinstance(block, TextBlock):
-            texts.append(block.text)
-        elif isinstance(block, ToolResultBlock):
-            results.append(ChatMessage("tool", _result_text(block, param), tool_call_id=block.tool_use_id))
-        elif isinstance(block, MediaBlock):
+            return block.text
+        if isinstance(block, DocumentBlock):
+            return _document_text(block, param)
+        if isinstance(block, SearchResultBlock):
+            return _search_result_text(block)
+        if isinstance(block, CompactionBlock) and block.content:
+            return block.content
+        if isinstance(block, MediaBlock):
             raise _text_only(param, block.type)
-        else:
-            raise _misplaced(param, block.type, "user")
-    if texts or not results:
-        results.append(ChatMessage("user", "".join(texts)))
-    return results
+        return None
 
+    def user(self, blocks: list[InputBlock], i: int) -> None:
+        """Tool messages for the turn's tool results, then a user message for its text (if any)."""
+        results: list[ChatMessage] = []
+        texts: list[str] = []
+        for j, block in enumerate(blocks):
+            param = f"messages.{i}.content.{j}"
+            text = self._text(block, param)
+            if text is not None:
+                texts.append(text)
+            elif isinstance(block, ToolResultBlock):
+                results.append(
+                    ChatMessage("tool", _result_text(block, param), tool_call_id=block.tool_use_id)
+                )
+            elif isinstance(block, ServerToolResultBlock):
+                results.append(
+                    ChatMessage("tool", _server_result_text(block, param), tool_call_id=block.tool_use_id)
+                )
+            elif isinstance(block, DroppedBlock | CompactionBlock):
+                self._drop(block.type if isinstance(block, DroppedBlock) else "compaction")
+            else:
+                raise _misplaced(param, block.type, "user")
+        self.messages += results
+        if texts or not results:
+            self.messages.append(ChatMessage("user", "".join(texts)))
 
-def _system_turn(blocks: list[InputBlock], i: int) -> ChatMessage:
-    texts: list[str] = []
-    for j, block in enumerate(blocks):
-        param = f"messages.{i}.content.{j}"
-        if isinstance(block, TextBlock):
-            texts.append(block.text)
-        elif isinstance(block, MediaBlock):
-            raise _text_only(param, block.type)
-        else:
-            raise _misplaced(param, block.type, "system")
-    return ChatMessage("system", "".join(texts))
+    def system(self, blocks: list[InputBlock], i: int) -> None:
+        texts: list[str] = []
+        for j, block in enumerate(blocks):
+            param = f"messages.{i}.content.{j}"
+            text = self._text(block, param)
+            if text is None:
+                raise _misplaced(param, block.type, "system")
+            texts.append(text)
+        self.messages.append(ChatMessage("system", "".join(texts)))
 
-
-def _assistant_turn(blocks: list[InputBlock], i: int) -> ChatMessage:
-    texts: list[str] = []
-    calls: list[ToolCall] = []
-    reasoning: list[str] = []
-    for j, block in enumerate(blocks):
-        param = f"messages.{i}.content.{j}"
-        if isinstance(block, TextBlock):
-            texts.append(block.text)
-        elif isinstance(block, ToolUseBlock):
-            calls.append(ToolCall(block.id, block.name, _arguments(block.input, f"{param}.input")))
-        elif isinstance(block, ThinkingBlock):
-            reasoning.append(block.thinking)
-        elif isinstance(block, RedactedThinkingBlock):
-            continue  # encrypted by Anthropic: nothing a local model can read
-        elif isinstance(block, MediaBlock):
-            raise _text_only(param, block.type)
-        else:
-            raise _misplaced(param, block.type, "assistant")
-    return ChatMessage(
-        "assistant", "".join(texts), tool_calls=tuple(calls), reasoning="".join(reasoning) or None
-    )
+    def assistant(self, blocks: list[InputBlock], i: int) -> None:
+        """One assistant message for the turn; a server tool's result (Anthropic keeps it in the
+        assistant's turn) closes it with the calls so far, as a tool message after it."""
+        for j, block in enumerate(blocks):
+            param = f"messages.{i}.content.{j}"
+            text = self._text(block, param)
+            if text is not None:
+                self._texts.append(text)
+            elif isinstance(block, ToolUseBlock):
+                self._calls.append(ToolCall(block.id, block.name, _arguments(block.input, f"{param}.input")))
+            elif isinstance(block, ServerToolUseBlock):
+                name = f"{block.server_name}__{block.name}" if block.server_name else block.name
+                self._calls.append(ToolCall(block.id, name, _arguments(block.input, f"{param}.input")))
+            elif isinstance(block, ThinkingBlock):
+                self._reasoning.append(block.thinking)
+            elif isinstance(block, ServerToolResultBlock):
+                self._close_assistant()
+                self.messages.append(
+                    ChatMessage("tool", _server_result_text(block, param), tool_call_id=block.tool_use_id)
+                )
+            elif isinstance(block, DroppedBlock | CompactionBlock):
+                self._drop(block.type if isinstance(block, DroppedBlock) else "compaction")
+            else:
+                raise _misplaced(param, block.type, "assistant")
+        self._close_assistant()
+        if not blocks:
+            self.messages.append(ChatMessage("assistant", ""))
 
 
 def _arguments(value: dict[str, Any], param: str) -> str:
@@ -183,13 +313,15 @@ def _system_text(system: str | list[TextBlock] | None) -> str:
     return "".join(block.text for block in system if not block.text.startswith(_BILLING_HEADER))
 
 
-def to_chat_request(body: MessagesRequest | CountTokensRequest) -> ChatRequest:
+def to_chat_request(body: MessagesRequest | CountTokensRequest, warned: set[str]) -> ChatRequest:
     """The chat request that `body` means; InvalidRequest (naming the Messages field) if none.
-    A count_tokens request has no sampling fields: its prompt is the same, its sampling unused."""
+    A count_tokens request has no sampling fields: its prompt is the same, its sampling unused.
+    `warned`: the app's set of things logged once (blocks dropped)."""
     messages: list[ChatMessage] = []
     system = _system_text(body.system)
     if system:
         messages.append(ChatMessage("system", system))
+    turns = _Turns(warned)
     for i, message in enumerate(body.messages):
         if message.role == "system" and i == 0:
             # the top-level field holds the opening system prompt; a system turn only follows others
@@ -198,13 +330,14 @@ def to_chat_request(body: MessagesRequest | CountTokensRequest) -> ChatRequest:
                 param="messages.0.role",
             )
         if isinstance(message.content, str):
-            messages.append(ChatMessage(message.role, message.content))
+            turns.messages.append(ChatMessage(message.role, message.content))
         elif message.role == "user":
-            messages.extend(_user_turn(message.content, i))
+            turns.user(message.content, i)
         elif message.role == "system":
-            messages.append(_system_turn(message.content, i))
+            turns.system(message.content, i)
         else:
-            messages.append(_assistant_turn(message.content, i))
+            turns.assistant(message.content, i)
+    messages += turns.messages
     if isinstance(body, MessagesRequest):
         sampling = SamplingParams(
             max_tokens=body.max_tokens,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from server.http.protocol import MaxTokens, OutModel, Temperature, TopK, TopP
 
@@ -29,19 +29,57 @@ class TextBlock(_Block):
 
 
 class MediaBlock(_Block):
-    """An image or document: accepted by validation so that the request is refused in plain words
-    (the models served take text only), not with the validator's internals."""
+    """An image: accepted by validation so that the request is refused in plain words (the
+    models served take text only), not with the validator's internals."""
 
-    type: Literal["image", "document"]
+    type: Literal["image"]
 
 
-ResultPart = Annotated[TextBlock | MediaBlock, Field(discriminator="type")]
+class DocumentBlock(_Block):
+    """A document: text when its source is plain text or text blocks, else (a PDF, a URL, a
+    stored file) refused in plain words."""
+
+    type: Literal["document"]
+    source: dict[str, Any]
+    title: str | None = None
+    context: str | None = None
+
+
+class SearchResultBlock(_Block):
+    type: Literal["search_result"]
+    source: str
+    title: str
+    content: list[TextBlock]
+
+
+class ToolReferenceBlock(_Block):
+    """A tool a tool search found (inside a tool_result): shown as its name."""
+
+    type: Literal["tool_reference"]
+    tool_name: str
+
+
+ResultPart = Annotated[
+    TextBlock | MediaBlock | DocumentBlock | SearchResultBlock | ToolReferenceBlock,
+    Field(discriminator="type"),
+]
 
 
 class ToolUseBlock(_Block):
     type: Literal["tool_use"]
     id: str = Field(min_length=1, max_length=256)
     name: str = Field(min_length=1, max_length=256)
+    input: dict[str, Any]
+
+
+class ServerToolUseBlock(_Block):
+    """A call of one of Anthropic's server tools (web_search, code_execution, ...), or of an MCP
+    server's tool (mcp_tool_use: `server_name`): shown as a tool call."""
+
+    type: Literal["server_tool_use", "mcp_tool_use"]
+    id: str = Field(min_length=1, max_length=256)
+    name: str = Field(min_length=1, max_length=256)
+    server_name: str | None = None
     input: dict[str, Any]
 
 
@@ -52,20 +90,118 @@ class ToolResultBlock(_Block):
     is_error: bool | None = None
 
 
+class ServerToolResultBlock(BaseModel):
+    """A server or MCP tool's result (SERVER_TOOL_RESULTS): shown as that call's tool result, its
+    content as it came (encrypted parts left out)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    tool_use_id: str = Field(min_length=1, max_length=256)
+    content: Any = None
+    is_error: bool | None = None
+
+
 class ThinkingBlock(_Block):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
 
 
-class RedactedThinkingBlock(_Block):
-    type: Literal["redacted_thinking"]
-    data: str
+class CompactionBlock(_Block):
+    """A summary of the conversation before it (Anthropic's context compaction): shown as text;
+    one whose summary is null (a failed compaction) is dropped."""
+
+    type: Literal["compaction"]
+    content: str | None = None
+
+
+class DroppedBlock(_Block):
+    """A block the model cannot read (DROPPED_BLOCKS): left out, logged once per type."""
+
+    type: str
+
+
+# Anthropic's server and MCP tools' result blocks (the Messages API and its beta)
+SERVER_TOOL_RESULTS = frozenset(
+    {
+        "web_search_tool_result",
+        "web_fetch_tool_result",
+        "code_execution_tool_result",
+        "bash_code_execution_tool_result",
+        "text_editor_code_execution_tool_result",
+        "tool_search_tool_result",
+        "advisor_tool_result",
+        "mcp_tool_result",
+    }
+)
+# blocks only an assistant turn holds: its calls and its reasoning
+ASSISTANT_BLOCKS = frozenset({"tool_use", "server_tool_use", "mcp_tool_use", "thinking"})
+# blocks the model cannot read, and why (logged once per type)
+DROPPED_BLOCKS: dict[str, str] = {
+    "redacted_thinking": "it is encrypted for Anthropic's models",
+    "container_upload": "this server runs no code container to upload files to",
+    "tool_addition": "every tool of the request is offered",
+    "tool_removal": "every tool of the request is offered",
+    "mcp_tool_listing": "this server connects to no MCP server",
+    "fallback": "it records a switch between Anthropic's models",
+}
+# the typed blocks, each its own model
+TYPED_BLOCKS: dict[str, type[BaseModel]] = {
+    "text": TextBlock,
+    "image": MediaBlock,
+    "document": DocumentBlock,
+    "search_result": SearchResultBlock,
+    "tool_use": ToolUseBlock,
+    "server_tool_use": ServerToolUseBlock,
+    "mcp_tool_use": ServerToolUseBlock,
+    "tool_result": ToolResultBlock,
+    "thinking": ThinkingBlock,
+    "compaction": CompactionBlock,
+}
+
+
+def known_block_types() -> frozenset[str]:
+    """Every content block type this server has a rule for."""
+    return frozenset({*TYPED_BLOCKS, *SERVER_TOOL_RESULTS, *DROPPED_BLOCKS})
+
+
+class UnknownBlock(BaseModel):
+    """A block of a type no rule covers: refused, naming the type."""
+
+    type: Any = None
+
+    @model_validator(mode="after")
+    def _refuse(self) -> UnknownBlock:
+        known = ", ".join(sorted(known_block_types()))
+        raise ValueError(f"unknown content block type {self.type!r}; this server takes {known}")
+
+
+def _block_tag(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    if not isinstance(kind, str):
+        return "unknown"
+    if kind in TYPED_BLOCKS:
+        return kind
+    if kind in SERVER_TOOL_RESULTS:
+        return "server_tool_result"
+    return "dropped" if kind in DROPPED_BLOCKS else "unknown"
 
 
 InputBlock = Annotated[
-    TextBlock | MediaBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
-    Field(discriminator="type"),
+    Annotated[TextBlock, Tag("text")]
+    | Annotated[MediaBlock, Tag("image")]
+    | Annotated[DocumentBlock, Tag("document")]
+    | Annotated[SearchResultBlock, Tag("search_result")]
+    | Annotated[ToolUseBlock, Tag("tool_use")]
+    | Annotated[ServerToolUseBlock, Tag("server_tool_use")]
+    | Annotated[ServerToolUseBlock, Tag("mcp_tool_use")]
+    | Annotated[ToolResultBlock, Tag("tool_result")]
+    | Annotated[ThinkingBlock, Tag("thinking")]
+    | Annotated[CompactionBlock, Tag("compaction")]
+    | Annotated[ServerToolResultBlock, Tag("server_tool_result")]
+    | Annotated[DroppedBlock, Tag("dropped")]
+    | Annotated[UnknownBlock, Tag("unknown")],
+    Discriminator(_block_tag),
 ]
 
 

@@ -44,7 +44,7 @@ async def create_message(ctx: ServeContext, body: MessagesRequest, request: Requ
     """POST /v1/messages."""
     ctx.warn_unknown(body.model_extra)
     async with ctx.using(body.model) as model:
-        plan = await prepare_chat(ctx, model, to_chat_request(body), model_id=body.model)
+        plan = await prepare_chat(ctx, model, to_chat_request(body, ctx.warned_fields), model_id=body.model)
     message_id = "msg_" + plan.job.id.removeprefix("chatcmpl-")
     if body.stream:
         shutdown = anyio.Event()
@@ -70,7 +70,7 @@ async def count_tokens(ctx: ServeContext, body: CountTokensRequest) -> Response:
     usage counts them as input_tokens plus cache_read_input_tokens)."""
     ctx.warn_unknown(body.model_extra)
     async with ctx.using(body.model) as model:
-        _, tokens = await render_chat(ctx, model, to_chat_request(body))
+        _, tokens = await render_chat(ctx, model, to_chat_request(body, ctx.warned_fields))
     return JSONResponse(TokenCount(input_tokens=len(tokens)).to_json())
 
 

@@ -1,8 +1,9 @@
 """POST /v1/responses: OpenAI's Responses API on the chat engine.
 
 The request maps onto the engine's ChatRequest (`prepare_chat` checks and submits it, one engine
-path for every API): instructions become a system message, input items messages (calls an
-assistant's tool calls, their outputs tool messages, reasoning items its reasoning). The answer's
+path for every API): instructions become a system message, input items messages by one rule per
+item type (items.py: calls an assistant's tool calls, their outputs tool messages, reasoning items
+its reasoning, built-in and hosted tools' calls tool calls under their tool's name). The answer's
 output items: reasoning, a message with one output_text part, one call item per call. Stateless:
 nothing is kept, so previous_response_id is refused.
 

@@ -4,57 +4,29 @@ custom tools) as function tools under flat names."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from pydantic import ValidationError
 
-from server.engine.chat import ChatMessage, ChatRequest, ChatTool, NamedTool, OutputFormat, ToolCall
+from server.engine.chat import ChatRequest, ChatTool, NamedTool, OutputFormat
 from server.engine.chat import ToolChoice as ChatToolChoice
 from server.engine.token_loop import SamplingParams
-from server.engine.tool_calls import json_text
 from server.errors import InvalidRequest
+from server.http.responses.items import conversation, flat_name, warn_once
 from server.http.responses.protocol import (
     CustomTool,
-    CustomToolCallItem,
-    FunctionCallItem,
     FunctionTool,
-    InputMedia,
     LenientModel,
     NamedFunction,
     NamespaceTool,
-    ReasoningItem,
     ResponsesRequest,
     TextOptions,
-    ToolOutputItem,
 )
 
 logger = logging.getLogger(__name__)
 
 _ToolModel = TypeVar("_ToolModel", bound=LenientModel)
-
-
-def _text_of(content: str | list[Any], where: str) -> str:
-    if isinstance(content, str):
-        return content
-    parts: list[str] = []
-    for j, part in enumerate(content):
-        if isinstance(part, InputMedia):
-            raise InvalidRequest(
-                f"this model takes text only: the content part at {where}.content.{j} is {part.type!r}",
-                param=f"{where}.content.{j}",
-                code="unsupported_content",
-            )
-        parts.append(part.text)
-    return "".join(parts)
-
-
-def flat_name(name: str, namespace: str | None) -> str:
-    """The one name the model sees for tool `name` of `namespace`: joined by "__", MCP's
-    delimiter, which Codex's MCP namespaces (`mcp__server__`) already end with."""
-    if namespace is None:
-        return name
-    return namespace + name if namespace.endswith("__") else f"{namespace}__{name}"
 
 
 @dataclass(frozen=True)
@@ -84,12 +56,6 @@ def _kind(tool: Any, where: str) -> str:
     return kind
 
 
-def _warn_once(warned: set[str], key: str, message: str) -> None:
-    if key not in warned:
-        warned.add(key)
-        logger.warning("%s (logged once)", message)
-
-
 def _custom_parameters(tool: CustomTool, warned: set[str]) -> dict[str, Any]:
     """A custom tool's input as a function's one string argument. A regex format constrains it
     (a JSON Schema pattern, which degrades like any schema); a Lark grammar, which llama.cpp
@@ -103,7 +69,7 @@ def _custom_parameters(tool: CustomTool, warned: set[str]) -> dict[str, Any]:
             string = {"type": "string", "pattern": grammar if anchored else f"^({grammar})$"}
         else:
             string["description"] = f"the tool's input, in the language of this grammar:\n{grammar}"
-            _warn_once(warned, "tools.custom.grammar", "custom tools: a Lark grammar is shown, not enforced")
+            warn_once(warned, "tools.custom.grammar", "custom tools: a Lark grammar is shown, not enforced")
     return {
         "type": "object",
         "properties": {"input": string},
@@ -124,11 +90,19 @@ class Toolbox:
         """The tools of a request; InvalidRequest for a malformed entry. Hosted tools are left
         out, logged once per type through `warned` (the app's set, never a module's)."""
         box = cls()
-        for i, tool in enumerate(tools or []):
-            where = f"tools.{i}"
+        box.add_all(tools or [], "tools", warned)
+        return box
+
+    def add_all(self, tools: list[Any], at: str, warned: set[str], *, again: bool = False) -> None:
+        """Offer `tools` (the list at `at`); with `again`, a name already offered keeps its first
+        definition (tools an input item loads that the request offers too)."""
+        for i, tool in enumerate(tools):
+            where = f"{at}.{i}"
             kind = _kind(tool, where)
+            if again and kind in ("function", "custom") and tool.get("name") in self.offered:
+                continue
             if kind in ("function", "custom"):
-                box._add(tool, kind, None, where, warned)
+                self._add(tool, kind, None, where, warned)
             elif kind == "namespace":
                 space = _validated(NamespaceTool, tool, where)
                 for j, inner in enumerate(space.tools):
@@ -140,11 +114,12 @@ class Toolbox:
                             "custom tools",
                             param=inner_where,
                         )
-                    box._add(inner, inner_kind, space, inner_where, warned)
+                    if again and flat_name(str(inner.get("name")), space.name) in self.offered:
+                        continue
+                    self._add(inner, inner_kind, space, inner_where, warned)
             else:
                 message = f"ignoring {kind!r} tools: this server runs no hosted tools"
-                _warn_once(warned, f"tools.type.{kind}", message)
-        return box
+                warn_once(warned, f"tools.type.{kind}", message)
 
     def _add(
         self, tool: dict[str, Any], kind: str, space: NamespaceTool | None, where: str, warned: set[str]
@@ -178,43 +153,6 @@ class Toolbox:
         return matches[0] if len(matches) == 1 else choice.name
 
 
-def _messages(body: ResponsesRequest) -> list[ChatMessage]:
-    """The chat messages for the request's instructions and input items."""
-    messages: list[ChatMessage] = []
-    if body.instructions:
-        messages.append(ChatMessage("system", body.instructions))
-    if isinstance(body.input, str):
-        return [*messages, ChatMessage("user", body.input)]
-    reasoning = ""
-    for i, item in enumerate(body.input):
-        where = f"input.{i}"
-        if isinstance(item, ReasoningItem):
-            reasoning += "".join(part.text for part in (item.content or item.summary))
-        elif isinstance(item, FunctionCallItem | CustomToolCallItem):
-            if isinstance(item, FunctionCallItem):
-                arguments = item.arguments
-            else:  # offered as a function with one string argument: sent back as one
-                arguments = json_text({"input": item.input})
-            call = ToolCall(item.call_id, flat_name(item.name, item.namespace), arguments)
-            last = messages[-1] if messages else None
-            if last is not None and last.role == "assistant" and last.tool_calls:
-                # consecutive function_call items: one assistant turn with parallel calls
-                messages[-1] = replace(last, tool_calls=(*last.tool_calls, call))
-            else:
-                messages.append(ChatMessage("assistant", tool_calls=(call,), reasoning=reasoning or None))
-                reasoning = ""
-        elif isinstance(item, ToolOutputItem):
-            messages.append(ChatMessage("tool", _text_of(item.output, where), tool_call_id=item.call_id))
-        elif item.role == "assistant":
-            messages.append(
-                ChatMessage("assistant", _text_of(item.content, where), reasoning=reasoning or None)
-            )
-            reasoning = ""
-        else:
-            messages.append(ChatMessage(item.role, _text_of(item.content, where)))
-    return messages
-
-
 def _tool_choice(
     choice: Literal["none", "auto", "required"] | NamedFunction | None, tools: Toolbox
 ) -> ChatToolChoice | None:
@@ -232,9 +170,12 @@ def _output_format(text: TextOptions | None) -> OutputFormat | None:
     return None
 
 
-def to_chat_request(body: ResponsesRequest, tools: Toolbox, max_tokens_cap: int) -> ChatRequest:
-    """The chat request the engine runs for `body` with its `tools` (`max_tokens_cap`: the
-    server's cap, the limit when max_output_tokens is not given); InvalidRequest for what it
+def to_chat_request(
+    body: ResponsesRequest, warned: set[str], max_tokens_cap: int
+) -> tuple[ChatRequest, Toolbox]:
+    """The chat request the engine runs for `body`, and the tools it offers (the request's and
+    those its items add); `warned`: the app's set of things logged once; `max_tokens_cap`: the
+    server's cap, the limit when max_output_tokens is not given. InvalidRequest for what it
     cannot run."""
     if body.previous_response_id is not None:
         raise InvalidRequest(
@@ -242,10 +183,14 @@ def to_chat_request(body: ResponsesRequest, tools: Toolbox, max_tokens_cap: int)
             "conversation as input items)",
             param="previous_response_id",
         )
-    messages = _messages(body)
-    output_format = _output_format(body.text)
-    effort = body.reasoning.effort if body.reasoning is not None else None
-    if not any(message.role != "system" for message in messages):
+    talk = conversation(body.instructions, body.input, warned)
+    tools = Toolbox.of(body.tools, warned)
+    for at, loaded in talk.tools:
+        tools.add_all(loaded, at, warned, again=True)
+    output_format = _output_format(talk.text or body.text)
+    reasoning = talk.reasoning or body.reasoning
+    effort = reasoning.effort if reasoning is not None else None
+    if not any(message.role != "system" for message in talk.messages):
         raise InvalidRequest(
             "input holds no message to answer (only instructions or reasoning)", param="input"
         )
@@ -256,8 +201,8 @@ def to_chat_request(body: ResponsesRequest, tools: Toolbox, max_tokens_cap: int)
         logprobs=bool(body.top_logprobs),
         top_logprobs=body.top_logprobs or 0,
     )
-    return ChatRequest(
-        messages=tuple(messages),
+    chat = ChatRequest(
+        messages=tuple(talk.messages),
         sampling=sampling,
         tools=tuple(tools.tools),
         tool_choice=_tool_choice(body.tool_choice, tools),
@@ -265,3 +210,4 @@ def to_chat_request(body: ResponsesRequest, tools: Toolbox, max_tokens_cap: int)
         output_format=output_format,
         template_kwargs={"reasoning_effort": effort} if effort in ("low", "medium", "high") else {},
     )
+    return chat, tools

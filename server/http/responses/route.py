@@ -26,8 +26,7 @@ def _status(stats: GenerationStats, plan: Plan) -> ResponseStatus:
 async def create_response(ctx: ServeContext, body: ResponsesRequest, request: Request) -> Response:
     """POST /v1/responses."""
     ctx.warn_unknown(body.model_extra)
-    tools = Toolbox.of(body.tools, ctx.warned_fields)
-    chat = to_chat_request(body, tools, ctx.settings.max_completion_tokens)
+    chat, tools = to_chat_request(body, ctx.warned_fields, ctx.settings.max_completion_tokens)
     async with ctx.using(body.model) as model:
         plan = await prepare_chat(ctx, model, chat, model_id=body.model)
     shape = OutputShape(new_id("resp"), plan.created, body)
