@@ -37,6 +37,7 @@ from server.http.protocol import (
     media_parts,
 )
 from server.http.serving import (
+    Chunks,
     Plan,
     ServeContext,
     check_one_choice,
@@ -74,7 +75,7 @@ async def create_chat_completion(
             timings=want_timings(body.timings, request),
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
         )
-    return await respond(ctx, plan, ChatFormat(plan), request, bool(body.stream))
+    return await respond(ctx, plan, Chunks(plan, ChatFormat(plan)), request, bool(body.stream))
 
 
 def chat_logprobs(lps: list[TokenLogprob]) -> ChoiceLogprobs:

@@ -25,6 +25,7 @@ from server.http.protocol import (
     Usage,
 )
 from server.http.serving import (
+    Chunks,
     Plan,
     ServeContext,
     check_one_choice,
@@ -63,7 +64,7 @@ async def create_completion(ctx: ServeContext, body: CompletionRequest, request:
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
         )
     echo = prompt if body.echo else ""
-    return await respond(ctx, plan, TextFormat(plan, echo), request, bool(body.stream))
+    return await respond(ctx, plan, Chunks(plan, TextFormat(plan, echo)), request, bool(body.stream))
 
 
 class TextOutput:

@@ -5,27 +5,28 @@ grammar, context length, queue) runs BEFORE the 200 is sent, in `prepare_chat` (
 completions, Responses and Messages, each mapped onto the engine's ChatRequest) or in the
 legacy route. A submitted job becomes a `Plan`; its output arrives as `Pieces` through
 `generated` (wrapped by `collect` for a whole answer, `streamed` for a stream). `respond` is the
-one loop behind chat and legacy completions, whole or streamed, parameterised by a
-`ChunkFormat`: how pieces become that API's chunks. Once streaming, a failure is reported
-in-band as `data: {"error": ...}`.
+one loop behind every API's answer, whole or streamed, parameterised by an `EventFormat`: how
+that API writes the job's output (chat and legacy completions through `Chunks`, Responses,
+Messages and Ollama with formats of their own). Once streaming, a failure is reported in-band,
+in the API's own shape.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import anyio
-from sse_starlette import ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from server.engine.chat import ChatRequest
 from server.engine.chat_template import ChatTemplate
@@ -35,11 +36,11 @@ from server.engine.token_loop import GenerationRequest, GenerationStats, TextDel
 from server.engine.tool_calls import ChatOutput, OutPiece, call_syntax
 from server.engine.worker import Engine, Failed, Finished, Job
 from server.errors import ContextLengthExceeded, InvalidRequest, NotFound, ServiceUnavailable
-from server.http.errors import describe
+from server.http.errors import describe, is_anthropic, is_ollama
 from server.http.metrics import Metrics
 from server.http.protocol import FinishReason, OutModel
 from server.http.residency import Residency
-from server.http.sse import DONE, event, sse_response
+from server.http.sse import DONE, event, named_event, sse_response
 from server.http.switching import ModelSwitch
 from server.http.timings import timings_of, token_timings, usage_of
 from server.loading.loader import LoadedModel, ModelInfo
@@ -417,11 +418,87 @@ def finish_reason(stats: GenerationStats, n_calls: int) -> FinishReason:
     return "tool_calls" if n_calls else "stop"
 
 
-# ---------------------------------------------------------------------- chat and legacy responses
+# ---------------------------------------------------------------------- the one loop behind every answer
+
+# one frame of a stream: an SSE event's name (None: a data-only event) and its payload (JSON, or
+# the literal [DONE])
+Frame = tuple[str | None, dict[str, Any] | str]
+NDJSON = "application/x-ndjson"
+
+
+class EventFormat(Protocol):
+    """How one API writes a job's output: the frames of its stream as the job goes, or its whole
+    answer. `respond` drives it: `opening`, then `pieces` for each step's output, then `closing`
+    once the job finished, or `failure` (the error body in the route's envelope) if it failed
+    after the 200 went out. A format keeps whatever state its API's events need."""
+
+    @property
+    def ndjson(self) -> bool:
+        """Whether the stream is NDJSON lines (Ollama) rather than server-sent events."""
+        ...
+
+    def opening(self) -> Iterable[Frame]: ...
+
+    def pieces(self, item: Pieces) -> Iterable[Frame]: ...
+
+    def closing(self, finished: Finished) -> Iterable[Frame]: ...
+
+    def failure(self, error: dict[str, object]) -> Iterable[Frame]: ...
+
+    def whole(
+        self, pieces: list[OutPiece], logprobs: list[TokenLogprob], finished: Finished
+    ) -> dict[str, Any]:
+        """The non-streamed answer's body."""
+        ...
+
+
+async def respond(
+    ctx: ServeContext, plan: Plan, fmt: EventFormat, request: Request, stream: bool
+) -> Response:
+    """The answer to a submitted job: `fmt`'s stream, or its whole answer once the job ends. The
+    job is cancelled when the client goes away, or (a server-sent stream) the server shuts down."""
+    if not stream:
+        pieces, logprobs, finished = await collect(ctx, plan, request)
+        return JSONResponse(fmt.whole(pieces, logprobs, finished))
+    shutdown = anyio.Event()
+    frames = _frames(ctx, plan, fmt, shutdown, request.url.path)
+    if fmt.ndjson:
+        return StreamingResponse((ndjson_line(payload) async for _, payload in frames), media_type=NDJSON)
+    return sse_response(
+        (named_event(name, payload) if name else event(payload) async for name, payload in frames),
+        ctx.settings.keepalive_s,
+        shutdown,
+    )
+
+
+async def _frames(
+    ctx: ServeContext, plan: Plan, fmt: EventFormat, shutdown: anyio.Event, path: str
+) -> AsyncIterator[Frame]:
+    try:
+        for frame in fmt.opening():
+            yield frame
+        async for item in streamed(ctx, plan, shutdown):
+            for frame in fmt.pieces(item) if isinstance(item, Pieces) else fmt.closing(item):
+                yield frame
+    except Exception as exc:  # noqa: BLE001 - after the 200, the worker's failure or the server stopping is a frame
+        _, body, _ = describe(
+            exc, ctx.engine.queue_full_status, anthropic=is_anthropic(path), ollama=is_ollama(path)
+        )
+        for frame in fmt.failure(body):
+            yield frame
+
+
+def ndjson_line(payload: dict[str, Any] | str) -> bytes:
+    """One NDJSON line (Ollama's streams)."""
+    return (json.dumps(payload, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+
+
+# ---------------------------------------------------------------------- chat and legacy completions
 
 
 class ChunkFormat(Protocol):
-    """How one API (chat or legacy completions) writes a plan's output as chunks, and whole.
+    """How chat or legacy completions write a plan's output as chunks, and whole (`Chunks` makes
+    it an EventFormat).
 
     `logprobs` are those of the tokens behind a chunk's piece(s); `timings` the extension's
     object, None when off (or, on a piece, when its token's step has none)."""
@@ -454,44 +531,46 @@ class ChunkFormat(Protocol):
         ...
 
 
-async def respond(
-    ctx: ServeContext, plan: Plan, fmt: ChunkFormat, request: Request, stream: bool
-) -> Response:
-    """The response to a submitted chat or legacy completion: an SSE stream of `fmt`'s chunks,
-    or the whole answer once the job ends."""
-    if stream:
-        shutdown = anyio.Event()
-        return sse_response(_chunks(ctx, plan, fmt, shutdown), ctx.settings.keepalive_s, shutdown)
-    pieces, logprobs, finished = await collect(ctx, plan, request)
-    stats = finished.stats
-    timings = timings_of(stats, finished.telemetry) if plan.timings else None
-    finish = finish_reason(stats, plan.output.n_calls)
-    return JSONResponse(fmt.whole(pieces, logprobs, finish, usage_of(stats), timings).to_json())
+class Chunks:
+    """A ChunkFormat as an EventFormat: data-only events, `[DONE]` last, an error as
+    `data: {"error": ...}` then `[DONE]`."""
 
+    ndjson = False
 
-async def _chunks(
-    ctx: ServeContext, plan: Plan, fmt: ChunkFormat, shutdown: anyio.Event
-) -> AsyncIterator[ServerSentEvent]:
-    try:
-        for chunk in fmt.opening():
-            yield event(chunk.to_json())
+    def __init__(self, plan: Plan, fmt: ChunkFormat) -> None:
+        self._plan = plan
+        self._fmt = fmt
         # logprobs of tokens whose text has not become a piece yet (a held-back marker)
-        pending: list[TokenLogprob] = []
-        async for item in streamed(ctx, plan, shutdown):
-            if isinstance(item, Pieces):
-                pending += item.logprobs
-                timings = item.timings
-                for piece in item.pieces:
-                    yield event(fmt.piece(piece, pending, timings).to_json())
-                    pending, timings = [], None  # on the chunk that carries the token, once
-            else:
-                stats = item.stats
-                last_timings = timings_of(stats, item.telemetry) if plan.timings else None
-                finish = finish_reason(stats, plan.output.n_calls)
-                yield event(fmt.last(finish, pending, last_timings).to_json())
-                if plan.include_usage:
-                    yield event(fmt.usage(usage_of(stats)).to_json())
-    except Exception as exc:  # noqa: BLE001 - after the 200, the worker's failure or the server stopping is an event
-        _, body, _ = describe(exc, ctx.engine.queue_full_status)
-        yield event(body)
-    yield event(DONE)
+        self._pending: list[TokenLogprob] = []
+
+    def opening(self) -> list[Frame]:
+        return [(None, chunk.to_json()) for chunk in self._fmt.opening()]
+
+    def pieces(self, item: Pieces) -> list[Frame]:
+        self._pending += item.logprobs
+        timings = item.timings
+        frames: list[Frame] = []
+        for piece in item.pieces:
+            frames.append((None, self._fmt.piece(piece, self._pending, timings).to_json()))
+            self._pending, timings = [], None  # on the chunk that carries the token, once
+        return frames
+
+    def closing(self, finished: Finished) -> list[Frame]:
+        plan, stats = self._plan, finished.stats
+        timings = timings_of(stats, finished.telemetry) if plan.timings else None
+        finish = finish_reason(stats, plan.output.n_calls)
+        frames: list[Frame] = [(None, self._fmt.last(finish, self._pending, timings).to_json())]
+        if plan.include_usage:
+            frames.append((None, self._fmt.usage(usage_of(stats)).to_json()))
+        return [*frames, (None, DONE)]
+
+    def failure(self, error: dict[str, object]) -> list[Frame]:
+        return [(None, error), (None, DONE)]
+
+    def whole(
+        self, pieces: list[OutPiece], logprobs: list[TokenLogprob], finished: Finished
+    ) -> dict[str, Any]:
+        stats = finished.stats
+        timings = timings_of(stats, finished.telemetry) if self._plan.timings else None
+        finish = finish_reason(stats, self._plan.output.n_calls)
+        return self._fmt.whole(pieces, logprobs, finish, usage_of(stats), timings).to_json()

@@ -32,10 +32,14 @@ def event(payload: dict[str, Any] | str) -> ServerSentEvent:
     return ServerSentEvent(data=data, sep=SEP)
 
 
-def named_event(name: str, payload: dict[str, Any]) -> ServerSentEvent:
+def named_event(name: str, payload: dict[str, Any] | str) -> ServerSentEvent:
     """One `event: <name>` + `data: <json>` event, the framing of the Responses and Anthropic
     Messages streams (their SDKs dispatch on the event name)."""
-    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    data = (
+        payload
+        if isinstance(payload, str)
+        else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    )
     return ServerSentEvent(event=name, data=data, sep=SEP)
 
 

@@ -6,14 +6,14 @@ after the stream started, one `error` event in that envelope ends it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from typing import Any
 
-import anyio
-from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from server.http.errors import describe
+from server.engine.token_loop import GenerationStats, TokenLogprob
+from server.engine.tool_calls import OutPiece
+from server.engine.worker import Finished
 from server.http.messages.mapping import to_chat_request
 from server.http.messages.output import ContentBlocks, as_event, stop_reason_of, usage_of
 from server.http.messages.protocol import (
@@ -29,15 +29,14 @@ from server.http.messages.protocol import (
     TokenCount,
 )
 from server.http.serving import (
+    Frame,
     Pieces,
     Plan,
     ServeContext,
-    collect,
     prepare_chat,
     render_chat,
-    streamed,
+    respond,
 )
-from server.http.sse import named_event, sse_response
 
 
 async def create_message(ctx: ServeContext, body: MessagesRequest, request: Request) -> Response:
@@ -46,23 +45,7 @@ async def create_message(ctx: ServeContext, body: MessagesRequest, request: Requ
     async with ctx.using(body.model) as model:
         plan = await prepare_chat(ctx, model, to_chat_request(body, ctx.warned_fields), model_id=body.model)
     message_id = "msg_" + plan.job.id.removeprefix("chatcmpl-")
-    if body.stream:
-        shutdown = anyio.Event()
-        return sse_response(_stream(ctx, plan, message_id, shutdown), ctx.settings.keepalive_s, shutdown)
-    pieces, _, finished = await collect(ctx, plan, request)
-    blocks = ContentBlocks()
-    blocks.feed(pieces)
-    blocks.finish()
-    stop_reason, stop_sequence = stop_reason_of(finished.stats, blocks.complete_calls())
-    message = MessageOut(
-        id=message_id,
-        model=plan.model_id,
-        content=blocks.content(),
-        stop_reason=stop_reason,
-        stop_sequence=stop_sequence,
-        usage=usage_of(finished.stats),
-    )
-    return JSONResponse(message.to_json())
+    return await respond(ctx, plan, MessageEvents(plan, message_id), request, bool(body.stream))
 
 
 async def count_tokens(ctx: ServeContext, body: CountTokensRequest) -> Response:
@@ -74,42 +57,63 @@ async def count_tokens(ctx: ServeContext, body: CountTokensRequest) -> Response:
     return JSONResponse(TokenCount(input_tokens=len(tokens)).to_json())
 
 
-async def _stream(
-    ctx: ServeContext, plan: Plan, message_id: str, shutdown: anyio.Event
-) -> AsyncIterator[ServerSentEvent]:
-    blocks = ContentBlocks()
-    # sent before the prefill: the whole prompt counts as input (message_delta corrects it)
-    start_usage = MessageUsage(
-        input_tokens=len(plan.job.request.prompt_tokens),
-        output_tokens=0,
-        cache_read_input_tokens=0,
-        cache_creation_input_tokens=0,
-    )
-    message = MessageOut(
-        id=message_id,
-        model=plan.model_id,
-        content=[],
-        stop_reason=None,
-        stop_sequence=None,
-        usage=start_usage,
-    )
-    try:
-        yield named_event(*as_event(MessageStart(message=message)))
-        async for item in streamed(ctx, plan, shutdown):
-            if isinstance(item, Pieces):
-                for name, payload in blocks.feed(item.pieces):
-                    yield named_event(name, payload)
-                continue
-            for name, payload in blocks.finish():
-                yield named_event(name, payload)
-            stop_reason, stop_sequence = stop_reason_of(item.stats, blocks.complete_calls())
-            delta = StopDetails(stop_reason=stop_reason, stop_sequence=stop_sequence)
-            yield named_event(*as_event(MessageDelta(delta=delta, usage=usage_of(item.stats))))
-            yield named_event(*as_event(MessageStop()))
-    except Exception as exc:  # the worker's failure or the server stopping: reported in-band
-        _, body, _ = describe(exc, ctx.engine.queue_full_status, anthropic=True)
-        error = body["error"]
-        yield named_event(*as_event(ErrorEvent(error=error if isinstance(error, dict) else {})))
-    finally:
-        # a no-op once the job finished; stops it when the reader left before it was streamed
-        plan.job.cancel()
+class MessageEvents:
+    """A Messages answer (an EventFormat): message_start, the content blocks' events as the
+    pieces come, message_delta with the stop reason and usage, message_stop; an error event in
+    Anthropic's envelope."""
+
+    ndjson = False
+
+    def __init__(self, plan: Plan, message_id: str) -> None:
+        self._plan = plan
+        self._id = message_id
+        self._blocks = ContentBlocks()
+
+    def _message(self, blocks: ContentBlocks, stats: GenerationStats | None) -> MessageOut:
+        stop_reason, stop_sequence = stop_reason_of(stats, blocks.complete_calls()) if stats else (None, None)
+        # before the prefill (stats None) the whole prompt counts as input; message_delta corrects it
+        usage = (
+            usage_of(stats)
+            if stats is not None
+            else MessageUsage(
+                input_tokens=len(self._plan.job.request.prompt_tokens),
+                output_tokens=0,
+                cache_read_input_tokens=0,
+                cache_creation_input_tokens=0,
+            )
+        )
+        content = blocks.content() if stats is not None else []
+        return MessageOut(
+            id=self._id,
+            model=self._plan.model_id,
+            content=content,
+            stop_reason=stop_reason,
+            stop_sequence=stop_sequence,
+            usage=usage,
+        )
+
+    def opening(self) -> list[Frame]:
+        return [as_event(MessageStart(message=self._message(self._blocks, None)))]
+
+    def pieces(self, item: Pieces) -> list[Frame]:
+        return list(self._blocks.feed(item.pieces))
+
+    def closing(self, finished: Finished) -> list[Frame]:
+        frames: list[Frame] = list(self._blocks.finish())
+        stop_reason, stop_sequence = stop_reason_of(finished.stats, self._blocks.complete_calls())
+        delta = StopDetails(stop_reason=stop_reason, stop_sequence=stop_sequence)
+        frames.append(as_event(MessageDelta(delta=delta, usage=usage_of(finished.stats))))
+        frames.append(as_event(MessageStop()))
+        return frames
+
+    def failure(self, error: dict[str, object]) -> list[Frame]:
+        inner = error.get("error")
+        return [as_event(ErrorEvent(error=inner if isinstance(inner, dict) else {}))]
+
+    def whole(
+        self, pieces: list[OutPiece], logprobs: list[TokenLogprob], finished: Finished
+    ) -> dict[str, Any]:
+        blocks = ContentBlocks()
+        blocks.feed(pieces)
+        blocks.finish()
+        return self._message(blocks, finished.stats).to_json()

@@ -37,8 +37,8 @@ from server.http.ollama.protocol import (
     Tags,
     Version,
 )
-from server.http.ollama.route import LATEST, NDJSON, ndjson, served_name
-from server.http.serving import ServeContext
+from server.http.ollama.route import LATEST, served_name
+from server.http.serving import NDJSON, ServeContext, ndjson_line
 from server.http.switching import DirectoryModel
 from server.loading.loader import LoadedModel
 
@@ -263,7 +263,7 @@ async def pull(ctx: ServeContext, body: ModelRequest) -> Response:
         return JSONResponse(Status(status="success").to_json())
 
     async def lines() -> AsyncIterator[bytes]:
-        yield ndjson(Status(status="pulling manifest").to_json())
+        yield ndjson_line(Status(status="pulling manifest").to_json())
         task = asyncio.ensure_future(run_in_threadpool(run))
         try:
             while not task.done():
@@ -273,13 +273,13 @@ async def pull(ctx: ServeContext, body: ModelRequest) -> Response:
                     status = heard.get()
                     latest[status.digest] = status  # the newest count of each file
                 for status in latest.values():
-                    yield ndjson(status.to_json())
+                    yield ndjson_line(status.to_json())
             task.result()
-            yield ndjson(Status(status="verifying sha256 digest").to_json())
-            yield ndjson(Status(status="success").to_json())
+            yield ndjson_line(Status(status="verifying sha256 digest").to_json())
+            yield ndjson_line(Status(status="success").to_json())
         except Exception as exc:  # noqa: BLE001 - after the 200, a failed pull is a line
             _, error, _ = describe(exc, ctx.engine.queue_full_status, ollama=True)
-            yield ndjson(error)
+            yield ndjson_line(error)
 
     return StreamingResponse(lines(), media_type=NDJSON)
 

@@ -15,20 +15,18 @@ loaded once idle after the request (server/http/residency.py). `name:latest` nam
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import Protocol
+from typing import Any, Protocol
 
-import anyio
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
-from server.engine.token_loop import GenerationRequest
+from server.engine.token_loop import GenerationRequest, TokenLogprob
+from server.engine.tool_calls import OutPiece
+from server.engine.worker import Finished
 from server.errors import InvalidRequest
 from server.http.completions import TextOutput
-from server.http.errors import describe
 from server.http.ollama.mapping import (
     chat_request,
     check_generate,
@@ -49,21 +47,20 @@ from server.http.ollama.protocol import (
     ToolCallOut,
 )
 from server.http.serving import (
+    Frame,
     Pieces,
     Plan,
     ServeContext,
     check_model,
     check_prompt,
     clamp_max_tokens,
-    collect,
     prepare_chat,
     prompt_tokens,
-    streamed,
+    respond,
     submit,
 )
 from server.settings import parse_duration
 
-NDJSON = "application/x-ndjson"
 LATEST = ":latest"
 
 
@@ -149,53 +146,51 @@ def _generate_lines(model: str) -> _Lines:
     return line
 
 
-def ndjson(payload: dict[str, object]) -> bytes:
-    return (json.dumps(payload, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+class OllamaLines:
+    """An Ollama answer (an EventFormat): NDJSON lines of text and thinking as they come, the
+    tool calls in one line once the job ends, then the done line with its durations; an error
+    after the 200 is one {"error": ...} line. Whole: one object with all of it."""
 
+    ndjson = True
 
-async def _stream(
-    ctx: ServeContext, plan: Plan, lines: _Lines, collected: Collected, started_ns: int, top: bool
-) -> AsyncIterator[bytes]:
-    want_logprobs = plan.job.request.params.logprobs
-    try:
-        # nothing sets the event: the job ends with the stream (its reader gone, or shutdown)
-        async for item in streamed(ctx, plan, anyio.Event()):
-            if isinstance(item, Pieces):
-                collected.feed(item.pieces)
-                text, thinking = collected.take_text()
-                lps = logprobs_out(item.logprobs, top) if want_logprobs and item.logprobs else None
-                if text or thinking or lps:
-                    yield ndjson(lines(text, thinking, None, lps, None).to_json())
-                continue
-            calls = collected.tool_calls()
-            if calls:
-                yield ndjson(lines("", "", calls, None, None).to_json())
-            yield ndjson(lines("", "", None, None, durations(item.stats, started_ns)).to_json())
-    except Exception as exc:  # noqa: BLE001 - after the 200, the worker's failure or the server stopping is a line
-        _, body, _ = describe(exc, ctx.engine.queue_full_status, ollama=True)
-        yield ndjson(body)
+    def __init__(self, plan: Plan, lines: _Lines, think: bool, started_ns: int) -> None:
+        self._plan = plan
+        self._lines = lines
+        self._collected = Collected(keep_thinking=think)
+        self._started_ns = started_ns
+        self._top = plan.job.request.params.top_logprobs > 0
+        self._logprobs = plan.job.request.params.logprobs
 
+    def opening(self) -> list[Frame]:
+        return []
 
-async def _answer(
-    ctx: ServeContext,
-    plan: Plan,
-    request: Request,
-    lines: _Lines,
-    *,
-    stream: bool,
-    think: bool,
-    started_ns: int,
-) -> Response:
-    top = plan.job.request.params.top_logprobs > 0
-    collected = Collected(keep_thinking=think)
-    if stream:
-        return StreamingResponse(_stream(ctx, plan, lines, collected, started_ns, top), media_type=NDJSON)
-    pieces, logprobs, finished = await collect(ctx, plan, request)
-    collected.feed(pieces)
-    text, thinking = collected.take_text()
-    lps = logprobs_out(logprobs, top) if plan.job.request.params.logprobs else None
-    last = durations(finished.stats, started_ns)
-    return JSONResponse(lines(text, thinking, collected.tool_calls(), lps, last).to_json())
+    def pieces(self, item: Pieces) -> list[Frame]:
+        self._collected.feed(item.pieces)
+        text, thinking = self._collected.take_text()
+        lps = logprobs_out(item.logprobs, self._top) if self._logprobs and item.logprobs else None
+        return (
+            [(None, self._lines(text, thinking, None, lps, None).to_json())]
+            if text or thinking or lps
+            else []
+        )
+
+    def closing(self, finished: Finished) -> list[Frame]:
+        calls = self._collected.tool_calls()
+        frames: list[Frame] = [(None, self._lines("", "", calls, None, None).to_json())] if calls else []
+        last = durations(finished.stats, self._started_ns)
+        return [*frames, (None, self._lines("", "", None, None, last).to_json())]
+
+    def failure(self, error: dict[str, object]) -> list[Frame]:
+        return [(None, error)]
+
+    def whole(
+        self, pieces: list[OutPiece], logprobs: list[TokenLogprob], finished: Finished
+    ) -> dict[str, Any]:
+        self._collected.feed(pieces)
+        text, thinking = self._collected.take_text()
+        lps = logprobs_out(logprobs, self._top) if self._logprobs else None
+        last = durations(finished.stats, self._started_ns)
+        return self._lines(text, thinking, self._collected.tool_calls(), lps, last).to_json()
 
 
 def _loaded(lines: _Lines, reason: str) -> Response:
@@ -217,8 +212,8 @@ async def chat(ctx: ServeContext, body: ChatRequest, request: Request) -> Respon
             return _loaded(lines, "load")
         chat = chat_request(body, ctx.settings.max_completion_tokens)
         plan = await prepare_chat(ctx, model, chat, model_id=name)
-    think = body.think is not False
-    return await _answer(ctx, plan, request, lines, stream=body.stream, think=think, started_ns=started_ns)
+    events = OllamaLines(plan, lines, body.think is not False, started_ns)
+    return await respond(ctx, plan, events, request, body.stream)
 
 
 async def generate(ctx: ServeContext, body: GenerateRequest, request: Request) -> Response:
@@ -251,5 +246,5 @@ async def generate(ctx: ServeContext, body: GenerateRequest, request: Request) -
             plan = submit(
                 ctx, model, "cmpl-", request_, TextOutput(), model_id=name, timings=False, include_usage=False
             )
-    think = body.think is not False
-    return await _answer(ctx, plan, request, lines, stream=body.stream, think=think, started_ns=started_ns)
+    events = OllamaLines(plan, lines, body.think is not False, started_ns)
+    return await respond(ctx, plan, events, request, body.stream)

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
-import anyio
-from sse_starlette import ServerSentEvent
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from server.engine.token_loop import GenerationStats
-from server.http.errors import describe
+from server.engine.token_loop import GenerationStats, TokenLogprob
+from server.engine.tool_calls import OutPiece
+from server.engine.worker import Finished
 from server.http.responses.mapping import Toolbox, to_chat_request
 from server.http.responses.output import OutputBuilder, OutputShape, new_id
 from server.http.responses.protocol import ResponsesRequest, ResponseStatus
-from server.http.serving import Pieces, Plan, ServeContext, collect, finish_reason, prepare_chat, streamed
-from server.http.sse import named_event, sse_response
+from server.http.serving import Frame, Pieces, Plan, ServeContext, finish_reason, prepare_chat, respond
 
 
 def _status(stats: GenerationStats, plan: Plan) -> ResponseStatus:
@@ -30,51 +27,56 @@ async def create_response(ctx: ServeContext, body: ResponsesRequest, request: Re
     async with ctx.using(body.model) as model:
         plan = await prepare_chat(ctx, model, chat, model_id=body.model)
     shape = OutputShape(new_id("resp"), plan.created, body)
-    if body.stream:
-        shutdown = anyio.Event()
-        return sse_response(_stream(ctx, plan, shape, tools, shutdown), ctx.settings.keepalive_s, shutdown)
-    pieces, _, finished = await collect(ctx, plan, request)
-    builder = OutputBuilder(tools)
-    for piece in pieces:
-        for _ in builder.feed(piece):
+    return await respond(ctx, plan, ResponseEvents(plan, shape, tools), request, bool(body.stream))
+
+
+class ResponseEvents:
+    """A Responses answer (an EventFormat): response.created and .in_progress, the output items'
+    events as the pieces come, then response.completed (or .incomplete); each event numbered by
+    its sequence_number; an `error` event if the job fails after the 200."""
+
+    ndjson = False
+
+    def __init__(self, plan: Plan, shape: OutputShape, tools: Toolbox) -> None:
+        self._plan = plan
+        self._shape = shape
+        self._builder = OutputBuilder(tools)
+        self._tools = tools
+        self._sequence = 0
+
+    def _event(self, kind: str, payload: dict[str, Any]) -> Frame:
+        self._sequence += 1
+        return kind, {"type": kind, "sequence_number": self._sequence - 1, **payload}
+
+    def opening(self) -> list[Frame]:
+        start = {"response": self._shape.response("in_progress", [], None)}
+        return [self._event("response.created", start), self._event("response.in_progress", start)]
+
+    def pieces(self, item: Pieces) -> list[Frame]:
+        return [
+            self._event(kind, payload) for piece in item.pieces for kind, payload in self._builder.feed(piece)
+        ]
+
+    def closing(self, finished: Finished) -> list[Frame]:
+        frames = [self._event(kind, payload) for kind, payload in self._builder.finish()]
+        status = _status(finished.stats, self._plan)
+        final = self._shape.response(status, self._builder.output(), finished.stats)
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        return [*frames, self._event(kind, {"response": final})]
+
+    def failure(self, error: dict[str, object]) -> list[Frame]:
+        inner = error.get("error")
+        fields = inner if isinstance(inner, dict) else {}
+        payload = {"code": fields.get("code"), "message": fields.get("message"), "param": fields.get("param")}
+        return [self._event("error", payload)]
+
+    def whole(
+        self, pieces: list[OutPiece], logprobs: list[TokenLogprob], finished: Finished
+    ) -> dict[str, Any]:
+        builder = OutputBuilder(self._tools)
+        for piece in pieces:
+            for _ in builder.feed(piece):
+                pass
+        for _ in builder.finish():
             pass
-    for _ in builder.finish():
-        pass
-    return JSONResponse(shape.response(_status(finished.stats, plan), builder.output(), finished.stats))
-
-
-async def _stream(
-    ctx: ServeContext, plan: Plan, shape: OutputShape, tools: Toolbox, shutdown: anyio.Event
-) -> AsyncIterator[ServerSentEvent]:
-    sequence = 0
-
-    def sse(kind: str, payload: dict[str, Any]) -> ServerSentEvent:
-        nonlocal sequence
-        sequence += 1
-        return named_event(kind, {"type": kind, "sequence_number": sequence - 1, **payload})
-
-    yield sse("response.created", {"response": shape.response("in_progress", [], None)})
-    yield sse("response.in_progress", {"response": shape.response("in_progress", [], None)})
-    builder = OutputBuilder(tools)
-    try:
-        async for item in streamed(ctx, plan, shutdown):
-            if isinstance(item, Pieces):
-                for piece in item.pieces:
-                    for kind, payload in builder.feed(piece):
-                        yield sse(kind, payload)
-            else:
-                for kind, payload in builder.finish():
-                    yield sse(kind, payload)
-                status = _status(item.stats, plan)
-                final = shape.response(status, builder.output(), item.stats)
-                yield sse(
-                    "response.completed" if status == "completed" else "response.incomplete",
-                    {"response": final},
-                )
-    except Exception as exc:  # noqa: BLE001 - after the 200, an error is an event (the API's own)
-        _, body, _ = describe(exc, ctx.engine.queue_full_status)
-        error = body["error"]
-        assert isinstance(error, dict)
-        yield sse(
-            "error", {"code": error.get("code"), "message": error.get("message"), "param": error.get("param")}
-        )
+        return self._shape.response(_status(finished.stats, self._plan), builder.output(), finished.stats)
