@@ -12,6 +12,7 @@ from server.errors import ModelGenError
 from server.modelgen.presets import preset, presets
 from server.modelgen.spec import ARCHITECTURES, WEIGHT_QTYPES, ModelSpec, QType
 from server.modelgen.writer import estimate_size, generate_model
+from server.settings import format_size
 
 # the preset a bare --arch starts from
 _TINY_PRESET_BY_ARCH = {
@@ -127,7 +128,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.list_presets:
         for p in presets():
-            print(f"{p.name:20} {_human(estimate_size(p.spec)):>10}  {p.description}")
+            print(f"{p.name:20} {format_size(estimate_size(p.spec)):>10}  {p.description}")
         return 0
     if args.out is None:
         raise ModelGenError("missing OUT.gguf (or use --list-presets)")
@@ -145,9 +146,9 @@ def run(args: argparse.Namespace) -> int:
     files = str(paths[0]) if len(paths) == 1 else f"{paths[0]} .. {paths[-1].name} ({len(paths)} files)"
     varies = len({spec.expert_bytes_of(il) for il in range(spec.n_layer)}) > 1
     print(
-        f"wrote {files}: {_human(size)}; {spec.describe()}; "
-        f"{_human(spec.bytes_per_expert)} per expert{' (mean over layers)' if varies else ''}, "
-        f"{_human(spec.routed_bytes_per_token)} routed per token"
+        f"wrote {files}: {format_size(size)}; {spec.describe()}; "
+        f"{format_size(spec.bytes_per_expert)} per expert{' (mean over layers)' if varies else ''}, "
+        f"{format_size(spec.routed_bytes_per_token)} routed per token"
     )
     return 0
 
@@ -190,10 +191,3 @@ def parse_size(text: str) -> int:
     if n < 1:
         raise ModelGenError(f"size must be positive: {text!r}")
     return n
-
-
-def _human(n: int) -> str:
-    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"

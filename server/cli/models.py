@@ -7,7 +7,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from server.errors import PullError
-from server.settings import StoreSettings, add_arguments
+from server.settings import StoreSettings, add_arguments, format_size
 
 if TYPE_CHECKING:
     from server.hub import Storage
@@ -20,19 +20,12 @@ def _storage(args: argparse.Namespace) -> Storage:
     return default_storage(StoreSettings.from_args(args).models_dir)
 
 
-def _size(n: int) -> str:
-    for unit, shift in (("GB", 30), ("MB", 20), ("KB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.1f} {unit}"
-    return f"{n} B"
-
-
 def run_pull(args: argparse.Namespace) -> int:
     from server.hub import hub_api, pull
 
     model = pull(args.ref, _storage(args), hub_api(), progress=not args.quiet)
     # user-facing: what was pulled and how to serve it
-    print(f"pulled {model.name} ({_size(model.size)}, {len(model.files)} file(s)) from {model.origin}")
+    print(f"pulled {model.name} ({format_size(model.size)}, {len(model.files)} file(s)) from {model.origin}")
     print(f"serve it: moeflash serve --model {model.files[0]}")
     return 0
 
@@ -44,7 +37,7 @@ def run_list(args: argparse.Namespace) -> int:
         return 0
     width = max(len(m.name) for m in models)
     for m in models:
-        print(f"{m.name:<{width}}  {_size(m.size):>9}  {m.origin}  {m.files[0]}")
+        print(f"{m.name:<{width}}  {format_size(m.size):>9}  {m.origin}  {m.files[0]}")
     return 0
 
 

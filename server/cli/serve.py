@@ -18,6 +18,7 @@ from server.settings import (
     ServerSettings,
     StoreSettings,
     add_arguments,
+    format_size,
     settings_from_args,
 )
 
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
 
     from server.engine.worker import Engine
     from server.http.switching import ModelSwitch
-    from server.loading.prompt_cache import PromptCache
 
 logger = logging.getLogger(__name__)
 
@@ -38,72 +38,6 @@ _LAN_WARNING = """
   *  Anyone on the network can use this model (--insecure-no-key).
   *  Set --api-key or --api-key-file (or MOEFLASH_API_KEY) instead.
   ************************************************************************"""
-
-
-def _size(n: int) -> str:
-    """Bytes in binary units, e.g. 4.5 MiB or 17.28 GiB."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.2f} {unit}"
-    return f"{n} B"
-
-
-def load_served_model(server_settings: ServerSettings, settings: ModelSettings) -> LoadedModel:
-    """The engine's loader in `serve`: the model with its prompt cache, warm-started when streamed
-    (and asked for)."""
-    ram = server_settings.prompt_cache_ram
-    model = load_model(settings, prompt_cache=None if ram == 0 else ram)
-    info = model.info
-    streamer = model.llama.streamer
-    try:
-        if ram != 0:
-            model.prompt_cache = _prompt_cache(server_settings, model)
-        if server_settings.warm_start and streamer is not None:
-            from server.loading.hot_set import WarmStart
-
-            model.warm_start = WarmStart(
-                streamer, info.path, server_settings.state_dir, save_every_s=server_settings.hot_set_save_s
-            )
-            logger.info("warm start: the hot set is kept in %s", model.warm_start.path)
-    except BaseException:
-        model.close()
-        raise
-    budget = "no budget (resident)" if info.budget_bytes is None else f"budget {_size(info.budget_bytes)}"
-    logger.info(
-        "model ready: %s (architecture %s, file %s, %s, mode %s, context %d tokens)",
-        info.id,
-        info.architecture,
-        _size(info.file_size),
-        budget,
-        info.mode,
-        info.n_ctx,
-    )
-    return model
-
-
-def _prompt_cache(server_settings: ServerSettings, model: LoadedModel) -> PromptCache:
-    """The model's prompt cache, in the RAM its memory budget counted, its states on flash under
-    the state directory."""
-    from server.loading.prompt_cache import PromptCache, StateKey, Window, model_identity, state_directory
-
-    memory = model.llama.memory
-    key = StateKey.of(model.llama, model_identity(model.info.path))
-    flash = server_settings.prompt_cache_flash
-    directory = state_directory(server_settings.state_dir, model.info.path, key) if flash else None
-    cache = PromptCache(
-        key,
-        ram_bytes=memory.prompt_cache if memory is not None else 0,
-        flash_bytes=flash,
-        directory=directory,
-        window=Window.of(model.llama),
-    )
-    logger.info(
-        "prompt cache: %s in RAM, %s on flash%s",
-        _size(cache.ram_limit),
-        _size(flash),
-        f" in {directory}" if directory is not None else "",
-    )
-    return cache
 
 
 def served_engine(
@@ -127,7 +61,7 @@ def served_engine(
             raise ConfigError("no model given: moeflash serve --model PATH (or --models-dir DIR)")
         if not model_settings.model.is_file():
             raise ConfigError(f"model file not found: {model_settings.model}")
-        return engine(lambda: load_served_model(server_settings, model_settings)), None
+        return engine(lambda: load_model(model_settings, served=server_settings)), None
     if model_settings.alias:
         raise ConfigError("--alias names one model: with --models-dir each model goes by its file stem")
     if not models_dir.is_dir():
@@ -144,7 +78,7 @@ def served_engine(
     start = next((m for m in models if first is not None and m.path.resolve() == first.resolve()), models[0])
 
     def load(path: Path) -> LoadedModel:
-        return load_served_model(server_settings, model_settings.model_copy(update={"model": path}))
+        return load_model(model_settings.model_copy(update={"model": path}), served=server_settings)
 
     served = engine(lambda: load(start.path))
     switch = ModelSwitch(
@@ -183,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     if model_settings.model is not None and switch is None:
         path = model_settings.model
         size = sum(p.stat().st_size for p in split_files(path) if p.is_file())
-        logger.info("loading %s (%s) in mode %s", path, _size(size), model_settings.mode)
+        logger.info("loading %s (%s) in mode %s", path, format_size(size), model_settings.mode)
     app = create_app(server_settings, engine, switch)
     host = server_settings.host
     shown = f"[{host}]" if ":" in host else host

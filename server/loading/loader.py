@@ -1,4 +1,6 @@
-"""Model loading behind one function, `load_model(settings) -> LoadedModel`.
+"""Model loading behind one function, `load_model(settings) -> LoadedModel`: the one place a model
+is put together, for `serve` (with the server's prompt cache and warm start), for the model
+switch of --models-dir and for `generate` (the bare model).
 
 Two modes. resident (server/loading/resident.py): llama.cpp maps the file the stock way. streaming: the
 expert streamer (server/loading/streaming.py) keeps dense weights in RAM and streams routed experts from
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from server import __version__
 from server.errors import ConfigError, ModelLoadError
 from server.loading.model_files import model_stem, split_files
-from server.settings import ModelSettings, RouteTraceSettings
+from server.settings import ModelSettings, RouteTraceSettings, ServerSettings, format_size
 
 if TYPE_CHECKING:
     from server.loading.budget import PromptCacheRam
@@ -136,11 +138,73 @@ def choose_mode(settings: ModelSettings, file_size: int) -> tuple[str, str]:
 
 
 def load_model(
-    settings: ModelSettings, routing: RouteTraceSettings | None = None, prompt_cache: PromptCacheRam = None
+    settings: ModelSettings, routing: RouteTraceSettings | None = None, served: ServerSettings | None = None
 ) -> LoadedModel:
     """Load the model `settings` names, its routing replayed from or recorded to a route trace
-    as `routing` says, `prompt_cache` RAM counted in its memory (the server's prompt cache, made
-    by the caller); ModelLoadError/ConfigError when it cannot be."""
+    as `routing` says; with `served`, as the server serves it: the prompt cache its settings ask
+    for (its RAM counted in the model's memory) and warm start for a streamed model.
+    ModelLoadError/ConfigError when it cannot be."""
+    ram = served.prompt_cache_ram if served is not None else 0
+    model = _load_model(settings, routing, prompt_cache=None if ram == 0 else ram)
+    if served is None:
+        return model
+    info = model.info
+    try:
+        if ram != 0:
+            model.prompt_cache = _prompt_cache(served, model)
+        streamer = model.llama.streamer
+        if served.warm_start and streamer is not None:
+            from server.loading.hot_set import WarmStart
+
+            model.warm_start = WarmStart(
+                streamer, info.path, served.state_dir, save_every_s=served.hot_set_save_s
+            )
+            logger.info("warm start: the hot set is kept in %s", model.warm_start.path)
+    except BaseException:
+        model.close()
+        raise
+    budget = (
+        "no budget (resident)" if info.budget_bytes is None else f"budget {format_size(info.budget_bytes)}"
+    )
+    logger.info(
+        "model ready: %s (architecture %s, file %s, %s, mode %s, context %d tokens)",
+        info.id,
+        info.architecture,
+        format_size(info.file_size),
+        budget,
+        info.mode,
+        info.n_ctx,
+    )
+    return model
+
+
+def _prompt_cache(served: ServerSettings, model: LoadedModel) -> PromptCache:
+    """The model's prompt cache, in the RAM its memory budget counted, its states on flash under
+    the state directory."""
+    from server.loading.prompt_cache import PromptCache, StateKey, Window, model_identity, state_directory
+
+    memory = model.llama.memory
+    key = StateKey.of(model.llama, model_identity(model.info.path))
+    flash = served.prompt_cache_flash
+    directory = state_directory(served.state_dir, model.info.path, key) if flash else None
+    cache = PromptCache(
+        key,
+        ram_bytes=memory.prompt_cache if memory is not None else 0,
+        flash_bytes=flash,
+        directory=directory,
+        window=Window.of(model.llama),
+    )
+    where = f" in {directory}" if directory is not None else ""
+    logger.info(
+        "prompt cache: %s in RAM, %s on flash%s", format_size(cache.ram_limit), format_size(flash), where
+    )
+    return cache
+
+
+def _load_model(
+    settings: ModelSettings, routing: RouteTraceSettings | None, prompt_cache: PromptCacheRam
+) -> LoadedModel:
+    """The model and its context, `prompt_cache` RAM counted in its memory."""
     if settings.model is None:
         raise ConfigError("no model given (--model PATH or MOEFLASH_MODEL)")
     path = settings.model.expanduser().resolve()

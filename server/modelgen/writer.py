@@ -32,6 +32,7 @@ from server.modelgen.gguf_format import pad_to
 from server.modelgen.layout import GGUF_SUFFIX, Layout, PlannedFile, plan_layout
 from server.modelgen.quant import tensor_chunks
 from server.modelgen.spec import ModelSpec
+from server.settings import format_size
 
 logger = logging.getLogger(__name__)
 
@@ -108,13 +109,9 @@ def _check_room(directory: Path, size: int, disk_free: DiskFree) -> None:
     free = disk_free(directory)
     if free < size + margin:
         raise ModelGenError(
-            f"not enough free disk space in {directory}: the model needs {_gb(size)} "
-            f"(+ {_gb(margin)} margin), only {_gb(free)} free"
+            f"not enough free disk space in {directory}: the model needs {format_size(size)} "
+            f"(+ {format_size(margin)} margin), only {format_size(free)} free"
         )
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 10**8 else f"{n / 2**20:.1f} MiB"
 
 
 def _write_all(layout: Layout, seed: int, progress: bool) -> None:

@@ -136,7 +136,7 @@ def test_list_presets() -> None:
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert [line.split()[0] for line in lines] == preset_names()
-    assert "GB" in next(line for line in lines if line.startswith("qwen30b-shape "))
+    assert "GiB" in next(line for line in lines if line.startswith("qwen30b-shape "))
 
 
 def test_progress_bar_on_stderr_by_default(tmp_path: Path) -> None:
