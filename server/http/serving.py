@@ -21,9 +21,10 @@ import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
 import anyio
+from fastapi import Depends
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -125,6 +126,17 @@ class ServeContext:
             if name not in self.warned_fields:
                 self.warned_fields.add(name)
                 logger.warning("ignoring unknown request field %r (logged once)", name)
+
+
+def serve_context(request: Request) -> ServeContext:
+    """The app's ServeContext, set by `create_app`: every route's dependency."""
+    ctx = request.app.state.moeflash
+    assert isinstance(ctx, ServeContext)
+    return ctx
+
+
+# a route's parameter for the server's state
+Ctx = Annotated[ServeContext, Depends(serve_context)]
 
 
 # ---------------------------------------------------------------------- checks

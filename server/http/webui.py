@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from importlib.resources import files
 
+from fastapi import APIRouter
+from starlette.responses import HTMLResponse
+
 # libraries the page uses (server/http/static/vendor/README.md), inlined where it says <!-- vendor -->
 _VENDOR = ("vendor/marked.umd.js", "vendor/purify.min.js")
 
@@ -23,3 +26,16 @@ def index_html() -> str:
         f"<script>{static.joinpath(name).read_text(encoding='utf-8')}</script>\n" for name in _VENDOR
     )
     return static.joinpath("index.html").read_text(encoding="utf-8").replace("<!-- vendor -->", scripts, 1)
+
+
+async def index() -> HTMLResponse:
+    """The chat page."""
+    return HTMLResponse(index_html())
+
+
+def router() -> APIRouter:
+    """GET / and HEAD / (clients probe the server with HEAD: Claude Code does before its first
+    request), left out of the API's schema."""
+    routes = APIRouter()
+    routes.add_api_route("/", index, methods=["GET", "HEAD"], include_in_schema=False)
+    return routes

@@ -4,7 +4,7 @@ The types are read from the installed `openai` and `anthropic` packages at test 
 `ResponseInputItemParam`, `ToolParam`, `ContentBlockParam` and the beta `BetaContentBlockParam`
 unions), so a type a newer SDK adds fails here until the server has a rule for it. Each member's
 minimal valid value, and one value per alternative of the unions inside it, goes in a request
-after a user message; what comes back is what the type's rule says (server/http/responses/items.py,
+after a user message; what comes back is what the type's rule says (server/http/openai/responses/items.py,
 server/http/messages/mapping.py, docs/api.md): 200 with every text of the value in the rendered
 prompt, 200 and one log line naming a dropped type, or a 400 naming the item. The minimal values
 are also sent streamed, and the server answers a plain request after all of them.
@@ -34,9 +34,9 @@ from server.http.messages.protocol import (
     SERVER_TOOL_RESULTS,
     known_block_types,
 )
-from server.http.responses import ResponsesRequest
-from server.http.responses import to_chat_request as responses_chat
-from server.http.responses.protocol import DROPPED_ITEMS, REFUSED_ITEMS, known_item_types
+from server.http.openai.responses import ResponsesRequest
+from server.http.openai.responses import to_chat_request as responses_chat
+from server.http.openai.responses.protocol import DROPPED_ITEMS, REFUSED_ITEMS, known_item_types
 from tests.http.sdk_types import markers as markers_of
 from tests.http.sdk_types import members, minimal, type_tag, variants
 from tests.servers import RunningServer, running_server

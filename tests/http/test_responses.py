@@ -14,7 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from server.http.responses import ResponsesRequest, to_chat_request
+from server.http.openai.responses import ResponsesRequest, to_chat_request
 from tests.servers import RunningServer, running_server
 
 WEATHER: dict[str, Any] = {
@@ -232,7 +232,7 @@ def test_codex_tool_list_is_served(
         "store": False,
         "max_output_tokens": 4,
     }
-    with caplog.at_level("WARNING", logger="server.http.responses"):
+    with caplog.at_level("WARNING", logger="server.http.openai.responses"):
         for _ in range(2):
             response = client.responses.create(**kwargs)
             assert response.status in ("completed", "incomplete")

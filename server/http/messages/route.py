@@ -6,8 +6,9 @@ after the stream started, one `error` event in that envelope ends it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
+from fastapi import Body
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -29,18 +30,18 @@ from server.http.messages.protocol import (
     TokenCount,
 )
 from server.http.serving import (
+    Ctx,
     Frame,
     Pieces,
     Plan,
-    ServeContext,
     prepare_chat,
     render_chat,
     respond,
 )
 
 
-async def create_message(ctx: ServeContext, body: MessagesRequest, request: Request) -> Response:
-    """POST /v1/messages."""
+async def create_message(body: Annotated[MessagesRequest, Body()], request: Request, ctx: Ctx) -> Response:
+    """Anthropic Messages API, whole or streamed (SSE); `x-api-key` is accepted as the key."""
     ctx.warn_unknown(body.model_extra)
     async with ctx.using(body.model) as model:
         plan = await prepare_chat(ctx, model, to_chat_request(body, ctx.warned_fields), model_id=body.model)
@@ -48,9 +49,9 @@ async def create_message(ctx: ServeContext, body: MessagesRequest, request: Requ
     return await respond(ctx, plan, MessageEvents(plan, message_id), request, bool(body.stream))
 
 
-async def count_tokens(ctx: ServeContext, body: CountTokensRequest) -> Response:
-    """POST /v1/messages/count_tokens: the prompt tokens /v1/messages would render `body` to (its
-    usage counts them as input_tokens plus cache_read_input_tokens)."""
+async def count_tokens(body: Annotated[CountTokensRequest, Body()], ctx: Ctx) -> Response:
+    """Anthropic's token count: the prompt tokens /v1/messages renders these fields to (its usage
+    counts them as input_tokens plus cache_read_input_tokens)."""
     ctx.warn_unknown(body.model_extra)
     async with ctx.using(body.model) as model:
         _, tokens = await render_chat(ctx, model, to_chat_request(body, ctx.warned_fields))

@@ -10,23 +10,27 @@ starts, exactly like a chat completion; errors carry Ollama's {"error": "..."} e
 One module per job: protocol.py (the request and answer models), mapping.py (a request -> the
 engine's ChatRequest and sampling), output.py (chat pieces -> message text, thinking, tool calls,
 durations), route.py (chat and generate, NDJSON streaming), models.py (tags, show, ps, version,
-pull, delete).
+pull, delete); `router()` routes them.
 """
 
+from fastapi import APIRouter
+
 from server.http.ollama.models import delete, pull, running, show, tags, version
-from server.http.ollama.protocol import ChatRequest, GenerateRequest, ModelRequest
 from server.http.ollama.route import chat, generate
 
-__all__ = [
-    "ChatRequest",
-    "GenerateRequest",
-    "ModelRequest",
-    "chat",
-    "delete",
-    "generate",
-    "pull",
-    "running",
-    "show",
-    "tags",
-    "version",
-]
+
+def router() -> APIRouter:
+    """The Ollama routes."""
+    routes = APIRouter(tags=["ollama"])
+    routes.add_api_route("/api/tags", tags, methods=["GET"])
+    routes.add_api_route("/api/ps", running, methods=["GET"])
+    routes.add_api_route("/api/version", version, methods=["GET"])
+    routes.add_api_route("/api/show", show, methods=["POST"])
+    routes.add_api_route("/api/chat", chat, methods=["POST"])
+    routes.add_api_route("/api/generate", generate, methods=["POST"])
+    routes.add_api_route("/api/pull", pull, methods=["POST"])
+    routes.add_api_route("/api/delete", delete, methods=["DELETE"])
+    return routes
+
+
+__all__ = ["router"]

@@ -17,8 +17,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+from fastapi import Body
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -38,7 +39,7 @@ from server.http.ollama.protocol import (
     Version,
 )
 from server.http.ollama.route import LATEST, served_name
-from server.http.serving import NDJSON, ServeContext, ndjson_line
+from server.http.serving import NDJSON, Ctx, ServeContext, ndjson_line
 from server.http.switching import DirectoryModel
 from server.loading.loader import LoadedModel
 
@@ -153,12 +154,12 @@ def _tag(d: _Described, name: str) -> TagModel:
     )
 
 
-async def tags(ctx: ServeContext) -> Response:
+async def tags(ctx: Ctx) -> Response:
     """GET /api/tags: every model served, under each of its names."""
     return JSONResponse(Tags(models=[_tag(_described(ctx, n), n) for n in ctx.served_names()]).to_json())
 
 
-async def running(ctx: ServeContext) -> Response:
+async def running(ctx: Ctx) -> Response:
     """GET /api/ps: the loaded model (none while it is released or loading), and when its
     keep_alive runs out (far in the future: never)."""
     model = ctx.engine.model
@@ -173,7 +174,7 @@ async def running(ctx: ServeContext) -> Response:
     return JSONResponse(Running(models=[loaded]).to_json())
 
 
-async def show(ctx: ServeContext, body: ModelRequest) -> Response:
+async def show(body: Annotated[ModelRequest, Body()], ctx: Ctx) -> Response:
     """POST /api/show: a model's details, GGUF metadata, template and capabilities."""
     ctx.warn_unknown(body.model_extra)
     name = served_name(ctx, body.model_name or "")
@@ -237,7 +238,7 @@ def _files_in_use(ctx: ServeContext) -> set[Path]:
     return {m.path.resolve() for m in ctx.switch.models if m.name == ctx.switch.loaded}
 
 
-async def pull(ctx: ServeContext, body: ModelRequest) -> Response:
+async def pull(body: Annotated[ModelRequest, Body()], ctx: Ctx) -> Response:
     """POST /api/pull: a model from the Hugging Face Hub (as `moeflash pull` does), into
     MOEFLASH_MODELS_DIR or the Hugging Face cache. Streamed, as Ollama streams it: "pulling
     manifest", then each file's bytes as they come ({"status": "pulling sha256:...", "digest",
@@ -284,7 +285,7 @@ async def pull(ctx: ServeContext, body: ModelRequest) -> Response:
     return StreamingResponse(lines(), media_type=NDJSON)
 
 
-async def delete(ctx: ServeContext, body: ModelRequest) -> Response:
+async def delete(body: Annotated[ModelRequest, Body()], ctx: Ctx) -> Response:
     """DELETE /api/delete: a pulled model's files (never the model loaded, or the one served)."""
     check_pull_allowed(ctx, "/api/delete")
     from server.hub import default_storage

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
+from fastapi import Body
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -26,7 +27,6 @@ from server.engine.token_loop import GenerationRequest, TokenLogprob
 from server.engine.tool_calls import OutPiece
 from server.engine.worker import Finished
 from server.errors import InvalidRequest
-from server.http.completions import TextOutput
 from server.http.ollama.mapping import (
     chat_request,
     check_generate,
@@ -46,7 +46,9 @@ from server.http.ollama.protocol import (
     Out,
     ToolCallOut,
 )
+from server.http.openai.completions import TextOutput
 from server.http.serving import (
+    Ctx,
     Frame,
     Pieces,
     Plan,
@@ -197,8 +199,8 @@ def _loaded(lines: _Lines, reason: str) -> Response:
     return JSONResponse(lines("", "", None, None, Durations(done_reason=reason)).to_json())
 
 
-async def chat(ctx: ServeContext, body: ChatRequest, request: Request) -> Response:
-    """POST /api/chat."""
+async def chat(body: Annotated[ChatRequest, Body()], request: Request, ctx: Ctx) -> Response:
+    """Ollama chat, whole or streamed (NDJSON)."""
     started_ns = time.monotonic_ns()
     _warn(ctx, body)
     name = served_name(ctx, body.model)
@@ -216,8 +218,8 @@ async def chat(ctx: ServeContext, body: ChatRequest, request: Request) -> Respon
     return await respond(ctx, plan, events, request, body.stream)
 
 
-async def generate(ctx: ServeContext, body: GenerateRequest, request: Request) -> Response:
-    """POST /api/generate."""
+async def generate(body: Annotated[GenerateRequest, Body()], request: Request, ctx: Ctx) -> Response:
+    """Ollama generate (templated, or raw), whole or streamed (NDJSON)."""
     started_ns = time.monotonic_ns()
     _warn(ctx, body)
     name = served_name(ctx, body.model)

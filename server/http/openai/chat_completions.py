@@ -9,8 +9,9 @@ finish_reason, the usage chunk if asked, then [DONE].
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
+from fastapi import Body
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -38,8 +39,8 @@ from server.http.protocol import (
 )
 from server.http.serving import (
     Chunks,
+    Ctx,
     Plan,
-    ServeContext,
     check_one_choice,
     logit_bias,
     prepare_chat,
@@ -49,9 +50,9 @@ from server.http.serving import (
 
 
 async def create_chat_completion(
-    ctx: ServeContext, body: ChatCompletionRequest, request: Request
+    body: Annotated[ChatCompletionRequest, Body()], request: Request, ctx: Ctx
 ) -> Response:
-    """POST /v1/chat/completions."""
+    """Chat completion, whole or streamed (SSE)."""
     ctx.warn_unknown(body.model_extra)
     check_one_choice(body.n)
     for param, kind in media_parts(body.messages):

@@ -7,8 +7,9 @@ are the ones chat completions use (server/http/serving.py).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
+from fastapi import Body
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -26,8 +27,8 @@ from server.http.protocol import (
 )
 from server.http.serving import (
     Chunks,
+    Ctx,
     Plan,
-    ServeContext,
     check_one_choice,
     check_prompt,
     clamp_max_tokens,
@@ -39,8 +40,10 @@ from server.http.serving import (
 )
 
 
-async def create_completion(ctx: ServeContext, body: CompletionRequest, request: Request) -> Response:
-    """POST /v1/completions."""
+async def create_completion(
+    body: Annotated[CompletionRequest, Body()], request: Request, ctx: Ctx
+) -> Response:
+    """Legacy text completion, whole or streamed (SSE)."""
     ctx.warn_unknown(body.model_extra)
     check_one_choice(body.n)
     if body.suffix:

@@ -20,8 +20,8 @@ response.completed (response.incomplete when max_output_tokens cut the answer). 
 has no JSON arguments and is left out; a custom call's input is sent whole as its call closes.
 """
 
-from server.http.responses.mapping import Toolbox, to_chat_request
-from server.http.responses.protocol import ResponsesRequest
-from server.http.responses.route import create_response
+from server.http.openai.responses.mapping import Toolbox, to_chat_request
+from server.http.openai.responses.protocol import ResponsesRequest
+from server.http.openai.responses.route import create_response
 
 __all__ = ["ResponsesRequest", "Toolbox", "create_response", "to_chat_request"]

@@ -32,7 +32,7 @@ from typing import Any
 from server.engine.chat import ChatMessage, ToolCall
 from server.engine.tool_calls import json_text
 from server.errors import InvalidRequest
-from server.http.responses.protocol import (
+from server.http.openai.responses.protocol import (
     DROPPED_ITEMS,
     HOSTED_CALLS,
     HOSTED_OUTPUTS,

@@ -9,8 +9,8 @@ from typing import Any
 
 from server.engine.token_loop import GenerationStats
 from server.engine.tool_calls import OutPiece, ToolCallArgs, ToolCallStart, strict_json
-from server.http.responses.mapping import Offered, Toolbox
-from server.http.responses.protocol import (
+from server.http.openai.responses.mapping import Offered, Toolbox
+from server.http.openai.responses.protocol import (
     CustomToolCallOut,
     FunctionCallOut,
     IncompleteDetails,

@@ -1,27 +1,28 @@
-"""The route: POST /v1/responses, whole or as a stream of events."""
+"""The route handler: POST /v1/responses, whole or as a stream of events."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
+from fastapi import Body
 from starlette.requests import Request
 from starlette.responses import Response
 
 from server.engine.token_loop import GenerationStats, TokenLogprob
 from server.engine.tool_calls import OutPiece
 from server.engine.worker import Finished
-from server.http.responses.mapping import Toolbox, to_chat_request
-from server.http.responses.output import OutputBuilder, OutputShape, new_id
-from server.http.responses.protocol import ResponsesRequest, ResponseStatus
-from server.http.serving import Frame, Pieces, Plan, ServeContext, finish_reason, prepare_chat, respond
+from server.http.openai.responses.mapping import Toolbox, to_chat_request
+from server.http.openai.responses.output import OutputBuilder, OutputShape, new_id
+from server.http.openai.responses.protocol import ResponsesRequest, ResponseStatus
+from server.http.serving import Ctx, Frame, Pieces, Plan, finish_reason, prepare_chat, respond
 
 
 def _status(stats: GenerationStats, plan: Plan) -> ResponseStatus:
     return "incomplete" if finish_reason(stats, plan.output.n_calls) == "length" else "completed"
 
 
-async def create_response(ctx: ServeContext, body: ResponsesRequest, request: Request) -> Response:
-    """POST /v1/responses."""
+async def create_response(body: Annotated[ResponsesRequest, Body()], request: Request, ctx: Ctx) -> Response:
+    """OpenAI Responses API (stateless), whole or streamed (SSE)."""
     ctx.warn_unknown(body.model_extra)
     chat, tools = to_chat_request(body, ctx.warned_fields, ctx.settings.max_completion_tokens)
     async with ctx.using(body.model) as model:
