@@ -156,8 +156,17 @@ def run_system(
         run.error = (proc.stderr or proc.stdout)[-2000:].strip() or f"exit status {proc.returncode}"
         return run
     run.report = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("model", "route_trace"):  # a committed report holds no path of this machine
+        if isinstance(run.report.get(key), str):
+            run.report[key] = _shown_path(run.report[key])
     run.ok = True
     return run
+
+
+def _shown_path(path: str) -> str:
+    """`path` relative to the working directory (the checkout, for `make bench`) when under it."""
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(Path.cwd())) if resolved.is_relative_to(Path.cwd()) else path
 
 
 def measure_ceiling(

@@ -1,6 +1,6 @@
 """Train the qwen3moe model on the corpus, on the CPU, resumably.
 
-A run lives in one directory (outside git, e.g. /work/train-runs/moe-v1):
+A run lives in one directory of its own, outside the checkout (`make train TRAIN_DIR=DIR`):
   run.json        the run's config and seed; a resume reads it back (--reschedule-to appends a
                   new schedule length from the step it is given at, so the run stays reproducible)
   corpus/         train.txt, heldout.txt, manifest.json (server/training/corpus.py)
