@@ -44,7 +44,7 @@ ARM_STAMP := $(ARM_LLAMA)/.moeflash-stamp
 ARM_EXT_LIB := streaming_ext/lib/aarch64/libmoeflash_stream.so
 ARM_CTEST := tests/c/build/aarch64
 
-.PHONY: setup setup-dev chromium corpus-packages train arm-toolchain arm llama ext serve serve-container require-api-key demo-model test lint bench-small bench bench-warm-start replay clean distclean
+.PHONY: setup setup-dev chromium corpus-packages train arm-toolchain arm llama ext serve serve-container require-api-key demo-model test codex-loop agent-sequences house lint bench-small bench bench-warm-start replay clean distclean
 
 setup: $(VENV)/.deps-stamp llama ext $(VENV)/.install-stamp
 
@@ -121,13 +121,14 @@ corpus-packages:
 		fi; \
 	fi
 
-# Trains the demo model, or resumes its run, in TRAIN_DIR (outside git) on TRAIN_THREADS torch
-# threads: hours, so start it with nohup (docs/training.md). TRAIN_ARGS: e.g. --reschedule-to N.
-# Neither `make serve` nor the tests train.
-TRAIN_DIR ?= ../train-runs/moe-v1
+# Trains the demo model, or resumes its run, in TRAIN_DIR (a directory of your choice, outside
+# the checkout) on TRAIN_THREADS torch threads: hours, so start it with nohup (docs/training.md).
+# TRAIN_ARGS: e.g. --reschedule-to N. Neither `make serve` nor the tests train.
+TRAIN_DIR ?=
 TRAIN_THREADS ?= 1
 TRAIN_ARGS ?=
 train: $(VENV)/.deps-stamp $(VENV)/.training-stamp corpus-packages
+	@if [ -z "$(TRAIN_DIR)" ]; then echo "train: say where the run lives: make train TRAIN_DIR=DIR" >&2; exit 1; fi
 	RAYON_NUM_THREADS=1 $(VPY) -m server.training.train --run-dir $(TRAIN_DIR) --threads $(TRAIN_THREADS) $(TRAIN_ARGS)
 
 # the moeflash packages themselves, editable, with the `moeflash` console script
@@ -270,6 +271,19 @@ bench-warm-start: setup-dev
 replay: setup-dev
 	$(VENV)/bin/moeflash bench --replay bench/route-traces/qwen.route.csv \
 		bench/route-traces/gemma.route.csv bench/route-traces/trained.route.csv --out bench/reports/trace-replay
+
+# The pinned Codex CLI against the demo model's shape, 50 runs in a row (~40 minutes; not in CI):
+# every run must pass, and at least 3 must send a function_call_output without a call_id
+codex-loop: setup-dev
+	$(VPY) -m tests.agents.codex_loop --runs 50 --min-no-call-id 3
+
+# Records the agents' follow-up requests again into tests/agents/sequences (tests/agents/record.py)
+agent-sequences: setup-dev
+	$(VPY) -m tests.agents.record
+
+# What is written more than once and how big the parts are (tests/house.py)
+house: $(VENV)/.deps-stamp
+	$(VPY) -m tests.house
 
 lint: setup-dev
 	$(VENV)/bin/ruff check server streaming_ext tests
