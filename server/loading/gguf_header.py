@@ -15,24 +15,18 @@ import struct
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import numpy as np
+from gguf import GGUFReader, GGUFValueType
+
 from server.errors import ModelLoadError
 
 _MAGIC = b"GGUF"
-# GGUF value types: struct format of the scalars; 8 = string, 9 = array
-_SCALARS = {
-    0: "<B",
-    1: "<b",
-    2: "<H",
-    3: "<h",
-    4: "<I",
-    5: "<i",
-    6: "<f",
-    7: "<?",
-    10: "<Q",
-    11: "<q",
-    12: "<d",
+# the scalar value types and their little-endian numpy types, as the gguf package reads them (the
+# generator writes with the same table: server/modelgen/gguf_format.py)
+SCALAR_TYPES: dict[GGUFValueType, np.dtype[Any]] = {
+    vtype: np.dtype(numpy_type).newbyteorder("<")
+    for vtype, numpy_type in GGUFReader.gguf_scalar_to_np.items()
 }
-_STRING, _ARRAY = 8, 9
 
 
 def read_metadata(path: Path) -> dict[str, Any]:
@@ -70,28 +64,30 @@ def _string(f: BinaryIO) -> str:
     return data.decode("utf-8")
 
 
+def _values(f: BinaryIO, vtype: int, count: int) -> list[Any]:
+    dtype = SCALAR_TYPES[GGUFValueType(vtype)]
+    data = f.read(dtype.itemsize * count)
+    if len(data) != dtype.itemsize * count:
+        raise ValueError("truncated value")
+    return list(np.frombuffer(data, dtype).tolist())
+
+
 def _value(f: BinaryIO, vtype: int) -> Any:
-    if vtype in _SCALARS:
-        fmt = _SCALARS[vtype]
-        return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
-    if vtype == _STRING:
+    if vtype in SCALAR_TYPES:
+        return _values(f, vtype, 1)[0]
+    if vtype == GGUFValueType.STRING:
         return _string(f)
-    if vtype != _ARRAY:
+    if vtype != GGUFValueType.ARRAY:
         raise ValueError(f"unknown GGUF value type {vtype}")
     (item_type, count) = struct.unpack("<IQ", f.read(12))
-    if item_type == _STRING:
+    if item_type == GGUFValueType.STRING:
         for _ in range(count):
             (n,) = struct.unpack("<Q", f.read(8))
             f.seek(n, 1)
         return None
-    if item_type not in _SCALARS:
+    if item_type not in SCALAR_TYPES:
         raise ValueError(f"unsupported GGUF array item type {item_type}")
-    fmt = _SCALARS[item_type]
-    size = struct.calcsize(fmt)
-    data = f.read(size * count)
-    if len(data) != size * count:
-        raise ValueError("truncated array")
-    return [v for (v,) in struct.iter_unpack(fmt, data)]
+    return _values(f, item_type, count)
 
 
 def read_tensor_sizes(path: Path) -> dict[str, int]:

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import math
 
+from gguf import GGUFValueType
+
 from server.modelgen import gemma4
-from server.modelgen.gguf_format import KV, ValueType
+from server.modelgen.gguf_format import KV
 from server.modelgen.spec import FILE_TYPES, ModelSpec, QType, TensorSpec
 from server.modelgen.tokenizer import Vocab
 
@@ -126,10 +128,10 @@ def _block(spec: ModelSpec, il: int) -> list[TensorSpec]:
 def model_kvs(spec: ModelSpec, vocab: Vocab) -> list[KV]:
     """The metadata of an unsplit file: general.*, the architecture's hparams, tokenizer.*."""
     a = spec.arch
-    u32, f32 = ValueType.UINT32, ValueType.FLOAT32
+    u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
     general = [
-        KV("general.architecture", ValueType.STRING, a),
-        KV("general.name", ValueType.STRING, spec.name or f"moeflash-synthetic-{a}"),
+        KV("general.architecture", GGUFValueType.STRING, a),
+        KV("general.name", GGUFValueType.STRING, spec.name or f"moeflash-synthetic-{a}"),
         KV("general.file_type", u32, FILE_TYPES[spec.expert_qtype]),
         KV("general.quantization_version", u32, 2),
         KV("general.alignment", u32, spec.alignment),
@@ -164,7 +166,7 @@ def model_kvs(spec: ModelSpec, vocab: Vocab) -> list[KV]:
     if a == "hy_v3":
         kvs += [
             KV(f"{a}.expert_gating_func", u32, GATING_SIGMOID),
-            KV(f"{a}.expert_weights_norm", ValueType.BOOL, True),
+            KV(f"{a}.expert_weights_norm", GGUFValueType.BOOL, True),
             KV(f"{a}.expert_weights_scale", f32, 1.0),
         ]
     kvs += tokenizer_kvs(vocab)
@@ -172,19 +174,19 @@ def model_kvs(spec: ModelSpec, vocab: Vocab) -> list[KV]:
 
 
 def tokenizer_kvs(vocab: Vocab) -> list[KV]:
-    u32, arr = ValueType.UINT32, ValueType.ARRAY
+    u32, arr = GGUFValueType.UINT32, GGUFValueType.ARRAY
     fam = vocab.family
     return [
-        KV("tokenizer.ggml.model", ValueType.STRING, "gpt2"),
-        KV("tokenizer.ggml.pre", ValueType.STRING, fam.pre),
-        KV("tokenizer.ggml.tokens", arr, vocab.tokens, ValueType.STRING),
-        KV("tokenizer.ggml.token_type", arr, vocab.token_types, ValueType.INT32),
-        KV("tokenizer.ggml.merges", arr, vocab.merges, ValueType.STRING),
+        KV("tokenizer.ggml.model", GGUFValueType.STRING, "gpt2"),
+        KV("tokenizer.ggml.pre", GGUFValueType.STRING, fam.pre),
+        KV("tokenizer.ggml.tokens", arr, vocab.tokens, GGUFValueType.STRING),
+        KV("tokenizer.ggml.token_type", arr, vocab.token_types, GGUFValueType.INT32),
+        KV("tokenizer.ggml.merges", arr, vocab.merges, GGUFValueType.STRING),
         KV("tokenizer.ggml.bos_token_id", u32, vocab.bos_id),
         KV("tokenizer.ggml.eos_token_id", u32, vocab.eos_id),
         KV("tokenizer.ggml.eot_token_id", u32, vocab.eot_id),
         KV("tokenizer.ggml.padding_token_id", u32, vocab.pad_id),
-        KV("tokenizer.ggml.add_bos_token", ValueType.BOOL, fam.add_bos),
-        KV("tokenizer.ggml.add_eos_token", ValueType.BOOL, False),
-        KV("tokenizer.chat_template", ValueType.STRING, fam.chat_template),
+        KV("tokenizer.ggml.add_bos_token", GGUFValueType.BOOL, fam.add_bos),
+        KV("tokenizer.ggml.add_eos_token", GGUFValueType.BOOL, False),
+        KV("tokenizer.chat_template", GGUFValueType.STRING, fam.chat_template),
     ]

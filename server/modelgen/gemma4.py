@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import math
 
-from server.modelgen.gguf_format import KV, ValueType
+from gguf import GGUFValueType
+
+from server.modelgen.gguf_format import KV
 from server.modelgen.spec import ModelSpec, QType, TensorSpec
 
 # Gemma 4 caps the logits at +-30 with tanh (final_logit_softcapping in its config)
@@ -92,7 +94,13 @@ def block(spec: ModelSpec, il: int) -> list[TensorSpec]:
 
 def kvs(spec: ModelSpec) -> list[KV]:
     """The gemma4.* keys (general.* and tokenizer.* come from archs.model_kvs)."""
-    a, u32, f32, arr, bool_ = "gemma4", ValueType.UINT32, ValueType.FLOAT32, ValueType.ARRAY, ValueType.BOOL
+    a, u32, f32, arr, bool_ = (
+        "gemma4",
+        GGUFValueType.UINT32,
+        GGUFValueType.FLOAT32,
+        GGUFValueType.ARRAY,
+        GGUFValueType.BOOL,
+    )
     layers = range(spec.n_layer)
     swa_hd = spec.head_dim_swa if spec.head_dim_swa is not None else spec.head_size
     return [

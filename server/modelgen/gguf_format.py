@@ -10,60 +10,17 @@ the tensor infos (name, dims, ne[], type, offset relative to the data section), 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import struct
 from collections.abc import Sequence
 
 import numpy as np
+from gguf import GGUFValueType
+
+from server.loading.gguf_header import SCALAR_TYPES
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSION = 3
 
-
-class ValueType(enum.IntEnum):
-    """gguf_type (ggml/include/gguf.h)."""
-
-    UINT8 = 0
-    INT8 = 1
-    UINT16 = 2
-    INT16 = 3
-    UINT32 = 4
-    INT32 = 5
-    FLOAT32 = 6
-    BOOL = 7
-    STRING = 8
-    ARRAY = 9
-    UINT64 = 10
-    INT64 = 11
-    FLOAT64 = 12
-
-
-_SCALAR_FORMATS = {
-    ValueType.UINT8: "<B",
-    ValueType.INT8: "<b",
-    ValueType.UINT16: "<H",
-    ValueType.INT16: "<h",
-    ValueType.UINT32: "<I",
-    ValueType.INT32: "<i",
-    ValueType.FLOAT32: "<f",
-    ValueType.BOOL: "<?",
-    ValueType.UINT64: "<Q",
-    ValueType.INT64: "<q",
-    ValueType.FLOAT64: "<d",
-}
-
-_NUMPY_DTYPES = {
-    ValueType.UINT8: "<u1",
-    ValueType.INT8: "<i1",
-    ValueType.UINT16: "<u2",
-    ValueType.INT16: "<i2",
-    ValueType.UINT32: "<u4",
-    ValueType.INT32: "<i4",
-    ValueType.FLOAT32: "<f4",
-    ValueType.UINT64: "<u8",
-    ValueType.INT64: "<i8",
-    ValueType.FLOAT64: "<f8",
-}
 
 Scalar = int | float | bool | str
 
@@ -73,14 +30,14 @@ class KV:
     """One metadata key/value. For arrays, `vtype` is ARRAY and `item_type` the element type."""
 
     key: str
-    vtype: ValueType
+    vtype: GGUFValueType
     value: Scalar | Sequence[Scalar]
-    item_type: ValueType | None = None
+    item_type: GGUFValueType | None = None
 
     def encode(self) -> bytes:
         out = [_string(self.key), struct.pack("<I", self.vtype)]
-        if self.vtype is ValueType.ARRAY:
-            if self.item_type is None or self.item_type is ValueType.ARRAY:
+        if self.vtype is GGUFValueType.ARRAY:
+            if self.item_type is None or self.item_type is GGUFValueType.ARRAY:
                 raise ValueError(f"{self.key}: array needs a scalar item_type")
             items = self.value
             if isinstance(items, str) or not isinstance(items, Sequence):
@@ -133,18 +90,16 @@ def _string(s: str) -> bytes:
     return struct.pack("<Q", len(data)) + data
 
 
-def _encode_scalar(vtype: ValueType, value: Scalar | Sequence[Scalar]) -> bytes:
-    if vtype is ValueType.STRING:
+def _encode_scalar(vtype: GGUFValueType, value: Scalar | Sequence[Scalar]) -> bytes:
+    if vtype is GGUFValueType.STRING:
         if not isinstance(value, str):
             raise ValueError(f"string expected, got {value!r}")
         return _string(value)
-    return struct.pack(_SCALAR_FORMATS[vtype], value)
+    return np.asarray(value, dtype=SCALAR_TYPES[vtype]).tobytes()
 
 
-def _encode_items(item_type: ValueType, items: Sequence[Scalar]) -> bytes:
-    if item_type is ValueType.STRING:
+def _encode_items(item_type: GGUFValueType, items: Sequence[Scalar]) -> bytes:
+    if item_type is GGUFValueType.STRING:
         return b"".join(_string(str(s)) for s in items)
-    if item_type is ValueType.BOOL:
-        return bytes(bool(v) for v in items)
     # numpy packs the 150k-200k entry token-type arrays of real vocabularies in one go
-    return np.asarray(items, dtype=_NUMPY_DTYPES[item_type]).tobytes()
+    return np.asarray(items, dtype=SCALAR_TYPES[item_type]).tobytes()

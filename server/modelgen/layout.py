@@ -16,9 +16,11 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
+from gguf import GGUFValueType
+
 from server.errors import ModelGenError
 from server.modelgen.archs import model_kvs, tensor_plan
-from server.modelgen.gguf_format import KV, TensorInfo, ValueType, encode_header, pad_to
+from server.modelgen.gguf_format import KV, TensorInfo, encode_header, pad_to
 from server.modelgen.spec import ModelSpec, TensorSpec
 from server.modelgen.tokenizer import Vocab, build_vocab
 
@@ -97,14 +99,14 @@ def plan_layout(
 
 
 def _alignment_kv(align: int) -> KV:
-    return KV("general.alignment", ValueType.UINT32, align)
+    return KV("general.alignment", GGUFValueType.UINT32, align)
 
 
 def _split_kvs(index: int, count: int, n_tensors: int) -> list[KV]:
     return [
-        KV("split.no", ValueType.UINT16, index),
-        KV("split.count", ValueType.UINT16, count),
-        KV("split.tensors.count", ValueType.INT32, n_tensors),
+        KV("split.no", GGUFValueType.UINT16, index),
+        KV("split.count", GGUFValueType.UINT16, count),
+        KV("split.tensors.count", GGUFValueType.INT32, n_tensors),
     ]
 
 
