@@ -10,11 +10,9 @@ gibberish, which is fine. Where a client can force a tool call, the call comes b
 recorder around the real app shows what arrived: Codex's hosted (web_search) and namespace tools,
 Claude Code's annotation-only schema property (a description and no type).
 
-The CLIs come from tests/agents/package.json (with Node.js 22, the npm package `node`), aider
-from .venv/aider, the libraries from the dev set: `make setup-dev` installs them, and a missing
-one fails its test. The agents' prompts run to 20-40k tokens of the demo vocabulary, tens of
-seconds of prefill on two cores each: Claude Code's and qwen-code's system prompts are shortened
-with their own --system-prompt flags, never their tool lists.
+The CLIs come from tests/agents/package.json (with Node.js 22, the npm package `node`) and run
+as clis.py says, aider from .venv/aider, the libraries from the dev set: `make setup-dev`
+installs them, and a missing one fails its test.
 """
 
 from __future__ import annotations
@@ -28,9 +26,10 @@ from typing import Any, Literal
 import pytest
 from pydantic import BaseModel
 
+from tests.agents import clis
+from tests.agents.clis import AGENT_TIMEOUT_S, PROMPT
 from tests.agents.harness import (
     AIDER_PYTHON,
-    NODE_BIN,
     SERVED_ID,
     AgentServer,
     installed,
@@ -41,11 +40,9 @@ from tests.agents.harness import (
 
 pytestmark = pytest.mark.slow
 
-PROMPT = "Say hello in one short sentence."
 # flash attention on: without it, decoding after a 15k-token prompt takes ~0.5 s a token on two
 # cores (with it, ~4 ms)
 SERVER: dict[str, Any] = {"ctx_size": 65536, "flash_attn": "on"}
-AGENT_TIMEOUT_S = 600.0
 
 
 @pytest.fixture(scope="module")
@@ -88,34 +85,7 @@ def untyped_properties(schema: Any, path: str = "") -> list[str]:
 
 def test_codex_cli(agent_server: AgentServer, work: Path, tmp_path: Path) -> None:
     """`codex exec` with a custom model provider on the Responses API and its default tools."""
-    codex = installed(NODE_BIN / "codex")
-    codex_home = tmp_path / "codex"
-    codex_home.mkdir()
-    # nothing that phones home: no update check, no analytics (a custom provider needs no login)
-    (codex_home / "config.toml").write_text(
-        "check_for_update_on_startup = false\n\n[analytics]\nenabled = false\n"
-    )
-    env = offline_env(tmp_path, CODEX_HOME=str(codex_home))
-    provider = f'{{ name = "moeflash", base_url = "{agent_server.base_url}/v1", wire_api = "responses" }}'
-    run = run_agent(
-        [
-            str(codex),
-            "exec",
-            "-c",
-            f"model_providers.moeflash={provider}",
-            "-c",
-            "model_provider=moeflash",
-            "-m",
-            SERVED_ID,
-            "--skip-git-repo-check",
-            "--color",
-            "never",
-            PROMPT,
-        ],
-        env,
-        work,
-        AGENT_TIMEOUT_S,
-    )
+    run = clis.codex(agent_server.base_url, work, tmp_path)
     recorder = agent_server.recorder
     assert run.returncode == 0, run.tail() + "\n" + recorder.report()
     recorder.assert_no_error()
@@ -132,34 +102,8 @@ def test_codex_cli(agent_server: AgentServer, work: Path, tmp_path: Path) -> Non
 def test_claude_code(demo_model: Path, work: Path, tmp_path: Path) -> None:
     """`claude -p` with ANTHROPIC_BASE_URL at the server and its default tools; served with
     `--alias '*'` for the side requests Claude Code sends to a haiku model."""
-    claude = installed(NODE_BIN / "claude")
     with recorded_server(demo_model, alias=[SERVED_ID, "*"], **SERVER) as served:
-        env = offline_env(
-            tmp_path,
-            ANTHROPIC_BASE_URL=served.base_url,
-            ANTHROPIC_API_KEY="unused",
-            CLAUDE_CONFIG_DIR=str(tmp_path / "claude"),
-            CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
-            DISABLE_AUTOUPDATER="1",
-        )
-        run = run_agent(
-            [
-                str(claude),
-                "-p",
-                PROMPT,
-                "--model",
-                SERVED_ID,
-                # the default system prompt adds ~10k tokens; the tools stay the default set
-                "--system-prompt",
-                "You are a coding agent. Answer briefly.",
-                "--output-format",
-                "json",
-                "--no-session-persistence",
-            ],
-            env,
-            work,
-            AGENT_TIMEOUT_S,
-        )
+        run = clis.claude_code(served.base_url, work, tmp_path)
     recorder = served.recorder
     assert run.returncode == 0, run.tail() + "\n" + recorder.report()
     result = json.loads(run.stdout)
@@ -176,31 +120,7 @@ def test_claude_code(demo_model: Path, work: Path, tmp_path: Path) -> None:
 
 def test_opencode(agent_server: AgentServer, work: Path, tmp_path: Path) -> None:
     """`opencode run` with a custom OpenAI-compatible provider in OPENCODE_CONFIG_CONTENT."""
-    opencode = installed(NODE_BIN / "opencode")
-    config = {
-        "provider": {
-            "moeflash": {
-                "npm": "@ai-sdk/openai-compatible",
-                "options": {"baseURL": f"{agent_server.base_url}/v1"},
-                "models": {SERVED_ID: {}},
-            }
-        },
-        "model": f"moeflash/{SERVED_ID}",
-    }
-    env = offline_env(
-        tmp_path,
-        OPENCODE_CONFIG_CONTENT=json.dumps(config),
-        OPENCODE_DISABLE_AUTOUPDATE="1",
-        OPENCODE_DISABLE_MODELS_FETCH="1",
-        OPENCODE_DISABLE_DEFAULT_PLUGINS="1",
-        OPENCODE_DISABLE_LSP_DOWNLOAD="1",
-        OPENCODE_DISABLE_SHARE="1",
-        OPENCODE_DISABLE_CLAUDE_CODE="1",
-        # opencode installs its plugin SDK into its config directory in the background; offline
-        # that install fails at once (a logged warning) instead of reaching the registry
-        npm_config_offline="true",
-    )
-    run = run_agent([str(opencode), "run", "--format", "json", PROMPT], env, work, AGENT_TIMEOUT_S)
+    run = clis.opencode(agent_server.base_url, work, tmp_path)
     recorder = agent_server.recorder
     assert run.returncode == 0, run.tail() + "\n" + recorder.report()
     events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
@@ -213,45 +133,11 @@ def test_opencode(agent_server: AgentServer, work: Path, tmp_path: Path) -> None
 
 def test_qwen_code(agent_server: AgentServer, work: Path, tmp_path: Path) -> None:
     """`qwen` (headless) with OPENAI_BASE_URL, OPENAI_API_KEY and OPENAI_MODEL."""
-    qwen = installed(NODE_BIN / "qwen")
-    settings = {
-        "general": {"enableAutoUpdate": False},
-        "privacy": {"usageStatisticsEnabled": False},
-        "telemetry": {"enabled": False},
-        # background memory agents: each is one more long prompt to prefill, not the agent's turn
-        "memory": {"enableManagedAutoMemory": False, "enableManagedAutoDream": False},
-    }
-    env = offline_env(
-        tmp_path,
-        OPENAI_BASE_URL=f"{agent_server.base_url}/v1",
-        OPENAI_API_KEY="unused",
-        OPENAI_MODEL=SERVED_ID,
-    )
-    qwen_dir = Path(env["HOME"]) / ".qwen"
-    qwen_dir.mkdir()
-    (qwen_dir / "settings.json").write_text(json.dumps(settings))
-    run = run_agent(
-        [
-            str(qwen),
-            PROMPT,
-            "--auth-type",
-            "openai",
-            # the default system prompt adds ~12k tokens; the tools stay the default set
-            "--system-prompt",
-            "You are a coding agent. Answer briefly.",
-            "--output-format",
-            "json",
-            "--max-session-turns",
-            "4",
-        ],
-        env,
-        work,
-        AGENT_TIMEOUT_S,
-    )
+    run = clis.qwen_code(agent_server.base_url, work, tmp_path)
     recorder = agent_server.recorder
     # the demo model's random weights can keep calling tools until the session's turn limit: qwen
     # then exits 53 (FatalTurnLimitedError) after every turn ran against the server
-    turn_limit = run.returncode == 53 and "FatalTurnLimitedError" in run.stderr
+    turn_limit = run.returncode == clis.QWEN_TURN_LIMIT and "FatalTurnLimitedError" in run.stderr
     assert run.returncode == 0 or turn_limit, run.tail() + "\n" + recorder.report()
     if not turn_limit:
         result = json.loads(run.stdout)[-1]

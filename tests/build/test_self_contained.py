@@ -31,6 +31,8 @@ ALLOWED = {
     # the recording phone's model path, in the header of a third-party trace kept verbatim
     "bench/route-traces/qwen.route.csv": b"/data/local",
     "bench/route-traces/gemma.route.csv": b"/data/local",
+    # opencode's own scratch directory, named in its system prompt (a recorded request, verbatim)
+    "tests/agents/sequences/opencode.json": b"/tmp/opencode",
 }
 # a relative path that climbs: it must stay inside the checkout
 CLIMB = re.compile(rb"(?:\.\./)+[\w.-]*")
