@@ -117,16 +117,23 @@ def _search_result_text(block: SearchResultBlock) -> str:
     return "\n".join([block.title, block.source, *(part.text for part in block.content)])
 
 
-def _part_text(part: ResultPart, param: str) -> str:
-    if isinstance(part, TextBlock):
-        return part.text
-    if isinstance(part, DocumentBlock):
-        return _document_text(part, param)
-    if isinstance(part, SearchResultBlock):
-        return _search_result_text(part)
-    if isinstance(part, ToolReferenceBlock):
-        return part.tool_name
-    raise _text_only(param, part.type)
+def _readable(block: InputBlock | ResultPart, param: str) -> str | None:
+    """The text a text-like block shows the model (text, a text document, a search result, a
+    compaction's summary, a tool reference's name); None for a block of another kind;
+    InvalidRequest for an image."""
+    if isinstance(block, TextBlock):
+        return block.text
+    if isinstance(block, DocumentBlock):
+        return _document_text(block, param)
+    if isinstance(block, SearchResultBlock):
+        return _search_result_text(block)
+    if isinstance(block, CompactionBlock) and block.content:
+        return block.content
+    if isinstance(block, ToolReferenceBlock):
+        return block.tool_name
+    if isinstance(block, MediaBlock):
+        raise _text_only(param, block.type)
+    return None
 
 
 def _result_text(block: ToolResultBlock, param: str) -> str:
@@ -134,7 +141,7 @@ def _result_text(block: ToolResultBlock, param: str) -> str:
         text = block.content or ""
     else:
         # as chat content parts are joined
-        text = "".join(_part_text(part, f"{param}.content.{k}") for k, part in enumerate(block.content))
+        text = "".join(_readable(part, f"{param}.content.{k}") or "" for k, part in enumerate(block.content))
     return "Error: " + text if block.is_error else text
 
 
@@ -186,27 +193,13 @@ class _Turns:
             reason = DROPPED_BLOCKS.get(kind, "a failed compaction (no summary) holds nothing to read")
             logger.warning("dropping %r content blocks: %s (logged once)", kind, reason)
 
-    def _text(self, block: InputBlock, param: str) -> str | None:
-        """The text a text-like block shows the model; None for a block of another kind."""
-        if isinstance(block, TextBlock):
-            return block.text
-        if isinstance(block, DocumentBlock):
-            return _document_text(block, param)
-        if isinstance(block, SearchResultBlock):
-            return _search_result_text(block)
-        if isinstance(block, CompactionBlock) and block.content:
-            return block.content
-        if isinstance(block, MediaBlock):
-            raise _text_only(param, block.type)
-        return None
-
     def user(self, blocks: list[InputBlock], i: int) -> None:
         """Tool messages for the turn's tool results, then a user message for its text (if any)."""
         results: list[ChatMessage] = []
         texts: list[str] = []
         for j, block in enumerate(blocks):
             param = f"messages.{i}.content.{j}"
-            text = self._text(block, param)
+            text = _readable(block, param)
             if text is not None:
                 texts.append(text)
             elif isinstance(block, ToolResultBlock):
@@ -229,7 +222,7 @@ class _Turns:
         texts: list[str] = []
         for j, block in enumerate(blocks):
             param = f"messages.{i}.content.{j}"
-            text = self._text(block, param)
+            text = _readable(block, param)
             if text is None:
                 raise _misplaced(param, block.type, "system")
             texts.append(text)
@@ -240,7 +233,7 @@ class _Turns:
         assistant's turn) closes it with the calls so far, as a tool message after it."""
         for j, block in enumerate(blocks):
             param = f"messages.{i}.content.{j}"
-            text = self._text(block, param)
+            text = _readable(block, param)
             if text is not None:
                 self._texts.append(text)
             elif isinstance(block, ToolUseBlock):
