@@ -27,7 +27,7 @@ from tests.commands import REPO
 # calls (Codex's goal tools among them) in some runs, so follow-ups come; the runs of an agent
 # cycle through PROMPTS, whose tool-call rates on the random weights differ by agent
 PROMPT = "say hi"
-PROMPTS = (PROMPT, "List the files here.", "Read hello.py and run it.")
+PROMPTS = (PROMPT, clis.PROMPT, "List the files here.", "Read hello.py and run it.")
 CLIS: dict[str, Callable[[str, Path, Path, str], AgentRun]] = {
     "codex": clis.codex,
     "claude-code": clis.claude_code,
