@@ -277,9 +277,11 @@ replay: setup-dev
 codex-loop: setup-dev
 	$(VPY) -m tests.agents.codex_loop --runs 50 --min-no-call-id 3
 
-# Records the agents' follow-up requests again into tests/agents/sequences (tests/agents/record.py)
+# Records the agents' follow-up requests again into tests/agents/sequences (tests/agents/record.py;
+# Claude Code calls tools on seed 1's weights, qwen-code on none tried)
 agent-sequences: setup-dev
-	$(VPY) -m tests.agents.record
+	$(VPY) -m tests.agents.record --agents codex,opencode
+	$(VPY) -m tests.agents.record --agents claude-code --seed 1
 
 # What is written more than once and how big the parts are (tests/house.py)
 house: $(VENV)/.deps-stamp

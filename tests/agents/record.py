@@ -6,7 +6,10 @@ scrubbed to tests/agents/sequences/<agent>.json. Codex runs go on until one also
 function_call_output without a call_id (its goal tools), written as codex-no-call-id.json (the
 run that sent one stands for both).
 
-    python -m tests.agents.record [--agents codex,claude-code,opencode,qwen-code] [--tries N]
+    python -m tests.agents.record [--agents codex,claude-code,opencode,qwen-code] [--tries N] [--seed S]
+
+The committed sequences: Codex and opencode on seed 0, Claude Code on seed 1 (on seed 0 it called
+no tool in 10 runs).
 """
 
 from __future__ import annotations
@@ -93,9 +96,12 @@ def main() -> None:
     )
     parser.add_argument("--agents", default=",".join(CLIS), help="comma-separated: %(default)s")
     parser.add_argument("--tries", type=int, default=24, help="runs per agent at most")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="the tiny model's weights (whether its random output calls tools)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="moeflash-model-") as tmp:
-        model = generate_model(preset("tiny-qwen3moe"), Path(tmp) / "tiny-qwen3moe.gguf", seed=0)[0]
+        model = generate_model(preset("tiny-qwen3moe"), Path(tmp) / "tiny-qwen3moe.gguf", seed=args.seed)[0]
         recorded = [_record(agent, model, args.tries) for agent in args.agents.split(",")]
     if not all(recorded):
         raise SystemExit(1)

@@ -1,7 +1,7 @@
 """The agents' recorded follow-up requests (sequences/*.json), replayed against a real server.
 
-Each sequence holds what one run of a pinned CLI (Codex CLI, opencode) sent after its first
-request: the model's tool calls and their outputs sent back, Codex's
+Each sequence holds what one run of a pinned CLI (Codex CLI, Claude Code, opencode) sent after
+its first request: the model's tool calls and their outputs sent back, Codex's
 call-id-less outputs among them (sequences.py; `make agent-sequences` records them again). A
 follow-up the server refuses is caught here without the CLI's randomness or its minutes.
 
@@ -26,9 +26,9 @@ from tests.agents.sequences import load, without_call_id
 from tests.servers import RunningServer, running_server
 
 SEQUENCES = load()
-# the CLIs whose recorded runs sent follow-ups: on the tiny model's random weights, Claude Code and
-# qwen-code ended every recorded run after one request (their first requests are test_agents.py's)
-AGENTS = {"codex", "opencode"}
+# the CLIs whose recorded runs sent follow-ups: on the tiny model's random weights qwen-code ended
+# every recorded run after one request (its first request is test_agents.py's)
+AGENTS = {"codex", "claude-code", "opencode"}
 
 
 @pytest.fixture(scope="module")
