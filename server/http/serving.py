@@ -18,13 +18,14 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Protocol
 
 import anyio
 from fastapi import Depends
+from sse_starlette import ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -475,17 +476,27 @@ async def respond(
     shutdown = anyio.Event()
     frames = _frames(ctx, plan, fmt, shutdown, request.url.path)
     if fmt.ndjson:
-        return StreamingResponse((ndjson_line(payload) async for _, payload in frames), media_type=NDJSON)
-    return sse_response(
-        (named_event(name, payload) if name else event(payload) async for name, payload in frames),
-        ctx.settings.keepalive_s,
-        shutdown,
-    )
+        return StreamingResponse(_ndjson(frames), media_type=NDJSON)
+    return sse_response(_events(frames), ctx.settings.keepalive_s, shutdown)
+
+
+# the stream's frames written out; closing one closes the frames at once (the job is cancelled
+# there), not when the collector finds them
+async def _ndjson(frames: AsyncGenerator[Frame, None]) -> AsyncIterator[bytes]:
+    async with aclosing(frames):
+        async for _, payload in frames:
+            yield ndjson_line(payload)
+
+
+async def _events(frames: AsyncGenerator[Frame, None]) -> AsyncIterator[ServerSentEvent]:
+    async with aclosing(frames):
+        async for name, payload in frames:
+            yield named_event(name, payload) if name else event(payload)
 
 
 async def _frames(
     ctx: ServeContext, plan: Plan, fmt: EventFormat, shutdown: anyio.Event, path: str
-) -> AsyncIterator[Frame]:
+) -> AsyncGenerator[Frame, None]:
     try:
         for frame in fmt.opening():
             yield frame
