@@ -7,7 +7,7 @@
   constant, not a function);
 - the import cycles among server/'s modules (there should be none);
 - lines of code: Python under server/ and tests/, C under streaming_ext/.
-tests/build/test_house.py holds the parts that are targets today.
+tests/build/test_house.py holds the parts that are held as targets.
 """
 
 from __future__ import annotations

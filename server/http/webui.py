@@ -28,14 +28,19 @@ def index_html() -> str:
     return static.joinpath("index.html").read_text(encoding="utf-8").replace("<!-- vendor -->", scripts, 1)
 
 
-async def index() -> HTMLResponse:
-    """The chat page."""
-    return HTMLResponse(index_html())
+class Page:
+    """The chat page's route: its HTML, read once."""
+
+    def __init__(self) -> None:
+        self._html = index_html()
+
+    async def __call__(self) -> HTMLResponse:
+        return HTMLResponse(self._html)
 
 
 def router() -> APIRouter:
     """GET / and HEAD / (clients probe the server with HEAD: Claude Code does before its first
     request), left out of the API's schema."""
     routes = APIRouter()
-    routes.add_api_route("/", index, methods=["GET", "HEAD"], include_in_schema=False)
+    routes.add_api_route("/", Page(), methods=["GET", "HEAD"], include_in_schema=False)
     return routes

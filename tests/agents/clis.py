@@ -22,6 +22,13 @@ AGENT_TIMEOUT_S = 600.0
 QWEN_TURN_LIMIT = 53
 
 
+def project(directory: Path) -> Path:
+    """`directory`, made, as the agent's working directory: a small project of its own."""
+    directory.mkdir(parents=True)
+    (directory / "hello.py").write_text('print("hello")\n')
+    return directory
+
+
 def codex(base_url: str, work: Path, home: Path, prompt: str = PROMPT) -> AgentRun:
     """`codex exec` with a custom model provider on the Responses API and its default tools."""
     binary = installed(NODE_BIN / "codex")

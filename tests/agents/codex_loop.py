@@ -22,7 +22,7 @@ from server.modelgen import generate_model, preset
 from tests.agents import clis
 from tests.agents.harness import recorded_server
 from tests.agents.record import PROMPT, SERVER
-from tests.agents.sequences import API_PATHS, without_call_id
+from tests.agents.sequences import api_requests, without_call_id
 
 
 def main() -> None:
@@ -42,18 +42,12 @@ def main() -> None:
         model = args.model or generate_model(preset("tiny-qwen3moe"), root / "tiny-qwen3moe.gguf", seed=0)[0]
         with recorded_server(model, **SERVER) as served:
             for run_no in range(1, args.runs + 1):
-                home, work = root / f"run{run_no}" / "home", root / f"run{run_no}" / "work"
-                work.mkdir(parents=True)
-                (work / "hello.py").write_text('print("hello")\n')
+                home, work = root / f"run{run_no}" / "home", clis.project(root / f"run{run_no}" / "work")
                 first = len(served.recorder.exchanges)
                 run = clis.codex(served.base_url, work, home, args.prompt)
                 exchanges = served.recorder.exchanges[first:]
                 refused = [e for e in exchanges if e.status is None or e.status >= 400]
-                requests = [
-                    {"path": e.path, "body": e.body()}
-                    for e in exchanges
-                    if e.method == "POST" and e.path in API_PATHS and isinstance(e.body(), dict)
-                ]
+                requests = api_requests(exchanges)
                 no_call_id = without_call_id(requests)
                 ok = run.returncode == 0 and not refused
                 if not ok:

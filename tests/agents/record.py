@@ -8,8 +8,8 @@ run that sent one stands for both).
 
     python -m tests.agents.record [--agents codex,claude-code,opencode,qwen-code] [--tries N] [--seed S]
 
-The committed sequences: Codex and opencode on seed 0, Claude Code on seed 1 (on seed 0 it called
-no tool in 10 runs).
+--seed picks the tiny model's weights: Claude Code calls a tool, and so sends follow-ups, on
+seed 1's (`make agent-sequences` records each CLI on the seed it needs).
 """
 
 from __future__ import annotations
@@ -49,9 +49,7 @@ def _record(agent: str, model: Path, tries: int) -> bool:
     fallback: tuple[list[dict[str, Any]], Scrubber] | None = None
     for attempt in range(1, tries + 1):
         with tempfile.TemporaryDirectory(prefix="moeflash-agent-") as tmp:
-            home, work = Path(tmp) / "home", Path(tmp) / "work"
-            work.mkdir(parents=True)
-            (work / "hello.py").write_text('print("hello")\n')
+            home, work = Path(tmp) / "home", clis.project(Path(tmp) / "work")
             with recorded_server(model, **SERVER) as served:
                 run = CLIS[agent](served.base_url, work, home, PROMPTS[(attempt - 1) % len(PROMPTS)])
                 port = served.server.port

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.agents.harness import Recorder
+from tests.agents.harness import Exchange, Recorder
 
 SEQUENCES = Path(__file__).resolve().parent / "sequences"
 API_PATHS = ("/v1/responses", "/v1/messages", "/v1/chat/completions")
@@ -84,14 +84,18 @@ class Scrubber:
         return value
 
 
-def follow_ups(recorder: Recorder) -> list[dict[str, Any]]:
-    """The API requests of a run after its first, as {"path", "body"}."""
-    requests = [
+def api_requests(exchanges: list[Exchange]) -> list[dict[str, Any]]:
+    """The API requests among `exchanges`, as {"path", "body"}."""
+    return [
         {"path": e.path, "body": e.body()}
-        for e in recorder.exchanges
+        for e in exchanges
         if e.method == "POST" and e.path in API_PATHS and isinstance(e.body(), dict)
     ]
-    return requests[1:]
+
+
+def follow_ups(recorder: Recorder) -> list[dict[str, Any]]:
+    """The API requests of a run after its first, as {"path", "body"}."""
+    return api_requests(recorder.exchanges)[1:]
 
 
 def carries_tool_results(requests: list[dict[str, Any]]) -> bool:

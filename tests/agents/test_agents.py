@@ -53,10 +53,7 @@ def demo_model(tiny_model: Any) -> Path:
 @pytest.fixture
 def work(tmp_path: Path) -> Path:
     """The agent's working directory: a small project of its own."""
-    directory = tmp_path / "work"
-    directory.mkdir()
-    (directory / "hello.py").write_text('print("hello")\n')
-    return directory
+    return clis.project(tmp_path / "work")
 
 
 @pytest.fixture

@@ -26,8 +26,8 @@ from tests.agents.sequences import load, without_call_id
 from tests.servers import RunningServer, running_server
 
 SEQUENCES = load()
-# the CLIs whose recorded runs sent follow-ups: on the tiny model's random weights qwen-code ended
-# every recorded run after one request (its first request is test_agents.py's)
+# the CLIs with a recorded sequence: qwen-code sends no follow-up on the tiny model's weights (its
+# one request is test_agents.py's)
 AGENTS = {"codex", "claude-code", "opencode"}
 
 

@@ -1,5 +1,5 @@
-"""The targets of tests/house.py (`make house`) that hold today: no import cycle among server/'s
-modules, and the script runs on this tree."""
+"""The targets of tests/house.py (`make house`) that are held: no import cycle among server/'s
+modules, and the script reads the header's records."""
 
 from __future__ import annotations
 
