@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import math
 import os
-import re
 import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, get_args, get_origin
@@ -21,6 +19,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from server.errors import ConfigError
+from server.units import parse_duration, parse_size
 
 if TYPE_CHECKING:
     from streaming_ext import StreamerConfig
@@ -30,57 +29,10 @@ ENV_PREFIX = "MOEFLASH_"
 # the alias that accepts every model id as the served model (see ModelSettings.alias)
 ANY_MODEL = "*"
 
-_SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from `123`, `512M`, `4G`, `1.5GiB` (binary units: the budget is about RAM)."""
-    if isinstance(text, int):
-        return text
-    value = text.strip().upper().removesuffix("B").removesuffix("I")
-    suffix = value[-1:] if value[-1:] in _SIZE_SUFFIXES else ""
-    number = value[: len(value) - len(suffix)] if suffix else value
-    try:
-        size = float(number) * _SIZE_SUFFIXES[suffix]
-    except ValueError as exc:
-        raise ValueError(f"not a size: {text!r} (use e.g. 512M or 4G)") from exc
-    if size < 0:
-        raise ValueError(f"a size cannot be negative: {text!r}")
-    return int(size)
-
-
-def format_size(n: int) -> str:
-    """Bytes in binary units, as every message and log line writes them: 4.50 MiB, 17.28 GiB."""
-    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.2f} {unit}"
-    return f"{n} B"
-
-
-_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
-
-
-def parse_duration(text: str | float) -> float:
-    """Seconds from a number of seconds (`300`, `-1`) or a Go duration (`5m`, `1h30m`, `2.5s`,
-    `300ms`), as Ollama's keep_alive takes them; ValueError for anything else."""
-    if isinstance(text, int | float) and not isinstance(text, bool):
-        seconds = float(text)
-    else:
-        body = str(text).strip()
-        sign = -1.0 if body.startswith("-") else 1.0
-        body = body.removeprefix("-")
-        parts = _DURATION_PART.findall(body)
-        if re.fullmatch(r"\d+(?:\.\d+)?", body):
-            seconds = sign * float(body)
-        elif parts and "".join(n + u for n, u in parts) == body:
-            seconds = sign * sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
-        else:
-            raise ValueError(f"not a duration: {text!r} (use seconds or e.g. 30s, 5m, 1h30m; -1: never)")
-    if not math.isfinite(seconds):
-        raise ValueError(f"not a duration: {text!r}")
-    return seconds
-
+# the most requests --parallel decodes together (llama.cpp's sequences in one unified KV)
+MAX_PARALLEL = 64
+# what --parallel auto chooses at most
+AUTO_PARALLEL = 4
 
 # The expert cache's budget: bytes, "all" (every expert: nothing is ever evicted) or "auto" (the
 # memory limit minus everything else the process holds, server/loading/budget.py)
@@ -145,7 +97,12 @@ class ServerSettings(BaseSettings):
     max_grammar_compile_ms: int = Field(
         2000, ge=1, le=600_000, description="a grammar taking longer than this to compile is refused"
     )
-    max_queue: int = Field(16, ge=0, le=10_000, description="requests waiting for the model")
+    max_queue: int = Field(
+        128,
+        ge=0,
+        le=10_000,
+        description="requests waiting for a slot (a waiting request holds only its body)",
+    )
     queue_full_status: Literal[429, 503] = Field(
         429, description="status when the queue is full (429 or 503)"
     )
@@ -266,7 +223,18 @@ class ModelSettings(BaseSettings):
     ctx_size: int = Field(
         4096, ge=64, le=1 << 20, description="context window in tokens", json_schema_extra={"short": "-c"}
     )
-    n_batch: int = Field(512, ge=1, le=1 << 16, description="prompt tokens per decode call")
+    n_batch: int = Field(
+        512,
+        ge=1,
+        le=1 << 16,
+        description="tokens per decode step: every running request's next token plus prompt chunks",
+    )
+    parallel: int | Literal["auto"] = Field(
+        "auto",
+        description="requests decoded together, each with its full --ctx-size (more wait in the queue): a "
+        "number, or auto (as many as the memory holds, at most 4: the extra contexts may take a quarter of "
+        "what is left for the expert cache or the weights)",
+    )
     threads: int | None = Field(
         None, ge=1, le=1024, description="CPU threads (default: all)", json_schema_extra={"short": "-t"}
     )
@@ -339,6 +307,20 @@ class ModelSettings(BaseSettings):
     def model_aliases(self) -> list[str]:
         """The aliases that name the model ('*' is a rule, never a name /v1/models lists)."""
         return [name for name in self.alias if name != ANY_MODEL]
+
+    @field_validator("parallel", mode="before")
+    @classmethod
+    def _parse_parallel(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        return value
+
+    @field_validator("parallel")
+    @classmethod
+    def _check_parallel(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and not 1 <= value <= MAX_PARALLEL:
+            raise ValueError(f"parallel must be auto or 1 to {MAX_PARALLEL}, got {value}")
+        return value
 
     @field_validator("prefetch", mode="before")
     @classmethod

@@ -42,6 +42,15 @@ class StatsRecord:
         }
         return dataclasses.replace(self, **values)  # type: ignore[type-var]
 
+    def share(self, part: int, whole: int) -> Self:
+        """`part` of `whole` tokens' share of a span: counters scaled (rounded down), gauges as they
+        are. The shares of a step's requests sum to the step, less the rounding."""
+        values = {
+            s.name: getattr(self, s.name) * part // whole if s.kind == "COUNTER" else getattr(self, s.name)
+            for s in self.declared()
+        }
+        return dataclasses.replace(self, **values)  # type: ignore[type-var]
+
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Self:
         """A record from as_dict()'s output (a counter it lacks is 0: an older report)."""

@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import uvicorn
 
 from server.cli.serve import served_engine
-from server.engine.token_loop import GenerationStats
+from server.engine.token_loop import GenerationStats, Sequence, TokenLoop
 from server.engine.worker import Engine
 from server.http.app import create_app
 from server.http.switching import ModelSwitch
@@ -188,3 +189,18 @@ def serve_process(
         if proc.poll() is None:
             proc.kill()
         proc.communicate(timeout=30)
+
+
+def script_generation(monkeypatch: pytest.MonkeyPatch, run: Callable[[Sequence], None]) -> None:
+    """The engine's steps call `run(sequence)` on each running request instead of decoding: it
+    emits what the test scripts (sequence.emit) and fills sequence.stats; what it raises fails the
+    step's requests as a failed decode does. Each request ends after it."""
+
+    def step(loop: TokenLoop) -> list[Sequence]:
+        for sequence in loop.running:
+            run(sequence)
+            sequence.finish(sequence.stats.finish_reason or "stop")
+        ended, loop.running = loop.running, []
+        return ended
+
+    monkeypatch.setattr(TokenLoop, "step", step)

@@ -9,7 +9,8 @@ import pytest
 from pydantic import ValidationError
 
 from server.errors import ConfigError
-from server.settings import ModelSettings, add_arguments, load_settings, parse_size, settings_from_args
+from server.settings import ModelSettings, add_arguments, load_settings, settings_from_args
+from server.units import parse_size
 
 
 @pytest.mark.parametrize(

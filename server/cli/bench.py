@@ -75,7 +75,7 @@ def register(subparsers: Any) -> None:
 
 
 def _parse_caps(text: str, file_bytes: int) -> list[int]:
-    from server.settings import parse_size
+    from server.units import parse_size
 
     caps = []
     for part in filter(None, (x.strip() for x in text.split(","))):

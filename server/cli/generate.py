@@ -295,6 +295,9 @@ def run(args: argparse.Namespace) -> int:
     routing = RouteTraceSettings.from_args(args)
     if settings.model is None:
         raise ConfigError("no model given: moeflash generate --model PATH (or MOEFLASH_MODEL)")
+    if settings.parallel == "auto":
+        # one request: the memory other slots would take stays the expert cache's
+        settings = settings.model_copy(update={"parallel": 1})
     storage_before_load = _storage_read_bytes()
     t0 = time.perf_counter()
     model = load_model(settings, routing)

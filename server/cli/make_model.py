@@ -12,7 +12,7 @@ from server.errors import ModelGenError
 from server.modelgen.presets import preset, presets
 from server.modelgen.spec import ARCHITECTURES, WEIGHT_QTYPES, ModelSpec, QType
 from server.modelgen.writer import estimate_size, generate_model
-from server.settings import format_size
+from server.units import format_size
 
 # the preset a bare --arch starts from
 _TINY_PRESET_BY_ARCH = {

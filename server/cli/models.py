@@ -7,7 +7,8 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from server.errors import PullError
-from server.settings import StoreSettings, add_arguments, format_size
+from server.settings import StoreSettings, add_arguments
+from server.units import format_size
 
 if TYPE_CHECKING:
     from server.hub import Storage

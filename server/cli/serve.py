@@ -18,9 +18,9 @@ from server.settings import (
     ServerSettings,
     StoreSettings,
     add_arguments,
-    format_size,
     settings_from_args,
 )
+from server.units import format_size
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -1,12 +1,17 @@
-"""The token loop: prompt prefill with KV-cache prefix reuse, sampling, stop strings, logprobs.
+"""The token loop: every running request decoded together, one llama_decode a step, each with
+its own sampling, stop strings and logprobs; prompts prefilled in chunks inside the steps, their
+cached prefix reused.
 
-Runs on the engine's worker thread only (it drives llama_decode). llama-cpp-python's own
-`Llama._create_completion` is not used because it needs logits_all=True (an n_ctx x n_vocab
-float matrix) for logprobs, applies logit_bias through a Python sampler it marks as broken,
-cannot be cancelled during prefill and does not report how many prompt tokens it reused.
-This loop uses the library's pieces instead: `Llama.eval`, its sampler chain
-(`_internals.LlamaSampler`: logit bias, penalties, grammar, top-k/p, min-p, temperature,
-seeded dist) and its detokenizer.
+Runs on one thread only (the engine's worker, or `generate`): it drives llama_decode. The
+context holds one KV sequence a slot (`--parallel`, server/loading/measured.py `Slot`); a
+request decodes in one slot (`Sequence`), and `TokenLoop.step` feeds every running sequence's
+next tokens in one batch (docs/api.md, "Concurrency and life cycle").
+llama-cpp-python's `Llama._create_completion` is not used: it decodes one sequence, needs
+logits_all=True (an n_ctx x n_vocab float matrix) for logprobs, applies logit_bias through a
+Python sampler it marks as broken, cannot be cancelled during prefill and does not report how
+many prompt tokens it reused. This loop uses the library's pieces instead: its batch, its sampler
+chain (`_internals.LlamaSampler`: logit bias, penalties, grammar, top-k/p, min-p, temperature,
+seeded dist, sampling from any row of the step's logits) and its detokenizer.
 """
 
 from __future__ import annotations
@@ -21,12 +26,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from server.loading.prompt_cache import reuse_live
+from server.loading.prompt_cache import common_prefix, copy_prefix, reuse_live, sliding_window
 
 if TYPE_CHECKING:
     from llama_cpp._internals import LlamaSampler
 
-    from server.loading.measured import DecodeStep, MeasuredLlama
+    from server.loading.measured import DecodeStep, MeasuredLlama, Slot
     from server.loading.prompt_cache import PromptCache
 
 logger = logging.getLogger(__name__)
@@ -196,9 +201,11 @@ def _build_sampler(llama: MeasuredLlama, params: SamplingParams, seed: int) -> L
     return sampler
 
 
-def _token_logprob(llama: MeasuredLlama, token: int, piece: bytes, top_n: int, special: bool) -> TokenLogprob:
+def _token_logprob(
+    llama: MeasuredLlama, row: int, token: int, piece: bytes, top_n: int, special: bool
+) -> TokenLogprob:
     n_vocab = llama.n_vocab()
-    logits = np.ctypeslib.as_array(llama._ctx.get_logits_ith(-1), shape=(n_vocab,)).astype(np.float64)
+    logits = np.ctypeslib.as_array(llama._ctx.get_logits_ith(row), shape=(n_vocab,)).astype(np.float64)
     shifted = logits - logits.max()
     logprobs = shifted - np.log(np.exp(shifted).sum())
     top: list[TopLogprob] = []
@@ -211,6 +218,338 @@ def _token_logprob(llama: MeasuredLlama, token: int, piece: bytes, top_n: int, s
     return TokenLogprob(piece.decode("utf-8", "replace"), float(logprobs[token]), list(piece), top)
 
 
+class Sequence:
+    """One request in a slot: its prompt still to prefill, then one token a step (module
+    docstring). Driven by TokenLoop.step only."""
+
+    def __init__(
+        self,
+        llama: MeasuredLlama,
+        slot: Slot,
+        request: GenerationRequest,
+        stats: GenerationStats,
+        emit: Callable[[TextDelta], None],
+        cancelled: Callable[[], bool],
+        on_token: Callable[[int, DecodeStep | None], None] | None,
+        checkpoint: int | None,
+    ) -> None:
+        self.llama = llama
+        self.slot = slot
+        self.request = request
+        self.stats = stats
+        self.emit = emit
+        self.cancelled = cancelled
+        self.on_token = on_token
+        self.checkpoint = checkpoint  # where a sliding-window model's prefill keeps a checkpoint
+        self.started_ns = time.perf_counter_ns()
+        self.prefilled_ns = 0
+        self.next_token: int | None = None  # decoding: the token this step feeds
+        self.timing: DecodeStep | None = None  # the step that produced the token being sampled
+        self.telemetry: DecodeStep | None = None  # this request's share of every step it was in
+        self.done = False
+        params = request.params
+        self.max_tokens = min(params.max_tokens, llama.n_ctx_seq - len(request.prompt_tokens))
+        self._sampler: LlamaSampler | None = None
+        self._stop = _StopFilter(params.stop)
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    @property
+    def prefilling(self) -> bool:
+        return len(self.slot.tokens) < len(self.request.prompt_tokens)
+
+    def inputs(self, budget: int) -> list[int]:
+        """This step's tokens: the last sampled one, or the prompt's next chunk of at most
+        `budget` tokens (cut at the checkpoint)."""
+        if self.next_token is not None:
+            return [self.next_token]
+        at, prompt = len(self.slot.tokens), self.request.prompt_tokens
+        end = min(len(prompt), at + budget)
+        if self.checkpoint is not None and at < self.checkpoint < end:
+            end = self.checkpoint
+        return list(prompt[at:end])
+
+    def decoded(self, tokens: list[int], share: DecodeStep) -> None:
+        """`tokens` entered the slot's KV in a step; `share` is this request's part of it."""
+        self.slot.tokens.extend(tokens)
+        self.telemetry = share if self.telemetry is None else self.telemetry + share
+        self.next_token = None
+
+    def take(self, row: int, step: DecodeStep) -> None:
+        """Sample the next token from the logits of batch index `row` of the step just decoded."""
+        import llama_cpp
+
+        llama, params = self.llama, self.request.params
+        if self._sampler is None:  # the prompt is in: its last row picks the first token
+            self.prefilled_ns = time.perf_counter_ns()
+            self.stats.prompt_ns = self.prefilled_ns - self.started_ns
+            seed = params.seed if params.seed is not None else random.getrandbits(32)
+            self._sampler = _build_sampler(llama, params, seed & 0xFFFFFFFF)
+        else:
+            self.timing = step
+        if self.max_tokens <= 0:
+            self.finish("length")
+            return
+        if self.cancelled():
+            self.finish("cancelled")
+            return
+        token = self._sampler.sample(llama._ctx, row)
+        if self.cancelled():
+            self.stats.tokens_after_cancel += 1
+        if self.on_token is not None:
+            self.on_token(token, self.timing)
+        if not params.ignore_eos and llama_cpp.llama_vocab_is_eog(llama._model.vocab, token):
+            self.finish("stop")
+            return
+        self.stats.completion_tokens += 1
+        special = self.request.render_special
+        piece = llama._model.detokenize([token], special)
+        logprob = (
+            _token_logprob(llama, row, token, piece, params.top_logprobs, special)
+            if params.logprobs
+            else None
+        )
+        delta, stopped = self._stop.feed(self._decoder.decode(piece), logprob)
+        if delta.text or delta.logprobs:
+            self.emit(replace(delta, timing=self.timing))
+        if stopped:
+            self.stats.stop_string = self._stop.matched
+            self.finish("stop")
+        elif self.stats.completion_tokens >= self.max_tokens:
+            self.finish("length")
+        else:
+            self.next_token = token  # it enters the KV next step, so the next turn can reuse it
+
+    def finish(self, reason: str) -> None:
+        """End the request: release the held-back text, free the sampler and the slot."""
+        if self.done:
+            return
+        self.done = True
+        if reason != "cancelled" and self._sampler is not None:
+            tail = self._stop.flush()
+            tail = TextDelta(tail.text + self._decoder.decode(b"", final=True), tail.logprobs)
+            if tail.text or tail.logprobs:
+                self.emit(tail)
+        if self._sampler is not None:
+            self._sampler.close()  # type: ignore[no-untyped-call]
+            self._sampler = None
+            self.stats.decode_ns = time.perf_counter_ns() - self.prefilled_ns
+        self.stats.finish_reason = reason
+        self.slot.busy = False
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One sequence's part of a step: its slot, how many tokens it fed and whether the step
+    returned its logits (the schedule a replay repeats, server/engine/schedule.py)."""
+
+    seq_id: int
+    n_tokens: int
+    sampled: bool
+
+
+class TokenLoop:
+    """The one token loop: every running request's next tokens in one llama_decode a step.
+
+    Each step holds every decoding sequence's last token, then prompt chunks of the sequences
+    still prefilling, in the order they started, up to `step_tokens` in all (n_batch), so a new
+    prompt is prefilled inside the running steps and never stalls them. A sequence's tokens carry
+    its slot's sequence id and positions; the step returns logits for each decoding token and
+    for a prompt's last one, and each sequence samples its own from its row with its own sampler.
+
+    A request starts in the free slot holding the longest prefix of its prompt (the least recently
+    used one when none does): that prefix, a longer one copied from another slot's live KV, or
+    one the prompt cache restores, is reused and only the rest prefilled. Runs on one thread (the
+    engine's worker, or `generate`)."""
+
+    def __init__(self, llama: MeasuredLlama, prompt_cache: PromptCache | None = None) -> None:
+        from llama_cpp._internals import LlamaBatch
+
+        self.llama = llama
+        self.prompt_cache = prompt_cache
+        self.step_tokens = llama.n_batch
+        self.running: list[Sequence] = []
+        self.steps = 0  # steps decoded by this loop
+        self.shared_steps = 0  # of them, those that held two or more sequences
+        self.last_tokens = 0  # the last step's tokens
+        # the step's plan, for a replay (server/engine/schedule.py) and the gates
+        self.last_plan: tuple[Planned, ...] = ()
+        self._batch = LlamaBatch(n_tokens=self.step_tokens, embd=0, n_seq_max=1, verbose=False)
+        self._clock = 0
+        self._phase: int | None = None  # the route trace's phase (MeasuredLlama.begin_phase)
+
+    def close(self) -> None:
+        """Free the batch (idempotent); the running requests are the caller's to finish."""
+        self._batch.close()  # type: ignore[no-untyped-call]
+
+    @property
+    def free_slots(self) -> int:
+        return sum(not slot.busy for slot in self.llama.slots)
+
+    def start(
+        self,
+        request: GenerationRequest,
+        stats: GenerationStats,
+        emit: Callable[[TextDelta], None],
+        cancelled: Callable[[], bool],
+        on_token: Callable[[int, DecodeStep | None], None] | None = None,
+    ) -> Sequence:
+        """Put `request` in a free slot, its cached prefix reused (the caller checked free_slots)."""
+        tokens = request.prompt_tokens
+        stats.prompt_tokens = len(tokens)
+        slot = self._slot_for(tokens)
+        slot.busy = True
+        self._clock += 1
+        slot.used = self._clock
+        cache = self.prompt_cache
+        try:
+            if cache is not None:
+                stats.cached_tokens = cache.prefix(self.llama, slot, tokens)
+            else:
+                stats.cached_tokens = reuse_live(self.llama, slot, tokens)
+        except BaseException:
+            slot.busy = False
+            raise
+        checkpoint = cache.checkpoint_at(stats.cached_tokens, len(tokens)) if cache is not None else None
+        sequence = Sequence(self.llama, slot, request, stats, emit, cancelled, on_token, checkpoint)
+        self.running.append(sequence)
+        self._phase = None  # a new prompt: its phase begins at its first step
+        return sequence
+
+    def _slot_for(self, tokens: tuple[int, ...]) -> Slot:
+        """The free slot to decode `tokens` in; a longer prefix live in another slot is copied into
+        it first (a unified KV shares the cells)."""
+        slots = self.llama.slots
+        free = [slot for slot in slots if not slot.busy]
+        best = max(free, key=lambda slot: (common_prefix(slot.tokens, tokens), -slot.used))
+        n_best = common_prefix(best.tokens, tokens)
+        donor = max(slots, key=lambda slot: common_prefix(slot.tokens, tokens))
+        n_donor = min(common_prefix(donor.tokens, tokens), len(tokens) - 1)
+        if donor is not best and n_donor > n_best and self.llama.context_params.kv_unified:
+            if self.prompt_cache is not None:
+                self.prompt_cache.keep_if_dropped(self.llama, best, 0)
+            copy_prefix(self.llama, donor, best, n_donor)
+        return best
+
+    def step(self) -> list[Sequence]:
+        """Decode one step for every running request; returns those that ended in it (cancelled
+        ones included, without decoding). Raises what llama.cpp raises: the running requests'
+        KV is then unknown, and the caller ends them all (`abort`)."""
+        ended = [seq for seq in self.running if seq.cancelled()]
+        for seq in ended:
+            seq.finish("cancelled")  # a partial prompt stays in the slot: its tokens say which
+        self.running = [seq for seq in self.running if not seq.done]
+        self.last_tokens = 0
+        if not self.running:
+            return ended
+        self._share_prefixes()
+        budget = self.step_tokens
+        parts: list[tuple[Sequence, list[int]]] = []
+        for seq in sorted(self.running, key=lambda seq: seq.next_token is None):  # decoding first
+            if budget <= 0:
+                break
+            if self._follows(seq):
+                continue
+            tokens = seq.inputs(budget)
+            if tokens:
+                parts.append((seq, tokens))
+                budget -= len(tokens)
+        plan = self._fill(parts)
+        llama = self.llama
+        # a route trace counts a prompt's steps from its start and the decode steps after it
+        phase = 0 if any(seq.next_token is None for seq, _ in parts) else 1
+        if phase != self._phase:
+            llama.begin_phase(phase)
+            self._phase = phase
+        llama._ctx.decode(self._batch)
+        step = llama.steps[-1]
+        self.steps += 1
+        self.shared_steps += len(parts) > 1
+        self.last_plan = plan
+        self.last_tokens = step.n_tokens
+        at = 0  # the batch index after each part's last token: its logits, when it has them
+        for (seq, tokens), planned in zip(parts, plan, strict=True):
+            at += len(tokens)
+            seq.decoded(tokens, step.share(len(tokens)))
+            if seq.checkpoint is not None and len(seq.slot.tokens) == seq.checkpoint and self.prompt_cache:
+                self.prompt_cache.checkpoint(llama, seq.slot)
+            if planned.sampled:
+                seq.take(at - 1, step)
+        ended += [seq for seq in self.running if seq.done]
+        self.running = [seq for seq in self.running if not seq.done]
+        return ended
+
+    def _shares(self) -> bool:
+        """Whether slots can share cells: a unified KV with no window cut short (a sliding-window
+        sequence's early cells may be gone from the ring)."""
+        return bool(self.llama.context_params.kv_unified) and not sliding_window(self.llama)
+
+    def _share_prefixes(self) -> None:
+        """A prefilling request whose prompt another running request's slot holds further takes
+        that prefix from it (requests sent at once with one system prompt prefill it once)."""
+        if len(self.running) < 2 or not self._shares():
+            return
+        for seq in self.running:
+            if not seq.prefilling:
+                continue
+            prompt, have = seq.request.prompt_tokens, len(seq.slot.tokens)
+            for other in self.running:
+                n = min(common_prefix(other.slot.tokens, prompt), len(prompt) - 1)
+                if other is not seq and n > have:
+                    copy_prefix(self.llama, other.slot, seq.slot, n)
+                    seq.stats.cached_tokens += n - have
+                    have = n
+
+    def _follows(self, seq: Sequence) -> bool:
+        """Whether `seq` waits this step for an earlier request still prefilling the same prompt
+        tokens it needs next: it takes them from that one's slot once they are in."""
+        if not seq.prefilling or not self._shares():
+            return False
+        prompt, have = seq.request.prompt_tokens, len(seq.slot.tokens)
+        for other in self.running:
+            if other is seq:
+                return False  # only an earlier request leads
+            if (
+                other.prefilling
+                and min(common_prefix(other.request.prompt_tokens, prompt), len(prompt) - 1) > have
+            ):
+                return True
+        return False
+
+    def _fill(self, parts: list[tuple[Sequence, list[int]]]) -> tuple[Planned, ...]:
+        batch = self._batch.batch
+        n = 0
+        plan: list[Planned] = []
+        for seq, tokens in parts:
+            pos = len(seq.slot.tokens)
+            sampled = seq.next_token is not None or pos + len(tokens) == len(seq.request.prompt_tokens)
+            for i, token in enumerate(tokens):
+                batch.token[n] = token
+                batch.pos[n] = pos + i
+                batch.n_seq_id[n] = 1
+                batch.seq_id[n][0] = seq.slot.seq_id
+                batch.logits[n] = sampled and i == len(tokens) - 1
+                n += 1
+            plan.append(Planned(seq.slot.seq_id, len(tokens), sampled))
+        batch.n_tokens = n
+        return tuple(plan)
+
+    def abort(self, error: BaseException) -> list[Sequence]:
+        """After a failed step: end every running request (their slots emptied, the context's KV
+        cleared) and return them; the caller reports `error` to each."""
+        ended = self.running
+        self.running = []
+        for seq in ended:
+            seq.finish("error")
+        self.llama.clear()
+        logger.warning("a decode step failed; %d request(s) ended: %s", len(ended), error)
+        return ended
+
+    def run(self) -> None:
+        """Step until every running request has ended."""
+        while self.running:
+            self.step()
+
+
 def generate(
     llama: MeasuredLlama,
     request: GenerationRequest,
@@ -220,92 +559,20 @@ def generate(
     on_token: Callable[[int, DecodeStep | None], None] | None = None,
     prompt_cache: PromptCache | None = None,
 ) -> None:
-    """Decode `request` on `llama`, calling `emit` for each visible piece of text.
+    """Decode one request on `llama` alone, calling `emit` for each visible piece of text
+    (`moeflash generate`, the gates): the token loop with one sequence.
 
-    The prompt's longest prefix already in the KV cache, or kept by `prompt_cache`, is reused or
-    restored and only the rest is prefilled, in micro-batches of n_batch from where it starts (and
-    from a sliding-window model's checkpoint, server/loading/prompt_cache.py).
-
-    Returns when a stop condition is met or `cancelled()` turns true (checked before each
-    token and between prefill batches); fills `stats`. `on_token(token, step)`, if given, sees
-    every sampled token with the decode step that produced it (None for the first: the prompt),
-    end-of-generation tokens included. Raises what llama.cpp raises.
-    """
-    import llama_cpp
-
-    params = request.params
-    tokens = request.prompt_tokens
-    stats.prompt_tokens = len(tokens)
-    start = time.perf_counter_ns()
-    if prompt_cache is not None:
-        stats.cached_tokens = prompt_cache.prefix(llama, tokens)
-    else:
-        stats.cached_tokens = reuse_live(llama, tokens)
-    # a sliding-window model's prefill stops once where the cache keeps a checkpoint
-    stop = prompt_cache.checkpoint_at(stats.cached_tokens, len(tokens)) if prompt_cache else None
-    spans = (
-        [(stats.cached_tokens, stop), (stop, len(tokens))] if stop else [(stats.cached_tokens, len(tokens))]
-    )
-    llama.begin_phase(0)
-    for lo, hi in spans:
-        for i in range(lo, hi, llama.n_batch):
-            if cancelled():
-                stats.finish_reason = "cancelled"
-                # the KV cache holds a partial prompt: _input_ids says which, so it stays reusable
-                return
-            llama.eval(list(tokens[i : min(hi, i + llama.n_batch)]))
-        if prompt_cache is not None and hi == stop:
-            prompt_cache.checkpoint(llama)
-    prefilled = time.perf_counter_ns()
-    stats.prompt_ns = prefilled - start
-    llama.begin_phase(1)
-
-    seed = params.seed if params.seed is not None else random.getrandbits(32)
-    sampler = _build_sampler(llama, params, seed & 0xFFFFFFFF)
-    stop_filter = _StopFilter(params.stop)
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    vocab = llama._model.vocab
-    max_tokens = min(params.max_tokens, llama.n_ctx() - len(tokens))
-    finish = "length"
-    timing: DecodeStep | None = None  # of the step that produced the token being sampled
+    Returns when a stop condition is met or `cancelled()` turns true (checked before each step);
+    fills `stats`. `on_token(token, step)`, if given, sees every sampled token with the decode
+    step that produced it (None for the first: the prompt), end-of-generation tokens included.
+    Raises what llama.cpp raises (the context's KV cleared)."""
+    loop = TokenLoop(llama, prompt_cache)
     try:
-        while stats.completion_tokens < max_tokens:
-            if cancelled():
-                finish = "cancelled"
-                break
-            token = sampler.sample(llama._ctx, -1)
-            if cancelled():
-                stats.tokens_after_cancel += 1
-            if on_token is not None:
-                on_token(token, timing)
-            if not params.ignore_eos and llama_cpp.llama_vocab_is_eog(vocab, token):
-                finish = "stop"
-                break
-            stats.completion_tokens += 1
-            piece = llama._model.detokenize([token], request.render_special)
-            logprob = (
-                _token_logprob(llama, token, piece, params.top_logprobs, request.render_special)
-                if params.logprobs
-                else None
-            )
-            delta, stopped = stop_filter.feed(decoder.decode(piece), logprob)
-            if delta.text or delta.logprobs:
-                emit(replace(delta, timing=timing))
-            if stopped:
-                finish = "stop"
-                stats.stop_string = stop_filter.matched
-                break
-            if stats.completion_tokens >= max_tokens:
-                break
-            # the sampled token enters the KV cache so the next turn can reuse it
-            llama.eval([token])
-            timing = llama.steps[-1]
-        # after a stop-string match nothing is pending; otherwise release the held-back text
-        tail = stop_filter.flush()
-        tail = TextDelta(tail.text + decoder.decode(b"", final=True), tail.logprobs)
-        if tail.text or tail.logprobs:
-            emit(tail)
+        loop.start(request, stats, emit, cancelled, on_token)
+        try:
+            loop.run()
+        except Exception as exc:
+            loop.abort(exc)
+            raise
     finally:
-        sampler.close()  # type: ignore[no-untyped-call]
-        stats.decode_ns = time.perf_counter_ns() - prefilled
-        stats.finish_reason = finish
+        loop.close()

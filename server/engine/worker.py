@@ -1,17 +1,19 @@
-"""The engine: ONE worker thread owns the model and serves a bounded FIFO of requests.
+"""The engine: ONE worker thread owns the model and decodes its requests together.
 
 DESIGN
 - The worker thread loads the model (so a long load never blocks the HTTP server: /health
-  answers 503 meanwhile), then pops jobs in arrival order and runs `decode.generate` on them.
-  Only this thread touches the Llama, so llama.cpp needs no locking.
-- One mutex + condition variable guard the waiting deque, the running job and the state.
-  `submit` refuses with QueueFull when `max_queue` jobs already wait (the running one does
+  answers 503 meanwhile), then runs the token loop (server/engine/token_loop.py): between two
+  steps it starts waiting jobs, in arrival order, in the model's free slots (`--parallel`), and
+  each step decodes every running job's next tokens at once. Only this thread touches the Llama,
+  so llama.cpp needs no locking.
+- One mutex + condition variable guard the waiting deque, the running jobs and the state.
+  `submit` refuses with QueueFull when `max_queue` jobs already wait (the running ones do
   not count), and with ServiceUnavailable while loading, after a failed load, or stopping.
 - Each job has its own event channel: the worker hands events to the job's asyncio loop
   with call_soon_threadsafe; the HTTP side awaits them. A job is cancelled by setting its
-  event (client gone); the worker checks it before every token and between prefill batches,
-  so a cancelled generation stops within one token and frees the model.
-- `close()` (lifespan shutdown, i.e. SIGTERM) cancels the running job, fails the waiting
+  event (client gone); the token loop checks it before every step, so a cancelled generation
+  stops within one step and frees its slot.
+- `close()` (lifespan shutdown, i.e. SIGTERM) cancels the running jobs, fails the waiting
   ones, joins the worker and releases the model. `release()` does the same to an idle engine
   but keeps its loader (state RELEASED: the memory is given back) and `reload()` loads it again;
   `restart(loader)` loads another model (server/http/residency.py and switching.py decide when).
@@ -29,7 +31,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
-from server.engine.token_loop import GenerationRequest, GenerationStats, TextDelta, generate
+from server.engine.token_loop import GenerationRequest, GenerationStats, Sequence, TextDelta, TokenLoop
 from server.errors import QueueFull, ServiceUnavailable
 from server.loading.loader import LoadedModel, ModelInfo
 from server.loading.measured import DecodeStep
@@ -125,7 +127,10 @@ class Engine:
         self._retry_after_s = retry_after_s
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
-        self._running: Job | None = None
+        self._running: list[Job] = []
+        self._slots = 0  # the loaded model's (requests decoded together)
+        self.steps = 0  # decode steps of the models loaded so far, and their tokens
+        self.step_tokens = 0
         self._state = EngineState.LOADING
         self._model: LoadedModel | None = None
         self._load_error: BaseException | None = None
@@ -160,9 +165,9 @@ class Engine:
             self._state = stopping
             dropped = list(self._waiting)
             self._waiting.clear()
-            running = self._running
-            if running is not None:
-                running.cancel()
+            running = list(self._running)
+            for job in running:
+                job.cancel()
             self._cond.notify_all()
         for job in dropped:
             job.cancel()
@@ -179,7 +184,7 @@ class Engine:
                 self._thread = None
         logger.info(
             "engine stopped: %s, %d waiting request(s) refused, model released",
-            "running request cancelled" if running is not None else "idle",
+            f"{len(running)} running request(s) cancelled" if running else "idle",
             len(dropped),
         )
         return mine
@@ -260,9 +265,22 @@ class Engine:
             return len(self._waiting)
 
     @property
-    def running_job(self) -> Job | None:
+    def running_jobs(self) -> tuple[Job, ...]:
+        """The jobs decoding now, in the order they started."""
         with self._cond:
-            return self._running
+            return tuple(self._running)
+
+    @property
+    def slots(self) -> int:
+        """Requests the loaded model decodes together (0 before it loads)."""
+        with self._cond:
+            return self._slots
+
+    @property
+    def busy(self) -> bool:
+        """Whether a job runs or waits."""
+        with self._cond:
+            return bool(self._running or self._waiting)
 
     def totals(self) -> DecodeStep | None:
         """Every decode call of the loaded model so far (None before it is loaded); read from any
@@ -286,7 +304,7 @@ class Engine:
                     retry_after_s=self._retry_after_s,
                     code="model_unavailable",
                 )
-            if len(self._waiting) >= self._max_queue and self._running is not None:
+            if len(self._waiting) >= self._max_queue and len(self._running) >= self._slots:
                 raise QueueFull(
                     f"{len(self._waiting)} requests are already waiting for the model",
                     retry_after_s=self._retry_after_s,
@@ -308,65 +326,105 @@ class Engine:
                     self._state = EngineState.FAILED
                 self._cond.notify_all()
             return
+        loop = TokenLoop(model.llama, model.prompt_cache)
         with self._cond:
             self._model = model
             self._info = model.info
+            self._slots = len(model.llama.slots)
             self._idle_since = time.monotonic()
             self.loads += 1
             if self._state is EngineState.LOADING:
                 self._state = EngineState.READY
             self._cond.notify_all()
+        sequences: dict[int, tuple[Job, Sequence]] = {}  # by id(job)
         try:
             idle_work = True  # warm start begins reading back at once
             while True:
                 with self._cond:
                     # idle, the model's idle work goes on (below, outside the lock): at once while
                     # warm start reads back, else every _IDLE_POLL_S
-                    if not self._waiting and self._state is EngineState.READY and not idle_work:
+                    idle = not self._waiting and not self._running
+                    if idle and self._state is EngineState.READY and not idle_work:
                         self._cond.wait(timeout=_IDLE_POLL_S)
                     if self._state is not EngineState.READY:
                         break
-                    job = self._waiting.popleft() if self._waiting else None
-                    self._running = job
-                if job is None:
+                    starting: list[Job] = []
+                    while self._waiting and len(self._running) + len(starting) < self._slots:
+                        starting.append(self._waiting.popleft())
+                    self._running.extend(starting)
+                    running = bool(self._running)
+                for job in starting:
+                    try:
+                        seq = loop.start(job.request, job.stats, job._post, job._cancel.is_set)
+                    except Exception as exc:  # noqa: BLE001 - the request's failure (a state unreadable)
+                        logger.exception("request %s could not start", job.id)
+                        with self._cond:
+                            self._running.remove(job)
+                            self._cond.notify_all()
+                        job._post(Failed(exc))
+                        continue
+                    sequences[id(job)] = (job, seq)
+                if not running:
                     idle_work = model.idle()
                     continue
-                last: Event = Failed(RuntimeError("generation did not finish"))
+                failure: BaseException | None = None
                 try:
-                    last = self._serve(model, job)
-                finally:
-                    # the engine's state is final before the client sees the last event
-                    with self._cond:
-                        self._running = None
-                        self._idle_since = time.monotonic()
-                        self.history.append((job.id, replace(job.stats)))
-                        self._cond.notify_all()
-                    job._post(last)
-                model.after_request()
+                    ended = loop.step()
+                except Exception as exc:  # noqa: BLE001 - handed to the requests, which map it to HTTP
+                    logger.exception("a decode step failed")
+                    ended, failure = loop.abort(exc), exc
+                with self._cond:
+                    self.steps += 1
+                    self.step_tokens += loop.last_tokens
+                if ended:
+                    self._end(model, sequences, ended, failure)
+        except BaseException as exc:
+            # a bug, not a request's failure: no request may wait for a worker that is gone
+            logger.exception("the engine worker failed")
+            with self._cond:
+                self._load_error = exc
+                self._state = EngineState.FAILED
+                dropped = list(self._waiting)
+                self._waiting.clear()
+                self._cond.notify_all()
+            for job in dropped:
+                job._post(Failed(exc))
+            raise
         finally:
+            # stopped mid-request (the jobs were cancelled): they end as cancelled, as a client
+            # gone would have them, and their slots go with the model
+            for seq in loop.running:
+                seq.finish("cancelled")
+            self._end(model, sequences, loop.running, None)
+            loop.close()
             model.close()
 
-    def _serve(self, model: LoadedModel, job: Job) -> Finished | Failed:
-        """Run one job; text goes out as it comes, the final event is returned."""
-        if job.cancelled:
-            job.stats.finish_reason = "cancelled"
-            return Finished(job.stats, None)
-        before = model.llama.totals()
-        try:
-            generate(
-                model.llama,
-                job.request,
-                job.stats,
-                job._post,
-                lambda: job.cancelled,
-                prompt_cache=model.prompt_cache,
-            )
-        except Exception as exc:  # noqa: BLE001 - handed to the request, which maps it to HTTP
-            logger.exception("generation %s failed", job.id)
-            # the KV cache may hold a half-decoded batch: start the next request clean
-            model.llama.reset()  # type: ignore[no-untyped-call]
-            return Failed(exc)
-        return Finished(job.stats, model.llama.totals() - before)
+    def _end(
+        self,
+        model: LoadedModel,
+        sequences: dict[int, tuple[Job, Sequence]],
+        ended: list[Sequence],
+        failure: BaseException | None,
+    ) -> None:
+        """Report the ended sequences' jobs: Finished with the job's share of the steps it was in,
+        or Failed with the step's error."""
+        if not ended:
+            return
+        done = {id(seq) for seq in ended}
+        jobs = [(job, seq) for job, seq in sequences.values() if id(seq) in done]
+        with self._cond:
+            for job, _ in jobs:
+                self._running.remove(job)
+                self.history.append((job.id, replace(job.stats)))
+            self._idle_since = time.monotonic()
+            self._cond.notify_all()
+        for job, seq in jobs:
+            del sequences[id(job)]
+            if failure is not None:
+                job._post(Failed(failure))
+            else:
+                job._post(Finished(job.stats, seq.telemetry))
+        model.after_request()
 
 
 def give_back_freed_memory() -> None:

@@ -25,10 +25,21 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(
             "moeflash_queue_depth", "requests waiting for the model (now)", value=self._engine.queue_depth
         )
+        running = len(self._engine.running_jobs)
+        yield GaugeMetricFamily("moeflash_busy", "1 while a generation runs (now)", value=int(running > 0))
+        yield GaugeMetricFamily("moeflash_slots_in_use", "requests decoding now", value=running)
         yield GaugeMetricFamily(
-            "moeflash_busy",
-            "1 while a generation runs (now)",
-            value=int(self._engine.running_job is not None),
+            "moeflash_slots", "requests the model decodes together", value=self._engine.slots
+        )
+        yield CounterMetricFamily(
+            "moeflash_decode_steps",
+            "decode steps (one llama_decode for every running request)",
+            value=self._engine.steps,
+        )
+        yield CounterMetricFamily(
+            "moeflash_step_tokens",
+            "tokens decoded in those steps (their ratio: tokens per step)",
+            value=self._engine.step_tokens,
         )
         yield GaugeMetricFamily(
             "moeflash_model_ready",

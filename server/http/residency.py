@@ -54,7 +54,7 @@ class Residency:
     def busy(self) -> bool:
         """A request holds the model, or the engine runs or queues a job."""
         engine = self.engine
-        return bool(self._leases or engine.queue_depth or engine.running_job is not None)
+        return bool(self._leases or engine.busy)
 
     async def wait_idle(self) -> None:
         """Until no request holds the model and no job runs or waits (call with the lock held, as

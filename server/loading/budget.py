@@ -152,12 +152,12 @@ def memory_terms(
 
 def prompt_cache_bytes(setting: PromptCacheRam, context: ContextBytes) -> int:
     """RAM for the prompt cache: `setting` bytes, or for "auto" one full context's sequence state
-    (the KV cache plus llama.cpp's per-cell record, a position and a sequence id, 12 bytes, rounded
-    up to 16, and 1 MiB for the per-layer headers); None: no prompt cache."""
+    (a slot's share of the KV cache plus llama.cpp's per-cell record, a position and a sequence id,
+    12 bytes, rounded up to 16, and 1 MiB for the per-layer headers); None: no prompt cache."""
     if setting is None:
         return 0
     if setting == "auto":
-        return context.kv + context.n_ctx * 16 + _MIB
+        return (context.kv + context.n_ctx * 16) // context.n_seq + _MIB
     return setting
 
 

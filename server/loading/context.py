@@ -8,8 +8,9 @@ work buffer for the attention product, where the F32 scores (n_kv x n_ubatch x n
 converted to F16 for the V matmul; llama.cpp does not reserve it, so it is computed here from
 those sizes. Flash attention never materialises the scores: on qwen30b-8l-shape at 8192 tokens
 the compute buffers are 96 instead of 558 MiB, and the work buffer is gone
-(docs/memory.md says how to measure it). `recreate_with_flash_attention` swaps a loaded Llama's
-context for one with flash attention on; the weights stay where they are.
+(docs/memory.md says how to measure it). `recreate_context` swaps a loaded Llama's context for
+one with flash attention on or more slots; the weights stay where they are; `fit_slots` chooses
+the slots (`--parallel`).
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from server.errors import ConfigError
+from server.units import format_size
 
 if TYPE_CHECKING:
     from llama_cpp import Llama
+
+    from server.loading.measured import MeasuredLlama
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +43,8 @@ class ContextBytes:
     output: int
     attention_scratch: int  # ggml's work buffer for the attention product (0 with flash attention)
     flash_attn: bool
-    n_ctx: int  # the context's tokens these buffers are for
+    n_ctx: int  # the context's tokens these buffers are for, every slot's together
+    n_seq: int = 1  # the slots (requests decoded together) sharing them
 
     @property
     def total(self) -> int:
@@ -76,28 +81,41 @@ def context_bytes(llama: Llama, n_head_max: int) -> ContextBytes:
         attention_scratch=scratch,
         flash_attn=flash,
         n_ctx=llama.n_ctx(),
+        n_seq=int(llama.context_params.n_seq_max),
     )
 
 
-def recreate_with_flash_attention(llama: Llama) -> None:
-    """Replace `llama`'s context by one with flash attention on (same parameters otherwise, the
-    eval callback included). Only before the first decode: the KV cache starts empty."""
+def recreate_context(
+    llama: MeasuredLlama, *, flash_attn: bool | None = None, n_seq: int | None = None
+) -> None:
+    """Replace `llama`'s context by one with flash attention on or `n_seq` slots of the same
+    per-slot context in one unified KV (same parameters otherwise, the eval callback included).
+    Only before the first decode: the KV cache starts empty."""
     import llama_cpp
     from llama_cpp import _internals
 
     old = llama._ctx
-    llama.context_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    params = llama.context_params
+    if flash_attn is not None:
+        params.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if flash_attn
+            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+    if n_seq is not None:
+        params.n_ctx = llama.n_ctx_seq * n_seq
+        params.n_seq_max = n_seq
+        params.kv_unified = True
     # first: both contexts at once would hold two KV caches
     old.close()  # type: ignore[no-untyped-call]
     llama._ctx = llama._stack.enter_context(
-        contextlib.closing(
-            _internals.LlamaContext(model=llama._model, params=llama.context_params, verbose=llama.verbose)
-        )
+        contextlib.closing(_internals.LlamaContext(model=llama._model, params=params, verbose=llama.verbose))
     )
+    llama.context_changed()
 
 
 def fit_context(
-    llama: Llama, *, flash_attn: str, n_head_max: int, fits: Callable[[ContextBytes], bool]
+    llama: MeasuredLlama, *, flash_attn: str, n_head_max: int, fits: Callable[[ContextBytes], bool]
 ) -> ContextBytes:
     """The context's bytes; with `flash_attn` "auto", a context that does not `fits` the memory
     (without flash attention: its scores crowd the expert cache or the weights) is re-created
@@ -105,7 +123,7 @@ def fit_context(
     measured = context_bytes(llama, n_head_max)
     if flash_attn != "auto" or measured.flash_attn or fits(measured):
         return measured
-    recreate_with_flash_attention(llama)
+    recreate_context(llama, flash_attn=True)
     after = context_bytes(llama, n_head_max)
     logger.info(
         "flash attention on: the %d-token context's buffers take %.0f MiB instead of %.0f MiB "
@@ -118,3 +136,67 @@ def fit_context(
         measured.attention_scratch / 2**20,
     )
     return after
+
+
+def fit_slots(
+    llama: MeasuredLlama,
+    *,
+    parallel: int | str,
+    n_head_max: int,
+    room: Callable[[ContextBytes], int],
+    context: ContextBytes,
+) -> ContextBytes:
+    """Give `llama` (created with one slot, or the slots `parallel` names, `context` its bytes) the
+    slots `parallel` asks for: a
+    number, or "auto": the most, up to AUTO_PARALLEL, whose extra contexts take at most a quarter
+    of what one slot leaves for the expert cache or the weights (`room(context)`, bytes); each slot
+    holds a full context. Returns the context's bytes; a number the memory cannot hold is for the
+    loader's checks to refuse."""
+    from server.settings import AUTO_PARALLEL
+
+    if parallel == 1:
+        return context
+    if llama.context_params.n_seq_max != 1 and parallel == "auto":
+        recreate_context(llama, n_seq=1)
+        context = context_bytes(llama, n_head_max)
+    left = room(context)
+    per_slot = context.kv + context.attention_scratch
+    if parallel == "auto":
+        n = AUTO_PARALLEL
+        while n > 1 and (n - 1) * per_slot > left // 4:
+            n -= 1
+    else:
+        n = int(parallel)
+    while n > 1:
+        if n != llama.context_params.n_seq_max:
+            recreate_context(llama, n_seq=n)
+        measured = context_bytes(llama, n_head_max)
+        extra = left - room(measured)
+        if parallel != "auto" or extra <= left // 4:
+            logger.info(
+                "parallel %d: %d requests decode together, each in a %d-token context; the contexts take "
+                "%s (KV %s, compute %s%s), %s more than one, of %s left for the expert cache or weights",
+                n,
+                n,
+                llama.n_ctx_seq,
+                format_size(measured.total),
+                format_size(measured.kv),
+                format_size(measured.compute),
+                f", attention scratch {format_size(measured.attention_scratch)}"
+                if measured.attention_scratch
+                else "",
+                format_size(extra),
+                format_size(left),
+            )
+            return measured
+        n -= 1
+    if llama.context_params.n_seq_max != 1:
+        recreate_context(llama, n_seq=1)
+    logger.info(
+        "parallel 1: one request at a time (auto: a second %d-token context, %s, would take more than a "
+        "quarter of the %s left for the expert cache or weights)",
+        llama.n_ctx_seq,
+        format_size(per_slot),
+        format_size(max(0, left)),
+    )
+    return context_bytes(llama, n_head_max)

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 from server import __version__
 from server.errors import ConfigError, ModelLoadError
 from server.loading.model_files import model_stem, split_files
-from server.settings import ModelSettings, RouteTraceSettings, ServerSettings, format_size
+from server.settings import ModelSettings, RouteTraceSettings, ServerSettings
+from server.units import format_size
 
 if TYPE_CHECKING:
     from server.loading.budget import PromptCacheRam
@@ -49,7 +50,8 @@ class ModelInfo:
     names: tuple[str, ...]  # every name a request may use: the id, the other aliases, the file stem
     architecture: str
     file_size: int  # bytes, all split files together
-    n_ctx: int  # context window of the created context, tokens
+    n_ctx: int  # the context window of one request (a slot's), tokens
+    parallel: int  # requests decoded together (the context's slots)
     n_ctx_train: int
     n_vocab: int
     chat_template: str | None
@@ -167,13 +169,14 @@ def load_model(
         "no budget (resident)" if info.budget_bytes is None else f"budget {format_size(info.budget_bytes)}"
     )
     logger.info(
-        "model ready: %s (architecture %s, file %s, %s, mode %s, context %d tokens)",
+        "model ready: %s (architecture %s, file %s, %s, mode %s, context %d tokens, parallel %d)",
         info.id,
         info.architecture,
         format_size(info.file_size),
         budget,
         info.mode,
         info.n_ctx,
+        info.parallel,
     )
     return model
 
@@ -237,6 +240,15 @@ def _load_model(
                 f"prefetch {settings.prefetch})"
             )
     traced = build_tracer(routing, path) if routing is not None else None
+    if traced is not None and settings.parallel != 1:
+        # a trace maps a step's tokens to its rows in order, with no sequence to tell them apart
+        if settings.parallel != "auto":
+            traced[0].close()
+            raise ConfigError(
+                f"a route trace replays or records one request at a time: --parallel 1, "
+                f"not {settings.parallel}"
+            )
+        settings = settings.model_copy(update={"parallel": 1})
     if traced is not None:
         kwargs["tracer"] = traced[0]
     try:
@@ -262,11 +274,14 @@ def _load(settings: ModelSettings, path: Path, mode: str, kwargs: dict[str, Any]
             follow_memory=settings.follow_memory,
             n_ctx=settings.ctx_size,
             flash_attn=settings.flash_attn,
+            parallel=settings.parallel,
             **kwargs,
         )
     from server.loading.resident import load_resident_llama
 
-    return load_resident_llama(path, n_ctx=settings.ctx_size, flash_attn=settings.flash_attn, **kwargs)
+    return load_resident_llama(
+        path, n_ctx=settings.ctx_size, flash_attn=settings.flash_attn, parallel=settings.parallel, **kwargs
+    )
 
 
 def _described(
@@ -297,7 +312,8 @@ def _described(
         names=names,
         architecture=metadata.get("general.architecture", "unknown"),
         file_size=file_size,
-        n_ctx=llama.n_ctx(),
+        n_ctx=llama.n_ctx_seq,
+        parallel=len(llama.slots),
         n_ctx_train=llama._model.n_ctx_train(),
         n_vocab=llama.n_vocab(),
         chat_template=template,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import llama_cpp
@@ -128,6 +128,14 @@ class DecodeStep:
             streamer = self.streamer - before.streamer
         return DecodeStep(self.n_tokens - before.n_tokens, self.wall_ns - before.wall_ns, streamer)
 
+    def share(self, part: int) -> DecodeStep:
+        """The share of `part` of this step's tokens (a request's, when a step decodes several):
+        its wall time and counters in proportion (docs/api.md, "Telemetry of a shared step")."""
+        if part >= self.n_tokens:
+            return self
+        streamer = self.streamer.share(part, self.n_tokens) if self.streamer is not None else None
+        return DecodeStep(part, self.wall_ns * part // self.n_tokens, streamer)
+
     def __add__(self, later: DecodeStep) -> DecodeStep:
         streamer = None
         if self.streamer is not None and later.streamer is not None:
@@ -135,10 +143,23 @@ class DecodeStep:
         return DecodeStep(self.n_tokens + later.n_tokens, self.wall_ns + later.wall_ns, streamer)
 
 
+@dataclass
+class Slot:
+    """One KV sequence of the context: the tokens its cells hold (positions 0..len-1), whether a
+    request decodes in it, and when one last started in it (least recently used goes first)."""
+
+    seq_id: int
+    tokens: list[int] = field(default_factory=list)
+    busy: bool = False
+    used: int = 0
+
+
 class MeasuredLlama(llama_cpp.Llama):
     """A Llama whose decode calls are recorded; `streamer` is set for a streamed model, `tracer`
     when its routing is replayed from or recorded to a route trace (its callback is the context's
-    cb_eval, the streamer's chained behind it).
+    cb_eval, the streamer's chained behind it). `slots` are the context's KV sequences, one per
+    request decoded at once (n_seq_max, `--parallel`): what each holds is the token loop's to
+    say (server/engine/token_loop.py).
 
     `memory` is what the process holds beside the weights or the expert cache (server/loading/
     budget.py), set by the loader once the context exists; `memory_watch`, when the loader set
@@ -149,6 +170,7 @@ class MeasuredLlama(llama_cpp.Llama):
     memory: MemoryTerms | None
     memory_watch: MemoryWatch | None
     steps: deque[DecodeStep]
+    slots: list[Slot]
 
     def __init__(
         self,
@@ -170,12 +192,26 @@ class MeasuredLlama(llama_cpp.Llama):
         self._tokens_total = 0
         self._wall_total_ns = 0
         super().__init__(model_path, **kwargs)
-        self.measure_decode()
+        self.context_changed()
 
-    def measure_decode(self) -> None:
-        """Wrap the context's decode (again after the context is re-created). llama-cpp-python has
-        no hook after llama_decode; the context's decode is the narrowest seam, and a failed expert
-        read raises there, before Llama.eval counts the batch as done."""
+    @property
+    def n_ctx_seq(self) -> int:
+        """The tokens one request may hold: the context divided among the slots."""
+        return self.n_ctx() // len(self.slots)
+
+    def clear(self) -> None:
+        """Empty the KV cache and every slot (after a failed step, whose cells are unknown)."""
+        if self._ctx.memory is not None:
+            llama_cpp.llama_memory_clear(self._ctx.memory, True)
+        for slot in self.slots:
+            slot.tokens.clear()
+        self.n_tokens = 0
+
+    def context_changed(self) -> None:
+        """Wrap the context's decode and make its slots (again after the context is re-created).
+        llama-cpp-python has no hook after llama_decode; the context's decode is the narrowest
+        seam, and a failed expert read raises there, before Llama.eval counts the batch as done."""
+        self.slots = [Slot(seq) for seq in range(int(self.context_params.n_seq_max))]
         ctx = self._ctx
         original = ctx.decode
 

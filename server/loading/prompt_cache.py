@@ -1,14 +1,16 @@
 """The prompt cache: the KV state of recent prompt prefixes, restored instead of prefilled again.
 
-DESIGN (llama-server's prompt cache, server_prompt_cache, in one sequence)
-- The context holds one live sequence (seq 0); `Llama._input_ids` says its tokens. A prompt
-  reuses its longest common prefix with the live tokens or with a kept state, whichever is
-  longer; a kept state is put back with llama_state_seq_set_data, cut to that prefix, and only
-  the rest is prefilled. The KV rows come back as they were computed, so a restored prefix gives
-  what prefilling the same tokens in the same micro-batches gives (the gates check it).
-- A state is kept (llama_state_seq_get_data) when a prompt would throw away more than half of the
-  live tokens (another client's prompt, a side request) or 1024 of them, and when the server
-  stops. A sliding-window cache has dropped what fell out of the window, so its states are only
+DESIGN (llama-server's prompt cache, server_prompt_cache, per slot)
+- The context holds one live sequence per slot (server/loading/measured.py `Slot`: its tokens).
+  A prompt decoded in a slot reuses its longest common prefix with the slot's live tokens or with
+  a kept state, whichever is longer; a kept state is put back into the slot's sequence with
+  llama_state_seq_set_data, cut to that prefix, and only the rest is prefilled. The KV rows come
+  back as they were computed, so a restored prefix gives what prefilling the same tokens in the
+  same micro-batches gives (the gates check it; with other slots live the cells land elsewhere in
+  the unified KV, which flash attention's sum in cell order does not see).
+- A state is kept (llama_state_seq_get_data) when a prompt would throw away more than half of a
+  slot's live tokens (another client's prompt, a side request) or 1024 of them, and when the
+  server stops. A sliding-window cache has dropped what fell out of the window, so its states are only
   restored whole, and only where they continue bit for bit (Window): the prefill stops once at
   such a point near the prompt's end to keep a checkpoint.
 - States live in RAM up to `ram_bytes` (a term of the memory budget, taken from the expert
@@ -47,6 +49,8 @@ from server.loading.model_files import split_files
 
 if TYPE_CHECKING:
     from llama_cpp import Llama
+
+    from server.loading.measured import MeasuredLlama, Slot
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +119,7 @@ class StateKey:
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest()
 
 
-def window_kept(llama: Llama, n_past: int) -> bool:
+def window_kept(llama: Llama, slot: Slot, n_past: int) -> bool:
     """Whether the KV cache still holds what a token at position n_past attends to. A sliding-
     window cache cut to the window (swa_full off) drops positions that fall out of it as decoding
     goes on, so a prefix that ends far behind the last position has lost its window (llama.cpp's
@@ -123,7 +127,7 @@ def window_kept(llama: Llama, n_past: int) -> bool:
     if not sliding_window(llama) or llama._ctx.memory is None:
         return True
     n_swa = int(llama_cpp.llama_model_n_swa(llama._model.model))
-    pos_min = int(llama_cpp.llama_memory_seq_pos_min(llama._ctx.memory, 0))
+    pos_min = int(llama_cpp.llama_memory_seq_pos_min(llama._ctx.memory, slot.seq_id))
     return 0 <= pos_min <= max(0, n_past - n_swa)
 
 
@@ -135,34 +139,46 @@ def sliding_window(llama: Llama) -> bool:
 @dataclass(frozen=True)
 class Window:
     """A sliding-window cache cut to the window: `n_swa` positions, in a ring of `ring` cells (None
-    when the ring holds the whole context and never wraps).
+    when the ring holds the whole context and never wraps), `shared` by several slots or not.
 
-    Decoding puts position p in cell p % ring. A saved state holds the window's cells only, and
-    llama.cpp puts them back from cell 0 in their order: the same cells as decoding gave them
-    only when the window starts at a multiple of the ring, and attention sums the cells in their
-    order, so only such a state continues bit for bit as its prefill did (`restorable`). A live
-    sequence cut back stays in place only within the ring lap it ends in (`cut_in_place`)."""
+    Decoding one sequence puts position p in cell p % ring. A saved state holds the window's
+    cells only, and llama.cpp puts them back from cell 0 in their order: the same cells as
+    decoding gave them only when the window starts at a multiple of the ring, and attention sums
+    the cells in their order, so only such a state continues bit for bit as its prefill did
+    (`restorable`). A live sequence cut back stays in place only within the ring lap it ends in
+    (`cut_in_place`). A ring shared by several slots places no position in a known cell: there a
+    state is restorable only while the window has dropped nothing, and a cut never stays."""
 
     n_swa: int
     ring: int | None
+    shared: bool = False
 
     @classmethod
-    def of(cls, llama: Llama) -> Window | None:
+    def of(cls, llama: MeasuredLlama) -> Window | None:
         if not sliding_window(llama):
             return None
         n_swa = int(llama_cpp.llama_model_n_swa(llama._model.model))
-        # llama_kv_cache_iswa: the window plus a micro-batch, in whole 256-cell pages
-        ring = -(-min(llama.n_ctx(), n_swa + int(llama.context_params.n_ubatch)) // 256) * 256
-        return cls(n_swa, ring if ring < llama.n_ctx() else None)
+        params = llama.context_params
+        n_seq = len(llama.slots)
+        # llama_kv_cache_iswa: the window (of each sequence, in a unified KV) plus a micro-batch,
+        # in whole 256-cell pages
+        window = n_swa * (n_seq if params.kv_unified else 1) + int(params.n_ubatch)
+        ring = -(-min(llama.n_ctx(), window) // 256) * 256
+        return cls(n_swa, ring if ring < llama.n_ctx() else None, shared=n_seq > 1)
 
     def restorable(self, n: int) -> bool:
+        if self.ring is not None and self.shared:
+            return n <= self.n_swa
         return n <= self.n_swa or self.ring is None or (n - self.n_swa) % self.ring == 0
 
     def cut_in_place(self, n: int, length: int) -> bool:
+        if self.ring is not None and self.shared:
+            return n == length
         return n == length or self.ring is None or n // self.ring == (length - 1) // self.ring
 
 
-def _common(a: tuple[int, ...] | list[int], b: tuple[int, ...]) -> int:
+def common_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...]) -> int:
+    """The length of the common prefix of two token sequences."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -171,25 +187,38 @@ def _common(a: tuple[int, ...] | list[int], b: tuple[int, ...]) -> int:
     return n
 
 
-def live_prefix(llama: Llama, tokens: tuple[int, ...]) -> int:
-    """How much of `tokens` the live sequence can give: their common prefix, never the last
+def live_prefix(llama: Llama, slot: Slot, tokens: tuple[int, ...]) -> int:
+    """How much of `tokens` the slot's live sequence can give: their common prefix, never the last
     token (its logits pick the next one), 0 when its window is gone."""
-    n = min(_common(llama._input_ids.tolist(), tokens), len(tokens) - 1)
-    return n if n > 0 and window_kept(llama, n) else 0
+    n = min(common_prefix(slot.tokens, tokens), len(tokens) - 1)
+    return n if n > 0 and window_kept(llama, slot, n) else 0
 
 
-def cut_live(llama: Llama, n: int) -> int:
-    """Cut the live sequence to its first `n` tokens (0: empty it); returns what it holds."""
-    if n > 0 and llama._ctx.kv_cache_seq_rm(-1, n, -1):
-        llama.n_tokens = n
+def cut_live(llama: Llama, slot: Slot, n: int) -> int:
+    """Cut the slot's live sequence to its first `n` tokens (0: empty it); returns what it holds."""
+    memory = llama._ctx.memory
+    assert memory is not None
+    if n > 0 and llama_cpp.llama_memory_seq_rm(memory, slot.seq_id, n, -1):
+        del slot.tokens[n:]
         return n
-    llama.reset()  # type: ignore[no-untyped-call]
+    llama_cpp.llama_memory_seq_rm(memory, slot.seq_id, -1, -1)
+    slot.tokens.clear()
     return 0
 
 
-def reuse_live(llama: Llama, tokens: tuple[int, ...]) -> int:
-    """Without a prompt cache: keep the live sequence's share of `tokens`; returns its length."""
-    return cut_live(llama, live_prefix(llama, tokens))
+def copy_prefix(llama: Llama, source: Slot, target: Slot, n: int) -> None:
+    """Make `target` hold the first `n` tokens of `source`'s live sequence: in a unified KV the
+    cells are shared, not copied (llama_memory_seq_cp; a per-sequence KV copies only whole ones)."""
+    memory = llama._ctx.memory
+    assert memory is not None
+    llama_cpp.llama_memory_seq_rm(memory, target.seq_id, -1, -1)
+    llama_cpp.llama_memory_seq_cp(memory, source.seq_id, target.seq_id, 0, n)
+    target.tokens[:] = source.tokens[:n]
+
+
+def reuse_live(llama: Llama, slot: Slot, tokens: tuple[int, ...]) -> int:
+    """Without a prompt cache: keep the slot's share of `tokens`; returns its length."""
+    return cut_live(llama, slot, live_prefix(llama, slot, tokens))
 
 
 @dataclass
@@ -299,24 +328,29 @@ class PromptCache:
 
     # -- the token loop's calls --------------------------------------------------------
 
-    def prefix(self, llama: Llama, tokens: tuple[int, ...]) -> int:
-        """Make the context hold the longest prefix of `tokens` it can have without decoding (the
+    def prefix(self, llama: MeasuredLlama, slot: Slot, tokens: tuple[int, ...]) -> int:
+        """Make the slot hold the longest prefix of `tokens` it can have without decoding (its
         live sequence's, or a kept state's), never the last token (its logits pick the next one);
         returns its length. The live sequence is kept first when this throws most of it away."""
-        live = llama._input_ids.tolist()
-        n_live = live_prefix(llama, tokens)
-        if self.window is not None and not self.window.cut_in_place(n_live, len(live)):
+        n_live = live_prefix(llama, slot, tokens)
+        if self.window is not None and not self.window.cut_in_place(n_live, len(slot.tokens)):
             n_live = 0  # its cells would move: what follows would not be what a prefill gives
         best, n_best = self._best(tokens, len(tokens) - 1)
         # of the live sequence only its first n_live tokens stay (restored or kept)
-        dropped = len(live) - n_live
-        if len(live) >= MIN_TOKENS and (2 * n_live < len(live) or dropped >= _KEEP_DROPPED):
-            self._keep(llama, tuple(live))
-        if best is not None and n_best > n_live and self._restore(llama, best, n_best):
+        self.keep_if_dropped(llama, slot, n_live)
+        if best is not None and n_best > n_live and self._restore(llama, slot, best, n_best):
             self.hits += 1
             self.restored_tokens += n_best
             return n_best
-        return cut_live(llama, n_live)
+        return cut_live(llama, slot, n_live)
+
+    def keep_if_dropped(self, llama: Llama, slot: Slot, n_kept: int) -> None:
+        """Keep the slot's live sequence as a state when only its first `n_kept` tokens stay and
+        that throws most of it away."""
+        live = slot.tokens
+        dropped = len(live) - n_kept
+        if len(live) >= MIN_TOKENS and (2 * n_kept < len(live) or dropped >= _KEEP_DROPPED):
+            self._keep(llama, slot)
 
     def checkpoint_at(self, start: int, end: int) -> int | None:
         """Where a sliding-window model's prefill of positions [start, end) stops for a
@@ -329,15 +363,16 @@ class PromptCache:
                 return n
         return None
 
-    def checkpoint(self, llama: Llama) -> None:
-        """Keep the live sequence as a state (at checkpoint_at)."""
-        self._keep(llama, tuple(llama._input_ids.tolist()))
+    def checkpoint(self, llama: Llama, slot: Slot) -> None:
+        """Keep the slot's live sequence as a state (at checkpoint_at)."""
+        self._keep(llama, slot)
 
-    def close(self, llama: Llama) -> None:
-        """At shutdown: keep the live sequence, then write every state not yet on flash."""
+    def close(self, llama: MeasuredLlama) -> None:
+        """At shutdown: keep every slot's live sequence, then write every state not yet on flash."""
         try:
-            if llama.n_tokens >= MIN_TOKENS:
-                self._keep(llama, tuple(llama._input_ids.tolist()))
+            for slot in llama.slots:
+                if len(slot.tokens) >= MIN_TOKENS:
+                    self._keep(llama, slot)
             for state in sorted(self._states, key=lambda s: s.used):
                 if state.path is None and state.at is not None:
                     self._spill(state)
@@ -371,7 +406,7 @@ class PromptCache:
         for state in self._states:
             if self._arena.pages(state.size) > self._arena.size:
                 continue  # kept by a run with more RAM for it: it cannot be read back into this one
-            n = min(_common(state.tokens, tokens), cap)
+            n = min(common_prefix(state.tokens, tokens), cap)
             if self.window is not None and n != len(state.tokens):
                 continue  # a sliding-window state cannot be cut back
             if n > n_best:
@@ -382,9 +417,10 @@ class PromptCache:
         self._clock += 1
         return self._clock
 
-    def _keep(self, llama: Llama, tokens: tuple[int, ...]) -> None:
-        """Copy the live sequence (`tokens`) into RAM as a state, unless one holds it already or
-        it cannot be restored as it was decoded."""
+    def _keep(self, llama: Llama, slot: Slot) -> None:
+        """Copy the slot's live sequence into RAM as a state, unless one holds it already or it
+        cannot be restored as it was decoded."""
+        tokens = tuple(slot.tokens)
         if self.window is not None and not self.window.restorable(len(tokens)):
             return
         for state in self._states:
@@ -392,13 +428,13 @@ class PromptCache:
                 state.used = self._tick()
                 return
         ctx = llama._ctx.ctx
-        size = int(llama_cpp.llama_state_seq_get_size(ctx, 0))
+        size = int(llama_cpp.llama_state_seq_get_size(ctx, slot.seq_id))
         if self._arena.pages(size) > self._arena.size:
             logger.debug("prompt cache: a %d-token state (%d bytes) exceeds its RAM bound", len(tokens), size)
             return
         self._make_room(size)
         at = self._arena.place(size, self._states)
-        got = llama_cpp.llama_state_seq_get_data(ctx, self._arena.array(at, size), size, 0)
+        got = llama_cpp.llama_state_seq_get_data(ctx, self._arena.array(at, size), size, slot.seq_id)
         if got != size:
             logger.warning("prompt cache: llama.cpp copied %d of a %d-byte state", got, size)
             return
@@ -409,9 +445,9 @@ class PromptCache:
         self._states.append(_State(tokens, size, self._tick(), at=at))
         logger.debug("prompt cache: kept a %d-token state (%d bytes)", len(tokens), size)
 
-    def _restore(self, llama: Llama, state: _State, n: int) -> bool:
-        """Put `state` back into seq 0 and cut it to `n` tokens; False (the context empty) if it
-        cannot be."""
+    def _restore(self, llama: MeasuredLlama, slot: Slot, state: _State, n: int) -> bool:
+        """Put `state` back into the slot's sequence and cut it to `n` tokens; False (the slot
+        empty) if it cannot be."""
         if state not in self._states:
             return False  # evicted to make room for the live sequence, with no flash to go to
         if state.at is None:
@@ -421,20 +457,20 @@ class PromptCache:
                 return False
         assert state.at is not None
         ctx = llama._ctx.ctx
-        llama.reset()  # type: ignore[no-untyped-call]
-        # an empty memory: the state's cells go in from the first one, as they were decoded
-        llama_cpp.llama_memory_clear(llama._ctx.memory, True)
-        got = llama_cpp.llama_state_seq_set_data(ctx, self._arena.array(state.at, state.size), state.size, 0)
+        cut_live(llama, slot, 0)
+        if not any(other.tokens for other in llama.slots):
+            # an empty memory: the state's cells go in from the first one, as they were decoded
+            llama_cpp.llama_memory_clear(llama._ctx.memory, True)
+        array = self._arena.array(state.at, state.size)
+        got = llama_cpp.llama_state_seq_set_data(ctx, array, state.size, slot.seq_id)
         if got != state.size:
             logger.warning("prompt cache: llama.cpp refused a %d-token state; dropped", len(state.tokens))
-            llama_cpp.llama_memory_clear(llama._ctx.memory, True)
+            cut_live(llama, slot, 0)
             self._drop(state)
             return False
-        llama.input_ids[: len(state.tokens)] = state.tokens
-        llama.n_tokens = len(state.tokens)
+        slot.tokens[:] = state.tokens
         if n < len(state.tokens):
-            llama._ctx.kv_cache_seq_rm(-1, n, -1)
-            llama.n_tokens = n
+            cut_live(llama, slot, n)
         state.used = self._tick()
         if state.path is not None:
             with contextlib.suppress(OSError):  # the flash copy's LRU order survives a restart

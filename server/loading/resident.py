@@ -18,7 +18,7 @@ import llama_cpp
 
 from server.errors import ModelLoadError
 from server.loading.budget import PromptCacheRam, check_resident, max_heads, memory_limit, memory_terms
-from server.loading.context import ContextBytes, check_flash_attn, fit_context
+from server.loading.context import ContextBytes, check_flash_attn, fit_context, fit_slots
 from server.loading.gguf_header import read_metadata
 from server.loading.measured import MeasuredLlama
 from server.loading.model_files import split_files
@@ -33,21 +33,27 @@ def load_resident_llama(
     *,
     n_ctx: int = 4096,
     flash_attn: str = "auto",
+    parallel: int | str = 1,
     prompt_cache: PromptCacheRam = None,
     **llama_kwargs: Any,
 ) -> ResidentLlama:
-    """Load `model_path` resident. ConfigError when its context (and `prompt_cache`, the RAM the
-    server keeps prompt states in) cannot be held in this memory, ModelLoadError when llama.cpp
-    cannot load it."""
+    """Load `model_path` resident, with the slots `parallel` asks for (context.fit_slots), each an
+    `n_ctx`-token context. ConfigError when its context (and `prompt_cache`, the RAM the server
+    keeps prompt states in) cannot be held in this memory, ModelLoadError when llama.cpp cannot
+    load it."""
     flash_first = check_flash_attn(flash_attn)
     path = Path(model_path)
     limit = memory_limit()  # before the load: what the process holds now is `in_use`
     kwargs = dict(llama_kwargs)
     kwargs.setdefault("verbose", False)
+    # a number of slots is created at once; auto starts from one (context.fit_slots)
+    slots = parallel if isinstance(parallel, int) else 1
     try:
         llm = ResidentLlama(
             str(path),
-            n_ctx=n_ctx,
+            n_ctx=n_ctx * slots,
+            n_seq_max=slots,
+            kv_unified=True,
             load_mode=llama_cpp.LLAMA_LOAD_MODE_MMAP,
             use_extra_bufts=False,
             flash_attn=flash_first,
@@ -61,12 +67,13 @@ def load_resident_llama(
         def fits(context: ContextBytes) -> bool:
             return limit.bytes - memory_terms(limit, 0, context, prompt_cache).total >= file_bytes
 
-        ctx_before = llm._ctx
-        context = fit_context(
-            llm, flash_attn=flash_attn, n_head_max=max_heads(read_metadata(path)), fits=fits
-        )
-        if llm._ctx is not ctx_before:
-            llm.measure_decode()
+        n_head_max = max_heads(read_metadata(path))
+        context = fit_context(llm, flash_attn=flash_attn, n_head_max=n_head_max, fits=fits)
+
+        def room(context: ContextBytes) -> int:
+            return limit.bytes - memory_terms(limit, 0, context, prompt_cache).total - file_bytes
+
+        context = fit_slots(llm, parallel=parallel, n_head_max=n_head_max, room=room, context=context)
         terms = memory_terms(limit, 0, context, prompt_cache)
         check_resident(terms, limit, file_bytes, llm.n_ctx())
     except BaseException:

@@ -30,7 +30,7 @@ from server.loading.budget import (
     memory_terms,
     streamer_dense_bytes,
 )
-from server.loading.context import ContextBytes, check_flash_attn, fit_context
+from server.loading.context import ContextBytes, check_flash_attn, fit_context, fit_slots
 from server.loading.gguf_header import read_metadata
 from server.loading.measured import MeasuredLlama
 from server.loading.pressure import BudgetBand, MemoryWatch
@@ -72,6 +72,7 @@ def load_streaming_llama(
     follow_memory: bool = True,
     n_ctx: int = 4096,
     flash_attn: str = "auto",
+    parallel: int | str = 1,
     prompt_cache: PromptCacheRam = None,
     **llama_kwargs: Any,
 ) -> StreamingLlama:
@@ -82,7 +83,8 @@ def load_streaming_llama(
     layer's experts and the budget chosen here (server/loading/pressure.py; not when the budget
     holds every expert, which then lives in the tensors). `flash_attn`: "on", "off", or "auto" (on
     when the context's attention buffers would keep the cache from holding the budget asked for, or
-    every expert for an automatic one). The budget counts what the context holds, measured, and
+    every expert for an automatic one). `parallel`: the slots, each an `n_ctx`-token context
+    (context.fit_slots). The budget counts what the context holds, measured, and
     `prompt_cache`, the RAM the server keeps prompt states in (server/loading/budget.py). Raises
     ConfigError for bad options (lanes, budget below one layer's experts, a context the memory
     cannot hold, ...) and ModelLoadError for a file that cannot be streamed (missing, truncated,
@@ -113,11 +115,15 @@ def load_streaming_llama(
             check_budget_floor(requested, streamer.layer_bytes)
         kwargs = dict(llama_kwargs)
         kwargs.setdefault("verbose", False)
+        # a number of slots is created at once; auto starts from one (context.fit_slots)
+        slots = parallel if isinstance(parallel, int) else 1
         try:
             llm = StreamingLlama(
                 str(path),
                 streamer=streamer,
-                n_ctx=n_ctx,
+                n_ctx=n_ctx * slots,
+                n_seq_max=slots,
+                kv_unified=True,
                 load_mode=llama_cpp.LLAMA_LOAD_MODE_MMAP_NO_PREFETCH,
                 use_extra_bufts=False,
                 tensor_buft_overrides=overrides,
@@ -139,12 +145,13 @@ def load_streaming_llama(
             def fits(context: ContextBytes) -> bool:
                 return limit.bytes - memory_terms(limit, dense, context, prompt_cache).total >= wanted
 
-            ctx_before = llm._ctx
-            context = fit_context(
-                llm, flash_attn=flash_attn, n_head_max=max_heads(read_metadata(path)), fits=fits
-            )
-            if llm._ctx is not ctx_before:
-                llm.measure_decode()
+            n_head_max = max_heads(read_metadata(path))
+            context = fit_context(llm, flash_attn=flash_attn, n_head_max=n_head_max, fits=fits)
+
+            def room(context: ContextBytes) -> int:
+                return limit.bytes - memory_terms(limit, dense, context, prompt_cache).total
+
+            context = fit_slots(llm, parallel=parallel, n_head_max=n_head_max, room=room, context=context)
             terms = memory_terms(limit, dense, context, prompt_cache)
             choice = choose_budget(
                 requested=requested,

@@ -32,7 +32,7 @@ from server.modelgen.gguf_format import pad_to
 from server.modelgen.layout import GGUF_SUFFIX, Layout, PlannedFile, plan_layout
 from server.modelgen.quant import tensor_chunks
 from server.modelgen.spec import ModelSpec
-from server.settings import format_size
+from server.units import format_size
 
 logger = logging.getLogger(__name__)
 

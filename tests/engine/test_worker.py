@@ -19,7 +19,9 @@ from server.settings import load_settings
 
 @pytest.fixture(scope="module")
 def engine(tiny_model: Any) -> Iterator[Engine]:
-    _, model_settings = load_settings({"model": Path(tiny_model("tiny-qwen3moe")), "ctx_size": 8192})
+    _, model_settings = load_settings(
+        {"model": Path(tiny_model("tiny-qwen3moe")), "ctx_size": 8192, "parallel": 1}
+    )
     engine = Engine(lambda: load_model(model_settings), max_queue=2)
     engine.start()
     assert engine.wait_ready(60)
@@ -77,7 +79,7 @@ def test_jobs_run_in_arrival_order(engine: Engine) -> None:
 def test_queue_limit_and_cancelled_waiting_jobs(engine: Engine) -> None:
     async def main() -> None:
         running = engine.submit("long", _request(engine, "long one", 6000))
-        while engine.running_job is None:
+        while not engine.running_jobs:
             await asyncio.sleep(0.01)
         waiting = [engine.submit(f"wait-{i}", _request(engine, "short", 4)) for i in range(2)]
         with pytest.raises(QueueFull):
@@ -124,14 +126,16 @@ def test_same_request_twice_gives_the_same_tokens(engine: Engine) -> None:
 
 
 def test_close_refuses_waiting_jobs_and_new_ones(tiny_model: Any) -> None:
-    _, model_settings = load_settings({"model": Path(tiny_model("tiny-qwen3moe")), "ctx_size": 8192})
+    _, model_settings = load_settings(
+        {"model": Path(tiny_model("tiny-qwen3moe")), "ctx_size": 8192, "parallel": 1}
+    )
     engine = Engine(lambda: load_model(model_settings), max_queue=4)
     engine.start()
     assert engine.wait_ready(60)
 
     async def main() -> None:
         running = engine.submit("long", _request(engine, "long", 6000))
-        while engine.running_job is None:
+        while not engine.running_jobs:
             await asyncio.sleep(0.01)
         waiting = engine.submit("waiting", _request(engine, "short", 4))
         await asyncio.to_thread(engine.close)

@@ -146,7 +146,7 @@ def test_enter_sends_and_one_answer_streams_at_a_time(
     # Stop ends the stream; the server frees the model (the client went away)
     page.click("#stop")
     page.wait_for_function("!document.getElementById('send').disabled")
-    wait_for(lambda: gemma_server.engine.running_job is None, "the server to drop the stopped answer")
+    wait_for(lambda: not gemma_server.engine.running_jobs, "the server to drop the stopped answer")
     stopped = answers(page)[0]
     page.fill("#q", "and now?")
     page.press("#q", "Enter")

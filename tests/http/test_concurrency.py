@@ -1,10 +1,12 @@
-"""Concurrency and lifecycle: parallel streams, the queue limit, cancellation on disconnect.
+"""Concurrency and lifecycle: requests decoded together, the queue limit, cancellation on
+disconnect.
 
 Assertions are on the engine's state (what the worker recorded), never on elapsed time.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +31,10 @@ def model_path(tiny_model: Any) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_path: Path) -> Iterator[RunningServer]:
-    with running_server(model_path, ctx_size=16384, max_queue=1, max_completion_tokens=LONG) as running:
+    # one slot: the queue's own behaviour (a request waits while another runs)
+    with running_server(
+        model_path, ctx_size=16384, parallel=1, max_queue=1, max_completion_tokens=LONG
+    ) as running:
         yield running
 
 
@@ -64,7 +69,8 @@ def _stream_first_chunks(client: httpx.Client, server: RunningServer, n: int) ->
 
 
 def test_eight_simultaneous_streams_complete_with_the_right_content(model_path: Path) -> None:
-    with running_server(model_path, ctx_size=1024, max_queue=8) as server:
+    """Eight streams on four slots: decoded together, each gives its answer alone."""
+    with running_server(model_path, ctx_size=1024, parallel=4, max_queue=8) as server:
         prompts = [f"question number {i}" for i in range(8)]
         with openai.OpenAI(
             base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120
@@ -87,6 +93,69 @@ def test_eight_simultaneous_streams_complete_with_the_right_content(model_path: 
             with ThreadPoolExecutor(max_workers=8) as pool:
                 got = list(pool.map(lambda p: ask(p, stream=True), prompts))
         assert got == expected
+        assert server.engine.slots == 4
+
+
+def test_a_short_question_is_answered_while_a_long_answer_streams(model_path: Path) -> None:
+    """With two slots a short request does not wait for the long one: it is answered while the
+    long stream still runs, and the long stream goes on to its end."""
+    with running_server(model_path, ctx_size=16384, parallel=2, max_completion_tokens=LONG) as server:
+        long = {**_long_chat(server, stream=True), "max_tokens": 3000}
+        with httpx.Client(base_url=server.base_url, timeout=120) as client:
+            with client.stream("POST", "/v1/chat/completions", json=long) as running:
+                lines = running.iter_lines()
+                next(line for line in lines if line.startswith("data: "))
+                short = httpx.post(
+                    server.base_url + "/v1/chat/completions",
+                    json={**_long_chat(server), "max_tokens": 5},
+                    timeout=120,
+                )
+                assert short.status_code == 200
+                assert short.json()["usage"]["completion_tokens"] == 5
+                assert len(server.engine.running_jobs) == 1  # the long one, still decoding
+                finish = [json.loads(line[6:]) for line in lines if line.startswith("data: {")][-1]
+        assert finish["choices"][0]["finish_reason"] == "length"
+
+
+def test_sixty_four_clients_at_once_are_all_answered(model_path: Path) -> None:
+    """64 requests sent at once with the default queue: every one answered, none refused."""
+    with running_server(model_path, ctx_size=512) as server:
+
+        async def main() -> list[int]:
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as client:
+                body = {**_long_chat(server), "max_tokens": 8}
+                answers = await asyncio.gather(
+                    *(client.post("/v1/chat/completions", json=body) for _ in range(64))
+                )
+            return [a.status_code for a in answers]
+
+        assert asyncio.run(main()) == [200] * 64
+        wait_for(lambda: not server.engine.busy, "the engine to be idle")
+
+
+def test_a_full_queue_beside_busy_slots_is_429(model_path: Path) -> None:
+    """Two slots decoding and one request waiting in a queue of one: the next is refused."""
+    with running_server(
+        model_path, ctx_size=16384, parallel=2, max_queue=1, max_completion_tokens=LONG
+    ) as server:
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            clients = [httpx.Client(base_url=server.base_url, timeout=120) for _ in range(3)]
+            try:
+                streams = [pool.submit(_stream_first_chunks, client, server, 10_000) for client in clients]
+                wait_for(
+                    lambda: len(server.engine.running_jobs) == 2 and server.engine.queue_depth == 1,
+                    "two jobs to run and one to wait",
+                )
+                refused = httpx.post(
+                    server.base_url + "/v1/chat/completions", json=_long_chat(server), timeout=30
+                )
+                assert refused.status_code == 429
+            finally:
+                for client in clients:
+                    client.close()
+                for stream in streams:
+                    stream.exception()
+        wait_for(lambda: not server.engine.busy, "the engine to be idle")
 
 
 def test_full_queue_is_429_with_retry_after(server: RunningServer) -> None:
@@ -96,7 +165,7 @@ def test_full_queue_is_429_with_retry_after(server: RunningServer) -> None:
     ):
         with a.stream("POST", "/v1/chat/completions", json=_long_chat(server, stream=True)) as running:
             assert running.status_code == 200
-            wait_for(lambda: server.engine.running_job is not None, "the first job to run")
+            wait_for(lambda: server.engine.running_jobs, "the first job to run")
             with b.stream("POST", "/v1/chat/completions", json=_long_chat(server, stream=True)) as queued:
                 assert queued.status_code == 200
                 wait_for(lambda: server.engine.queue_depth == 1, "the second job to wait")
@@ -107,7 +176,7 @@ def test_full_queue_is_429_with_retry_after(server: RunningServer) -> None:
                 assert int(refused.headers["retry-after"]) >= 0
                 assert refused.json()["error"]["code"] == "queue_full"
     wait_for(
-        lambda: server.engine.running_job is None and server.engine.queue_depth == 0, "the engine to be idle"
+        lambda: not server.engine.running_jobs and server.engine.queue_depth == 0, "the engine to be idle"
     )
 
 
@@ -118,7 +187,7 @@ def test_disconnect_mid_stream_frees_the_model_within_one_token(server: RunningS
     assert stats.finish_reason == "cancelled"
     assert stats.completion_tokens < LONG
     assert stats.tokens_after_cancel <= 1
-    wait_for(lambda: server.engine.running_job is None, "the model to be free")
+    wait_for(lambda: not server.engine.running_jobs, "the model to be free")
 
 
 def test_disconnect_of_a_non_streaming_request_cancels_it(server: RunningServer) -> None:
@@ -129,9 +198,7 @@ def test_disconnect_of_a_non_streaming_request_cancels_it(server: RunningServer)
             json=_long_chat(server),
             timeout=httpx.Timeout(30, read=0.5),
         )
-    wait_for(
-        lambda: len(server.engine.history) > before and server.engine.running_job is None, "the job to end"
-    )
+    wait_for(lambda: len(server.engine.history) > before and not server.engine.running_jobs, "the job to end")
     job_id, stats = server.engine.history[-1]
     assert job_id.startswith("chatcmpl-")
     assert stats.finish_reason == "cancelled"
@@ -143,7 +210,7 @@ def test_a_queued_request_survives_the_one_before_it_being_cancelled(server: Run
     with httpx.Client(base_url=server.base_url, timeout=120) as a:
         with a.stream("POST", "/v1/chat/completions", json=_long_chat(server, stream=True)) as first:
             assert first.status_code == 200
-            wait_for(lambda: server.engine.running_job is not None, "the first job to run")
+            wait_for(lambda: server.engine.running_jobs, "the first job to run")
             with ThreadPoolExecutor(max_workers=1) as pool:
                 short = {**_long_chat(server), "max_tokens": 5}
                 second = pool.submit(

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-import server.engine.worker as server_engine
+from server.engine.token_loop import TokenLoop
 from server.loading.loader import LoadedModel, load_model
 from server.settings import load_settings
 from tests.servers import RunningServer, running_server, wait_for
@@ -475,18 +475,20 @@ def test_anthropic_queue_full(
     model_path: Path, monkeypatch: pytest.MonkeyPatch, status: int, type_: str
 ) -> None:
     gate = threading.Event()
-    real_generate = server_engine.generate
+    real_step = TokenLoop.step
 
-    def held(llama: Any, request: Any, stats: Any, emit: Any, cancelled: Any, **kw: Any) -> None:
+    def held(loop: TokenLoop) -> Any:
         gate.wait(60)  # the running job holds the model until the test has its refusal
-        real_generate(llama, request, stats, emit, cancelled, **kw)
+        return real_step(loop)
 
-    monkeypatch.setattr(server_engine, "generate", held)
-    with running_server(model_path, ctx_size=256, max_queue=0, queue_full_status=status) as server:
+    monkeypatch.setattr(TokenLoop, "step", held)
+    with running_server(
+        model_path, ctx_size=256, parallel=1, max_queue=0, queue_full_status=status
+    ) as server:
         with httpx.Client(base_url=server.base_url, timeout=60) as client:
             with client.stream("POST", "/v1/messages", json=_message(server, stream=True)) as running:
                 assert running.status_code == 200
-                wait_for(lambda: server.engine.running_job is not None, "the first job to run")
+                wait_for(lambda: server.engine.running_jobs, "the first job to run")
                 refused = httpx.post(server.base_url + "/v1/messages", json=_message(server), timeout=30)
                 assert_anthropic_error(refused, status, type_, code="queue_full")
                 assert int(refused.headers["retry-after"]) >= 0

@@ -25,7 +25,8 @@ import ollama
 import pytest
 
 from server.engine.worker import EngineState
-from server.settings import ServerSettings, parse_duration
+from server.settings import ServerSettings
+from server.units import parse_duration
 from tests.servers import RunningServer, running_server, serve_process, wait_for
 
 USER = [{"role": "user", "content": "hello there"}]

@@ -16,13 +16,12 @@ import httpx
 import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 
-import server.engine.worker as server_engine
 from server.engine.chat import ChatMessage, ChatTool
-from server.engine.token_loop import TextDelta
+from server.engine.token_loop import Sequence, TextDelta
 from server.engine.tool_calls import OutPiece, ToolCallArgs, ToolCallStart
 from server.errors import ExpertReadError
 from server.http.messages import ContentBlocks, MessagesRequest, to_chat_request
-from tests.servers import RunningServer, running_server
+from tests.servers import RunningServer, running_server, script_generation
 
 # the SDK has no sampling parameters any more; clients send them as extra body fields
 GREEDY: dict[str, Any] = {"extra_body": {"temperature": 0.0}}
@@ -167,13 +166,11 @@ def test_stream_event_order(client: anthropic.Anthropic, server: RunningServer) 
 def test_a_failure_after_the_stream_started_is_an_error_event(
     client: anthropic.Anthropic, server: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def failing(
-        llama: Any, request: Any, stats: Any, emit: Callable[[TextDelta], None], cancelled: Any, **_: Any
-    ) -> None:
-        emit(TextDelta("partial"))
+    def failing(sequence: Sequence) -> None:
+        sequence.emit(TextDelta("partial"))
         raise ExpertReadError("the expert file ended early")
 
-    monkeypatch.setattr(server_engine, "generate", failing)
+    script_generation(monkeypatch, failing)
     seen: list[str] = []
     with pytest.raises(anthropic.APIStatusError) as caught:
         with client.messages.stream(model=server.model_id, max_tokens=8, messages=USER) as stream:

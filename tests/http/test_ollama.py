@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +20,9 @@ import httpx
 import ollama
 import pytest
 
-import server.engine.worker as server_engine
-from server.engine.token_loop import TextDelta
+from server.engine.token_loop import Sequence, TextDelta
 from tests.hub_server import fake_hub
-from tests.servers import RunningServer, running_server, serve_process
+from tests.servers import RunningServer, running_server, script_generation, serve_process
 
 USER = [{"role": "user", "content": "hello there"}]
 # greedy, and without Ollama's default repeat penalty: what the OpenAI route does at temperature 0
@@ -64,16 +63,13 @@ def client(server: RunningServer) -> Iterator[ollama.Client]:
 def _script(monkeypatch: pytest.MonkeyPatch, *texts: str) -> None:
     """The engine's generation emits `texts` (then stops) instead of sampling the model."""
 
-    def scripted(
-        llama: Any, request: Any, stats: Any, emit: Callable[[TextDelta], None], cancelled: Any, **_: Any
-    ) -> None:
-        stats.prompt_tokens = len(request.prompt_tokens)
+    def scripted(sequence: Sequence) -> None:
         for text in texts:
-            emit(TextDelta(text))
-        stats.completion_tokens = len(texts)
-        stats.finish_reason = "stop"
+            sequence.emit(TextDelta(text))
+        sequence.stats.completion_tokens = len(texts)
+        sequence.stats.finish_reason = "stop"
 
-    monkeypatch.setattr(server_engine, "generate", scripted)
+    script_generation(monkeypatch, scripted)
 
 
 def test_the_model_routes_describe_the_served_model(client: ollama.Client, server: RunningServer) -> None:

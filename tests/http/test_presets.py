@@ -114,7 +114,7 @@ def test_sse_keepalives_are_comment_lines(slow_queue_server: RunningServer) -> N
     ):
         with a.stream("POST", "/v1/chat/completions", json=long) as first:
             assert first.status_code == 200
-            wait_for(lambda: server.engine.running_job is not None, "the long job to run")
+            wait_for(lambda: server.engine.running_jobs, "the long job to run")
             # the second stream waits in the queue: only keep-alives flow until its turn
             with b.stream("POST", "/v1/chat/completions", json=short) as second:
                 raw = ""

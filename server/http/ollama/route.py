@@ -61,7 +61,7 @@ from server.http.serving import (
     respond,
     submit,
 )
-from server.settings import parse_duration
+from server.units import parse_duration
 
 LATEST = ":latest"
 
