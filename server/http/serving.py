@@ -154,11 +154,6 @@ def check_model(info: ModelInfo, requested: str) -> None:
         )
 
 
-def check_one_choice(n: int | None) -> None:
-    if n is not None and n > 1:
-        raise InvalidRequest("n > 1 is not supported: this server generates one choice", param="n")
-
-
 def clamp_max_tokens(ctx: ServeContext, model: LoadedModel, requested: int | None, n_prompt: int) -> int:
     """The tokens to generate: what was asked, clamped to the server's cap and to the context left
     (as llama-server does: clients that send large defaults work, finish_reason says "length")."""
@@ -373,36 +368,42 @@ async def generated(ctx: ServeContext, plan: Plan) -> AsyncIterator[Pieces | Fin
             yield ev
 
 
-async def _watch_disconnect(request: Request, job: Job) -> None:
+async def _watch_disconnect(request: Request, jobs: list[Job]) -> None:
     # after the body is read, receive() only returns when the client goes away
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            job.cancel()
+            for job in jobs:
+                job.cancel()
             return
 
 
-async def collect(
-    ctx: ServeContext, plan: Plan, request: Request
-) -> tuple[list[OutPiece], list[TokenLogprob], Finished]:
-    """A non-streamed job run to its end (cancelled if the client leaves): every piece, the
-    logprobs, the Finished event."""
-    watcher = asyncio.create_task(_watch_disconnect(request, plan.job))
+Collected = tuple[list[OutPiece], list[TokenLogprob], Finished]
+
+
+async def _collected(ctx: ServeContext, plan: Plan) -> Collected:
     pieces: list[OutPiece] = []
     logprobs: list[TokenLogprob] = []
     finished: Finished | None = None
-    try:
-        async for item in generated(ctx, plan):
-            if isinstance(item, Pieces):
-                pieces += item.pieces
-                logprobs += item.logprobs
-            else:
-                finished = item
-    finally:
-        watcher.cancel()
-        plan.job.cancel()
+    async for item in generated(ctx, plan):
+        if isinstance(item, Pieces):
+            pieces += item.pieces
+            logprobs += item.logprobs
+        else:
+            finished = item
     assert finished is not None  # generated() ends with it or raises
     return pieces, logprobs, finished
+
+
+async def collect(ctx: ServeContext, plans: list[Plan], request: Request) -> list[Collected]:
+    """Non-streamed jobs (a request's choices) run to their end, cancelled if the client leaves."""
+    watcher = asyncio.create_task(_watch_disconnect(request, [plan.job for plan in plans]))
+    try:
+        return list(await asyncio.gather(*(_collected(ctx, plan) for plan in plans)))
+    finally:
+        watcher.cancel()
+        for plan in plans:
+            plan.job.cancel()
 
 
 async def _cancel_on(shutdown: anyio.Event, job: Job) -> None:
@@ -471,13 +472,13 @@ async def respond(
     """The answer to a submitted job: `fmt`'s stream, or its whole answer once the job ends. The
     job is cancelled when the client goes away, or (a server-sent stream) the server shuts down."""
     if not stream:
-        pieces, logprobs, finished = await collect(ctx, plan, request)
+        [(pieces, logprobs, finished)] = await collect(ctx, [plan], request)
         return JSONResponse(fmt.whole(pieces, logprobs, finished))
     shutdown = anyio.Event()
-    frames = _frames(ctx, plan, fmt, shutdown, request.url.path)
+    frames = frames_of(ctx, plan, fmt, shutdown, request.url.path)
     if fmt.ndjson:
         return StreamingResponse(_ndjson(frames), media_type=NDJSON)
-    return sse_response(_events(frames), ctx.settings.keepalive_s, shutdown)
+    return sse_response(sse_events(frames), ctx.settings.keepalive_s, shutdown)
 
 
 # the stream's frames written out; closing one closes the frames at once (the job is cancelled
@@ -488,13 +489,13 @@ async def _ndjson(frames: AsyncGenerator[Frame, None]) -> AsyncIterator[bytes]:
             yield ndjson_line(payload)
 
 
-async def _events(frames: AsyncGenerator[Frame, None]) -> AsyncIterator[ServerSentEvent]:
+async def sse_events(frames: AsyncGenerator[Frame, None]) -> AsyncIterator[ServerSentEvent]:
     async with aclosing(frames):
         async for name, payload in frames:
             yield named_event(name, payload) if name else event(payload)
 
 
-async def _frames(
+async def frames_of(
     ctx: ServeContext, plan: Plan, fmt: EventFormat, shutdown: anyio.Event, path: str
 ) -> AsyncGenerator[Frame, None]:
     try:

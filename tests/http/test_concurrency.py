@@ -221,3 +221,39 @@ def test_a_queued_request_survives_the_one_before_it_being_cancelled(server: Run
                 result = second.result()
     assert result.status_code == 200
     assert result.json()["usage"]["completion_tokens"] == 5
+
+
+def test_n_choices_decode_side_by_side(model_path: Path) -> None:
+    """n > 1 on chat and legacy completions, whole and streamed: one choice per index, usage
+    counting the prompt once; greedy choices agree; n beyond the slots is a 400 naming n."""
+    with running_server(model_path, ctx_size=1024, parallel=3) as server:
+        with openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0) as client:
+            chat: dict[str, Any] = {
+                "model": server.model_id,
+                "messages": [{"role": "user", "content": "three ways to say hi"}],
+                "max_tokens": 8,
+                "logit_bias": _no_eog(server),
+            }
+            whole = client.chat.completions.create(n=3, temperature=0.9, seed=11, **chat)
+            assert [c.index for c in whole.choices] == [0, 1, 2]
+            assert whole.usage is not None and whole.usage.completion_tokens == 24
+            assert len({c.message.content for c in whole.choices}) > 1  # seeds 11, 12, 13
+            texts: dict[int, str] = {}
+            usages = []
+            for chunk in client.chat.completions.create(
+                n=3, temperature=0.9, seed=11, stream=True, stream_options={"include_usage": True}, **chat
+            ):
+                for choice in chunk.choices:
+                    texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+                if chunk.usage is not None:
+                    usages.append(chunk.usage)
+            assert sorted(texts) == [0, 1, 2] and all(texts.values())
+            assert [u.completion_tokens for u in usages] == [24]
+            greedy = client.completions.create(
+                model=server.model_id, prompt="once", n=2, max_tokens=6, temperature=0
+            )
+            assert greedy.choices[0].text == greedy.choices[1].text
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.chat.completions.create(n=4, **chat)
+            assert refused.value.body["param"] == "n"  # type: ignore[index]
+        wait_for(lambda: not server.engine.busy, "the engine to be idle")

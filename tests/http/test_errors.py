@@ -74,7 +74,7 @@ def assert_error(
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        pytest.param({"n": 2}, "n", id="n-above-1"),
+        pytest.param({"n": 99}, "n", id="n-above-the-slots"),
         pytest.param({"temperature": 2.5}, "temperature", id="temperature-high"),
         pytest.param({"top_p": -0.1}, "top_p", id="top-p-negative"),
         pytest.param({"top_logprobs": 21, "logprobs": True}, "top_logprobs", id="top-logprobs-high"),

@@ -139,7 +139,7 @@ def test_metrics_count_requests_and_tokens(tiny_model: Any) -> None:
             )
         assert (
             httpx.post(
-                server.base_url + "/v1/chat/completions", json={**body, "n": 3}, timeout=60
+                server.base_url + "/v1/chat/completions", json={**body, "n": 99}, timeout=60
             ).status_code
             == 400
         )

@@ -1,10 +1,10 @@
 """POST /v1/chat/completions: a ChatCompletionRequest -> the engine's ChatRequest -> a chat
 completion, whole or as an SSE stream of chunks.
 
-The checks only this API has (n, media parts, top_logprobs, logit_bias) run here; the rest is
-the one chat path of server/http/serving.py. Streaming follows docs/api.md: a first chunk with the
-assistant role, one chunk per content / reasoning / tool-call piece, a last chunk with the
-finish_reason, the usage chunk if asked, then [DONE].
+The checks only this API has (media parts, top_logprobs, logit_bias; n in choices.py) run here;
+the rest is the one chat path of server/http/serving.py. Streaming follows docs/api.md: a first
+chunk with the assistant role, one chunk per content / reasoning / tool-call piece, a last chunk
+with the finish_reason, the usage chunk if asked, then [DONE].
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from starlette.responses import Response
 from server.engine.token_loop import TokenLogprob
 from server.engine.tool_calls import OutPiece, ToolCallArgs, ToolCallStart
 from server.errors import InvalidRequest
+from server.http.openai.choices import check_choices, more_choices, respond_choices
 from server.http.protocol import (
     ChatChoice,
     ChatCompletion,
@@ -41,10 +42,8 @@ from server.http.serving import (
     Chunks,
     Ctx,
     Plan,
-    check_one_choice,
     logit_bias,
     prepare_chat,
-    respond,
     want_timings,
 )
 
@@ -54,7 +53,7 @@ async def create_chat_completion(
 ) -> Response:
     """Chat completion, whole or streamed (SSE)."""
     ctx.warn_unknown(body.model_extra)
-    check_one_choice(body.n)
+    n = check_choices(ctx, body.n)
     for param, kind in media_parts(body.messages):
         raise InvalidRequest(
             f"this model takes text only: the content part at {param} is {kind!r}; send text parts "
@@ -76,7 +75,8 @@ async def create_chat_completion(
             timings=want_timings(body.timings, request),
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
         )
-    return await respond(ctx, plan, Chunks(plan, ChatFormat(plan)), request, bool(body.stream))
+        plans = more_choices(ctx, plan, n)
+    return await respond_choices(ctx, plans, lambda p: Chunks(p, ChatFormat(p)), request, bool(body.stream))
 
 
 def chat_logprobs(lps: list[TokenLogprob]) -> ChoiceLogprobs:

@@ -16,6 +16,7 @@ from starlette.responses import Response
 from server.engine.token_loop import GenerationRequest, TokenLogprob
 from server.engine.tool_calls import OutPiece
 from server.errors import InvalidRequest
+from server.http.openai.choices import check_choices, more_choices, respond_choices
 from server.http.protocol import (
     Completion,
     CompletionChoice,
@@ -29,12 +30,10 @@ from server.http.serving import (
     Chunks,
     Ctx,
     Plan,
-    check_one_choice,
     check_prompt,
     clamp_max_tokens,
     logit_bias,
     prompt_tokens,
-    respond,
     submit,
     want_timings,
 )
@@ -45,7 +44,7 @@ async def create_completion(
 ) -> Response:
     """Legacy text completion, whole or streamed (SSE)."""
     ctx.warn_unknown(body.model_extra)
-    check_one_choice(body.n)
+    n = check_choices(ctx, body.n)
     if body.suffix:
         raise InvalidRequest("suffix (insertion) is not supported", param="suffix")
     prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
@@ -66,8 +65,11 @@ async def create_completion(
             timings=want_timings(body.timings, request),
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
         )
+        plans = more_choices(ctx, plan, n)
     echo = prompt if body.echo else ""
-    return await respond(ctx, plan, Chunks(plan, TextFormat(plan, echo)), request, bool(body.stream))
+    return await respond_choices(
+        ctx, plans, lambda p: Chunks(p, TextFormat(p, echo)), request, bool(body.stream)
+    )
 
 
 class TextOutput:
