@@ -100,9 +100,11 @@ def running_server(
     wait_ready: bool = True,
     **overrides: Any,
 ) -> Iterator[RunningServer]:
-    """Serve `model_path` with settings `overrides` (field names of ServerSettings/ModelSettings, and
-    `models_dir`: serve that directory's models, switching on request), loaded as `moeflash serve`
-    loads it; its state directory is a fresh one unless given."""
+    """Serve `model_path` with settings `overrides` (field names of ServerSettings/ModelSettings,
+    `models_dir`: serve that directory's models, switching on request, and `journal`: keep the
+    token loop's journal), loaded as `moeflash serve` loads it; its state directory is a fresh one
+    unless given."""
+    journal = overrides.pop("journal", False)  # keep the token loop's journal (engine.journal)
     host = overrides.pop("host", "127.0.0.1")
     port = free_port("127.0.0.1" if host == "127.0.0.1" else "0.0.0.0")
     own_state = None if "state_dir" in overrides else tempfile.mkdtemp(prefix="moeflash-state-")
@@ -120,6 +122,8 @@ def running_server(
             retry_after_s=server_settings.retry_after_s,
         )
         switch = None
+    if journal:
+        engine.journal = []
     app = create_app(server_settings, engine, switch)
     config = uvicorn.Config(
         app, host=host, port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5

@@ -246,6 +246,8 @@ class Sequence:
         self.next_token: int | None = None  # decoding: the token this step feeds
         self.timing: DecodeStep | None = None  # the step that produced the token being sampled
         self.telemetry: DecodeStep | None = None  # this request's share of every step it was in
+        self.sampled: list[int] = []  # every token sampled, end-of-generation included
+        self.index = 0  # the order it started in on its loop (the journal's name for it)
         self.done = False
         params = request.params
         self.max_tokens = min(params.max_tokens, llama.n_ctx_seq - len(request.prompt_tokens))
@@ -282,17 +284,17 @@ class Sequence:
         if self._sampler is None:  # the prompt is in: its last row picks the first token
             self.prefilled_ns = time.perf_counter_ns()
             self.stats.prompt_ns = self.prefilled_ns - self.started_ns
-            seed = params.seed if params.seed is not None else random.getrandbits(32)
-            self._sampler = _build_sampler(llama, params, seed & 0xFFFFFFFF)
+            assert params.seed is not None  # TokenLoop.start drew one
+            self._sampler = _build_sampler(llama, params, params.seed & 0xFFFFFFFF)
         else:
             self.timing = step
         if self.max_tokens <= 0:
             self.finish("length")
             return
-        if self.cancelled():
-            self.finish("cancelled")
-            return
+        # cancellation is seen at each step's start (TokenLoop.step): a request cancelled during
+        # a step samples its token of that step, and no other
         token = self._sampler.sample(llama._ctx, row)
+        self.sampled.append(token)
         if self.cancelled():
             self.stats.tokens_after_cancel += 1
         if self.on_token is not None:
@@ -338,6 +340,19 @@ class Sequence:
 
 
 @dataclass(frozen=True)
+class JournalEntry:
+    """What the token loop did, in order, for a replay (tests/engine/test_parallel.py): a request
+    started (`request`) or seen cancelled before step `step`, or ended in it (its `tokens`)."""
+
+    kind: str  # start | cancel | end
+    step: int
+    index: int  # the request's Sequence.index
+    request: GenerationRequest | None = None
+    tokens: tuple[int, ...] = ()
+    finish: str | None = None
+
+
+@dataclass(frozen=True)
 class Planned:
     """One sequence's part of a step: its slot, how many tokens it fed and whether the step
     returned its logits (the schedule a replay repeats, server/engine/schedule.py)."""
@@ -375,6 +390,9 @@ class TokenLoop:
         self.last_plan: tuple[Planned, ...] = ()
         self._batch = LlamaBatch(n_tokens=self.step_tokens, embd=0, n_seq_max=1, verbose=False)
         self._clock = 0
+        self.started = 0  # requests started so far
+        # when a list, every start, cancellation and end is appended (a replay repeats them)
+        self.journal: list[JournalEntry] | None = None
         self._phase: int | None = None  # the route trace's phase (MeasuredLlama.begin_phase)
 
     def close(self) -> None:
@@ -394,6 +412,8 @@ class TokenLoop:
         on_token: Callable[[int, DecodeStep | None], None] | None = None,
     ) -> Sequence:
         """Put `request` in a free slot, its cached prefix reused (the caller checked free_slots)."""
+        if request.params.seed is None:  # drawn here, so that the journal holds the seed used
+            request = replace(request, params=replace(request.params, seed=random.getrandbits(32)))
         tokens = request.prompt_tokens
         stats.prompt_tokens = len(tokens)
         slot = self._slot_for(tokens)
@@ -411,6 +431,10 @@ class TokenLoop:
             raise
         checkpoint = cache.checkpoint_at(stats.cached_tokens, len(tokens)) if cache is not None else None
         sequence = Sequence(self.llama, slot, request, stats, emit, cancelled, on_token, checkpoint)
+        sequence.index = self.started
+        self.started += 1
+        if self.journal is not None:
+            self.journal.append(JournalEntry("start", self.steps, sequence.index, request))
         self.running.append(sequence)
         self._phase = None  # a new prompt: its phase begins at its first step
         return sequence
@@ -437,10 +461,12 @@ class TokenLoop:
         ended = [seq for seq in self.running if seq.cancelled()]
         for seq in ended:
             seq.finish("cancelled")  # a partial prompt stays in the slot: its tokens say which
+            if self.journal is not None:
+                self.journal.append(JournalEntry("cancel", self.steps, seq.index))
         self.running = [seq for seq in self.running if not seq.done]
         self.last_tokens = 0
         if not self.running:
-            return ended
+            return self._ended(ended)
         self._share_prefixes()
         budget = self.step_tokens
         parts: list[tuple[Sequence, list[int]]] = []
@@ -476,6 +502,13 @@ class TokenLoop:
                 seq.take(at - 1, step)
         ended += [seq for seq in self.running if seq.done]
         self.running = [seq for seq in self.running if not seq.done]
+        return self._ended(ended)
+
+    def _ended(self, ended: list[Sequence]) -> list[Sequence]:
+        if self.journal is not None:
+            for seq in ended:
+                entry = JournalEntry("end", self.steps, seq.index, tokens=tuple(seq.sampled))
+                self.journal.append(replace(entry, finish=seq.stats.finish_reason))
         return ended
 
     def _shares(self) -> bool:

@@ -31,7 +31,14 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
-from server.engine.token_loop import GenerationRequest, GenerationStats, Sequence, TextDelta, TokenLoop
+from server.engine.token_loop import (
+    GenerationRequest,
+    GenerationStats,
+    JournalEntry,
+    Sequence,
+    TextDelta,
+    TokenLoop,
+)
 from server.errors import QueueFull, ServiceUnavailable
 from server.loading.loader import LoadedModel, ModelInfo
 from server.loading.measured import DecodeStep
@@ -139,6 +146,8 @@ class Engine:
         self._idle_since = time.monotonic()  # when the last job ended (or the model loaded)
         self.loads = 0  # models loaded so far (loads, reloads and switches)
         self.history: deque[tuple[str, GenerationStats]] = deque(maxlen=_HISTORY)
+        # set to a list before the model loads: the token loop's journal (a replay's input)
+        self.journal: list[JournalEntry] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -293,6 +302,7 @@ class Engine:
     def submit(self, job_id: str, request: GenerationRequest) -> Job:
         """Queue a job (call from the event loop that will consume its events)."""
         job = Job(id=job_id, request=request, loop=asyncio.get_running_loop())
+        self._drop_cancelled()
         with self._cond:
             if self._state is EngineState.LOADING:
                 raise ServiceUnavailable(
@@ -313,6 +323,18 @@ class Engine:
             self._cond.notify_all()
         return job
 
+    def _drop_cancelled(self) -> None:
+        """Take the waiting jobs whose clients left out of the queue (they end as cancelled):
+        their places are free at once, not when they would have started."""
+        with self._cond:
+            gone = [job for job in self._waiting if job.cancelled]
+            for job in gone:
+                self._waiting.remove(job)
+                job.stats.finish_reason = "cancelled"
+                self.history.append((job.id, replace(job.stats)))
+        for job in gone:
+            job._post(Finished(job.stats, None))
+
     # -- worker ------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -327,6 +349,7 @@ class Engine:
                 self._cond.notify_all()
             return
         loop = TokenLoop(model.llama, model.prompt_cache)
+        loop.journal = self.journal
         with self._cond:
             self._model = model
             self._info = model.info
