@@ -8,6 +8,7 @@ import json
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -72,10 +73,15 @@ class BenchServer:
 
 
 def stream_chat(
-    url: str, messages: list[dict[str, str]], tokens: int, bias: dict[str, float]
+    url: str,
+    messages: list[dict[str, str]],
+    tokens: int,
+    bias: dict[str, float],
+    first: threading.Event | None = None,
 ) -> dict[str, Any]:
-    """A streamed, greedy chat completion: TTFT and time to the last token (s), the text, its
-    content chunks (n), the final timings and the usage."""
+    """A streamed, greedy chat completion: when it was sent (time.monotonic), TTFT and time to the
+    last token (s), each content chunk's arrival (s after sending), the text, its content chunks
+    (n), the final timings and the usage. `first` is set when the first content arrives."""
     body = {
         "model": "bench",
         "messages": messages,
@@ -87,7 +93,7 @@ def stream_chat(
         "logit_bias": bias,
     }
     sent = time.monotonic()
-    first: float | None = None
+    arrivals: list[float] = []
     text, timings, usage, n = "", None, None, 0
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=3600) as response:
         if response.status_code != 200:
@@ -99,17 +105,21 @@ def stream_chat(
             for choice in chunk.get("choices", []):
                 piece = choice.get("delta", {}).get("content")
                 if piece:
-                    first = first if first is not None else time.monotonic()
+                    arrivals.append(time.monotonic() - sent)
+                    if first is not None:
+                        first.set()
                     text += piece
                     n += 1
             timings = chunk.get("timings") or timings
             usage = chunk.get("usage") or usage
     done = time.monotonic()
-    if first is None or usage is None:
+    if not arrivals or usage is None:
         raise MoeflashError("the answer had no content or no usage")
     return {
-        "ttft_s": first - sent,
+        "sent": sent,
+        "ttft_s": arrivals[0],
         "total_s": done - sent,
+        "chunk_s": arrivals,
         "text": text,
         "n": n,
         "timings": timings or {},

@@ -5,6 +5,7 @@ moeflash bench --model m.gguf --caps 4G,8G --tokens 32
 moeflash bench --replay bench/route-traces/qwen.route.csv
 moeflash bench --warm-start --shape qwen30b-shape --caps 0.25  # the first answer after a restart
 moeflash bench --prompt-cache --shape qwen30b-8l-shape --caps 0.5  # agents taking turns, cache on/off
+moeflash bench parallel --shape qwen30b-shape --caps all,0.5,0.25  # several clients at once
 """
 
 from __future__ import annotations
@@ -72,6 +73,29 @@ def register(subparsers: Any) -> None:
     # as long as the trace's
     add_arguments(p, (ModelSettings, RouteTraceSettings))
     p.set_defaults(func=run)
+    benches = p.add_subparsers(title="benchmarks with a subcommand", metavar="BENCH")
+    parallel = benches.add_parser(
+        "parallel",
+        help="several clients at once on `serve --parallel 4`: aggregate tokens/s, latencies",
+        description="Aggregate tokens/s of 1, 2 and 4 streams at once, and a short and a long request's "
+        "time to first token beside a running stream, per memory cap (server/bench/parallel.py).",
+    )
+    shape = parallel.add_mutually_exclusive_group(required=True)
+    shape.add_argument("--shape", help="synthetic model preset to generate or reuse (e.g. qwen30b-shape)")
+    shape.add_argument("--model", "-m", type=Path, help="an existing GGUF (the first file of a split set)")
+    parallel.add_argument(
+        "--caps",
+        default="all,0.5,0.25",
+        help="memory caps: all (every expert cached), fractions of the file size or sizes (4G)",
+    )
+    parallel.add_argument("--tokens", type=int, default=128, help="tokens per stream")
+    parallel.add_argument("--rounds", type=int, default=2, help="rounds, the stream counts alternated")
+    parallel.add_argument("--ctx-size", type=int, default=4096, help="each request's context")
+    parallel.add_argument("--models-dir", type=Path, default=Path("models"), help="where --shape models live")
+    parallel.add_argument(
+        "--out", type=Path, help="report path without suffix (default bench/reports/<name>)"
+    )
+    parallel.set_defaults(func=run_parallel)
 
 
 def _parse_caps(text: str, file_bytes: int) -> list[int]:
@@ -151,6 +175,44 @@ def _prompt_cache(
     data = {"model": info, "environment": environment(), **data}
     out = args.out or Path("bench/reports") / f"prompt-cache-{info['name']}"
     for p in write_prompt_cache_report(data, out, command):
+        print(p)
+    return 0
+
+
+def run_parallel(args: argparse.Namespace) -> int:
+    """`moeflash bench parallel`."""
+    from server.bench.harness import environment
+    from server.bench.models import describe_model, shape_model
+    from server.bench.parallel import ALL, write_parallel_report
+    from server.bench.parallel import run_parallel as measure
+
+    command = "moeflash " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    if args.tokens < 8 or args.rounds < 1:
+        raise ConfigError("--tokens must be >= 8 and --rounds >= 1")
+    path = (
+        shape_model(args.shape, args.models_dir, progress=sys.stderr.isatty())[0]
+        if args.shape
+        else args.model
+    )
+    if not path.exists():
+        raise ConfigError(f"model {path} does not exist")
+    info = describe_model(path)
+    words = [c.strip() for c in args.caps.split(",") if c.strip()]
+    caps: list[int | str] = [ALL] * (ALL in words)
+    rest = ",".join(w for w in words if w != ALL)
+    caps += _parse_caps(rest, info["file_bytes"]) if rest else []
+    data = measure(
+        path,
+        caps,
+        tokens=args.tokens,
+        rounds=args.rounds,
+        ctx_size=args.ctx_size,
+        settings_flags=(),
+        progress=_progress,
+    )
+    data = {"model": info, "environment": environment(), **data}
+    out = args.out or Path("bench/reports") / f"parallel-{info['name']}"
+    for p in write_parallel_report(data, out, command):
         print(p)
     return 0
 

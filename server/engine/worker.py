@@ -136,8 +136,9 @@ class Engine:
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
         self._slots = 0  # the loaded model's (requests decoded together)
-        self.steps = 0  # decode steps of the models loaded so far, and their tokens
+        self.steps = 0  # decode steps of the models loaded so far, their tokens, those shared
         self.step_tokens = 0
+        self.shared_steps = 0  # by two requests or more
         self._state = EngineState.LOADING
         self._model: LoadedModel | None = None
         self._load_error: BaseException | None = None
@@ -397,8 +398,9 @@ class Engine:
                     logger.exception("a decode step failed")
                     ended, failure = loop.abort(exc), exc
                 with self._cond:
-                    self.steps += 1
+                    self.steps += loop.last_tokens > 0
                     self.step_tokens += loop.last_tokens
+                    self.shared_steps += loop.last_tokens > 0 and len(loop.last_plan) > 1
                 if ended:
                     self._end(model, sequences, ended, failure)
         except BaseException as exc:

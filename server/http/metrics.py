@@ -37,6 +37,11 @@ class _EngineCollector(Collector):
             value=self._engine.steps,
         )
         yield CounterMetricFamily(
+            "moeflash_shared_steps",
+            "decode steps that held two requests or more",
+            value=self._engine.shared_steps,
+        )
+        yield CounterMetricFamily(
             "moeflash_step_tokens",
             "tokens decoded in those steps (their ratio: tokens per step)",
             value=self._engine.step_tokens,

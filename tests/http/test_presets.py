@@ -91,7 +91,12 @@ def test_harmony_output_is_parsed_with_control_tokens_visible(tiny_model: Any) -
 @pytest.fixture(scope="module")
 def slow_queue_server(tiny_model: Any) -> Iterator[RunningServer]:
     with running_server(
-        Path(tiny_model("tiny-qwen3moe")), ctx_size=16384, keepalive_s=0.05, max_completion_tokens=12000
+        # one slot: a second request waits in the queue, where only keep-alives flow
+        Path(tiny_model("tiny-qwen3moe")),
+        ctx_size=16384,
+        parallel=1,
+        keepalive_s=0.05,
+        max_completion_tokens=12000,
     ) as server:
         yield server
 
