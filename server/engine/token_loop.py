@@ -38,6 +38,14 @@ logger = logging.getLogger(__name__)
 
 # penalties look back this many generated tokens (llama-cpp-python's default)
 PENALTY_LAST_N = 64
+# beside running decodes a step takes as many prompt tokens as keep it within this many times a
+# step of decodes alone (alone, a prompt takes n_batch a step): each decoding request's next token
+# waits for the step, so its gap between tokens stays within about this factor, and the prompt
+# prefills at 1 - 1/factor of its rate alone, 1.5x its time at 3 (docs/api.md, "Concurrency and
+# life cycle")
+STEP_OVER_DECODE = 3.0
+# the prompt tokens beside decodes until the loop has measured both costs
+PROMPT_TOKENS_BESIDE_DECODES = 8
 
 
 @dataclass(frozen=True)
@@ -340,34 +348,38 @@ class Sequence:
 
 
 @dataclass(frozen=True)
-class JournalEntry:
-    """What the token loop did, in order, for a replay (tests/engine/test_parallel.py): a request
-    started (`request`) or seen cancelled before step `step`, or ended in it (its `tokens`)."""
-
-    kind: str  # start | cancel | end
-    step: int
-    index: int  # the request's Sequence.index
-    request: GenerationRequest | None = None
-    tokens: tuple[int, ...] = ()
-    finish: str | None = None
-
-
-@dataclass(frozen=True)
 class Planned:
-    """One sequence's part of a step: its slot, how many tokens it fed and whether the step
-    returned its logits (the schedule a replay repeats, server/engine/schedule.py)."""
+    """One sequence's part of a step: its slot, how many tokens it fed, whether the step returned
+    its logits, and its request (Sequence.index): the schedule a replay repeats."""
 
     seq_id: int
     n_tokens: int
     sampled: bool
+    index: int = 0
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    """What the token loop did, in order, for a replay (tests/http/test_concurrency_fuzz.py): a
+    request started (`request`) or seen cancelled before step `step`, the step's plan, or a
+    request ended in it (its `tokens`)."""
+
+    kind: str  # start | cancel | step | end
+    step: int
+    index: int  # the request's Sequence.index (-1 for a step)
+    request: GenerationRequest | None = None
+    tokens: tuple[int, ...] = ()
+    finish: str | None = None
+    plan: tuple[Planned, ...] = ()  # a step's
 
 
 class TokenLoop:
     """The one token loop: every running request's next tokens in one llama_decode a step.
 
     Each step holds every decoding sequence's last token, then prompt chunks of the sequences
-    still prefilling, in the order they started, up to `step_tokens` in all (n_batch), so a new
-    prompt is prefilled inside the running steps and never stalls them. A sequence's tokens carry
+    still prefilling, in the order they started: up to `step_tokens` in all (n_batch) when none
+    decodes, else `prompt_beside()` prompt tokens, so a new prompt is prefilled inside the
+    running steps and never stalls them. A sequence's tokens carry
     its slot's sequence id and positions; the step returns logits for each decoding token and
     for a prompt's last one, and each sequence samples its own from its row with its own sampler.
 
@@ -376,12 +388,20 @@ class TokenLoop:
     one the prompt cache restores, is reused and only the rest prefilled. Runs on one thread (the
     engine's worker, or `generate`)."""
 
-    def __init__(self, llama: MeasuredLlama, prompt_cache: PromptCache | None = None) -> None:
+    def __init__(
+        self, llama: MeasuredLlama, prompt_cache: PromptCache | None = None, *, beside: int | None = None
+    ) -> None:
         from llama_cpp._internals import LlamaBatch
 
         self.llama = llama
         self.prompt_cache = prompt_cache
         self.step_tokens = llama.n_batch
+        self.beside = beside  # prompt tokens beside decodes, fixed (tests); None: measured
+        # the measured costs prompt_beside() reads (ns): a step of decodes alone, a prompt token
+        self._decode_ns: float | None = None
+        self._prompt_token_ns: float | None = None
+        # a replay's recorded plans: step -> {request index: tokens}, followed instead of chosen
+        self.replay: dict[int, dict[int, int]] | None = None
         self.running: list[Sequence] = []
         self.steps = 0  # steps decoded by this loop
         self.shared_steps = 0  # of them, those that held two or more sequences
@@ -468,17 +488,7 @@ class TokenLoop:
         if not self.running:
             return self._ended(ended)
         self._share_prefixes()
-        budget = self.step_tokens
-        parts: list[tuple[Sequence, list[int]]] = []
-        for seq in sorted(self.running, key=lambda seq: seq.next_token is None):  # decoding first
-            if budget <= 0:
-                break
-            if self._follows(seq):
-                continue
-            tokens = seq.inputs(budget)
-            if tokens:
-                parts.append((seq, tokens))
-                budget -= len(tokens)
+        parts = self._parts()
         plan = self._fill(parts)
         llama = self.llama
         # a route trace counts a prompt's steps from its start and the decode steps after it
@@ -488,6 +498,9 @@ class TokenLoop:
             self._phase = phase
         llama._ctx.decode(self._batch)
         step = llama.steps[-1]
+        self._learn(parts, step)
+        if self.journal is not None:
+            self.journal.append(JournalEntry("step", self.steps, -1, plan=plan))
         self.steps += 1
         self.shared_steps += len(parts) > 1
         self.last_plan = plan
@@ -510,6 +523,53 @@ class TokenLoop:
                 entry = JournalEntry("end", self.steps, seq.index, tokens=tuple(seq.sampled))
                 self.journal.append(replace(entry, finish=seq.stats.finish_reason))
         return ended
+
+    def _parts(self) -> list[tuple[Sequence, list[int]]]:
+        """This step's tokens per running sequence: decoding ones first, then prompt chunks in the
+        order the requests started, up to n_batch in all, or beside decodes `prompt_beside()`
+        prompt tokens; in a replay, the recorded plan's."""
+        recorded = self.replay.get(self.steps) if self.replay is not None else None
+        decoding = sum(seq.next_token is not None for seq in self.running)
+        budget = self.step_tokens if decoding == 0 else min(self.step_tokens, decoding + self.prompt_beside())
+        parts: list[tuple[Sequence, list[int]]] = []
+        for seq in sorted(self.running, key=lambda seq: seq.next_token is None):
+            if recorded is not None:
+                tokens = seq.inputs(recorded[seq.index]) if seq.index in recorded else []
+            elif budget <= 0 or self._follows(seq):
+                continue
+            else:
+                tokens = seq.inputs(budget)
+            if tokens:
+                parts.append((seq, tokens))
+                budget -= len(tokens)
+        return parts
+
+    def prompt_beside(self) -> int:
+        """Prompt tokens a step takes beside running decodes: as many as keep the step within
+        STEP_OVER_DECODE times a step of decodes alone, from the two costs measured on this
+        loop's own steps (PROMPT_TOKENS_BESIDE_DECODES until both are)."""
+        if self.beside is not None:
+            return self.beside
+        if self._decode_ns is None or self._prompt_token_ns is None:
+            return PROMPT_TOKENS_BESIDE_DECODES
+        room = (STEP_OVER_DECODE - 1) * self._decode_ns / max(1.0, self._prompt_token_ns)
+        return max(1, min(self.step_tokens, int(room)))
+
+    def _learn(self, parts: list[tuple[Sequence, list[int]]], step: DecodeStep) -> None:
+        """Update the costs prompt_beside() reads, moving averages: a step of decodes alone, and
+        a prompt token beside decodes (the step's time beyond its decodes', over its prompt
+        tokens; a prompt alone, in n_batch chunks, costs less a token and is not counted)."""
+        prompt = sum(len(tokens) for seq, tokens in parts if seq.next_token is None)
+        decodes = sum(seq.next_token is not None for seq, _ in parts)
+
+        def mix(old: float | None, new: float) -> float:
+            return new if old is None else 0.8 * old + 0.2 * new
+
+        if prompt == 0:
+            self._decode_ns = mix(self._decode_ns, step.wall_ns)
+        elif decodes and self._decode_ns is not None:
+            spent = max(0.0, step.wall_ns - self._decode_ns)
+            self._prompt_token_ns = mix(self._prompt_token_ns, spent / prompt)
 
     def _shares(self) -> bool:
         """Whether slots can share cells: a unified KV with no window cut short (a sliding-window
@@ -562,7 +622,7 @@ class TokenLoop:
                 batch.seq_id[n][0] = seq.slot.seq_id
                 batch.logits[n] = sampled and i == len(tokens) - 1
                 n += 1
-            plan.append(Planned(seq.slot.seq_id, len(tokens), sampled))
+            plan.append(Planned(seq.slot.seq_id, len(tokens), sampled, seq.index))
         batch.n_tokens = n
         return tuple(plan)
 

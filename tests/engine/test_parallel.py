@@ -74,10 +74,17 @@ class Outcome:
 
 
 def run_schedule(
-    llama: MeasuredLlama, schedule: dict[int, list[GenerationRequest]]
+    llama: MeasuredLlama,
+    schedule: dict[int, list[GenerationRequest]],
+    replay: list[tuple[Planned, ...]] | None = None,
+    beside: int | None = None,
 ) -> tuple[list[tuple[Planned, ...]], list[Outcome]]:
-    """Run `schedule` on a fresh token loop: each step's plan and every request's outcome."""
-    loop = TokenLoop(llama)
+    """Run `schedule` on a fresh token loop (its steps' plans those of `replay` when given, the
+    prompt tokens beside decodes `beside` when given): each step's plan and every request's
+    outcome."""
+    loop = TokenLoop(llama, beside=beside)
+    if replay is not None:
+        loop.replay = {i: {p.index: p.n_tokens for p in plan} for i, plan in enumerate(replay)}
     plans: list[tuple[Planned, ...]] = []
     outcomes: list[Outcome] = []
     try:
@@ -112,11 +119,17 @@ def load(path: Path, mode: str, flash: bool, **kw: Any) -> MeasuredLlama:
     return load_resident_llama(path, **settings)
 
 
-def outcome_of(path: Path, mode: str, flash: bool, schedule: dict[int, list[GenerationRequest]]) -> Any:
+def outcome_of(
+    path: Path,
+    mode: str,
+    flash: bool,
+    schedule: dict[int, list[GenerationRequest]],
+    replay: list[tuple[Planned, ...]] | None = None,
+) -> Any:
     llama = load(path, mode, flash)
     try:
         assert len(llama.slots) == SLOTS and llama.n_ctx_seq == 512
-        plans, outcomes = run_schedule(llama, schedule)
+        plans, outcomes = run_schedule(llama, schedule, replay)
         evicted = llama.streamer.stats().evictions if llama.streamer is not None else None
     finally:
         llama.close()
@@ -127,11 +140,12 @@ def outcome_of(path: Path, mode: str, flash: bool, schedule: dict[int, list[Gene
 @pytest.mark.parametrize("flash", [False, True], ids=["fa-off", "fa-on"])
 def test_gate_requests_decoded_together(tiny_model: Callable[..., Path], preset: str, flash: bool) -> None:
     """Streamed under a budget that evicts, the shared steps give the resident model's tokens and
-    logprobs for every sequence, step for step (tiny-gptoss and tiny-gemma4 have sliding-window
-    layers)."""
+    logprobs for every sequence, the resident run replaying the streamed run's plans (the prompt
+    tokens beside decodes are measured, so they differ run to run; tiny-gptoss and tiny-gemma4
+    have sliding-window layers)."""
     path = tiny_model(preset)
     plans, streamed, evicted = outcome_of(path, "streaming", flash, SCHEDULE)
-    resident_plans, resident, _ = outcome_of(path, "resident", flash, SCHEDULE)
+    resident_plans, resident, _ = outcome_of(path, "resident", flash, SCHEDULE, replay=plans)
     assert plans == resident_plans
     assert streamed == resident
     assert evicted, "the budget must evict for the gate to mean anything"
@@ -164,7 +178,7 @@ def test_a_greedy_request_gives_its_alone_tokens_beside_others(
 def test_cancelled_request_frees_its_slot_within_a_step(tiny_model: Callable[..., Path]) -> None:
     """A cancelled request ends at the next step without decoding; the others go on."""
     llama = load(tiny_model("tiny-qwen3moe"), "resident", True)
-    loop = TokenLoop(llama)
+    loop = TokenLoop(llama, beside=8)
     try:
         gone = False
         kept, dropped = Outcome(), Outcome()
@@ -194,7 +208,7 @@ def test_a_shared_prefix_is_copied_from_a_running_slot(tiny_model: Callable[...,
     second = GenerationRequest(system + prompt(2, 8), GREEDY)
     llama = load(path, "resident", True)
     try:
-        plans, outcomes = run_schedule(llama, {0: [first], 3: [second]})
+        plans, outcomes = run_schedule(llama, {0: [first], 3: [second]}, beside=8)
     finally:
         llama.close()
     assert outcomes[1].stats.cached_tokens == len(system)

@@ -98,10 +98,11 @@ def _send(server: RunningServer, seed: int) -> int:
 
 
 def _replay(path: Path, journal: list[JournalEntry]) -> dict[int, tuple[tuple[int, ...], str | None]]:
-    """The journal's starts and cancellations on the resident model: each request's tokens."""
+    """The journal's starts, cancellations and plans on the resident model: each request's tokens."""
     _, settings = load_settings({"model": path, "mode": "resident", **SETTINGS})
     model = load_model(settings)
     loop = TokenLoop(model.llama)
+    loop.replay = {e.step: {p.index: p.n_tokens for p in e.plan} for e in journal if e.kind == "step"}
     ended: dict[int, tuple[tuple[int, ...], str | None]] = {}
     cancels = {e.index: e.step for e in journal if e.kind == "cancel"}
     starts = [e for e in journal if e.kind == "start"]
