@@ -25,7 +25,8 @@ import pytest
 import uvicorn
 
 from server.cli.serve import served_engine
-from server.engine.token_loop import GenerationStats, Sequence, TokenLoop
+from server.engine.generation import GenerationStats
+from server.engine.token_loop import Sequence, TokenLoop
 from server.engine.worker import Engine
 from server.http.app import create_app
 from server.http.switching import ModelSwitch

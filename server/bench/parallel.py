@@ -23,6 +23,7 @@ The cgroup's peak memory over the cap says the memory discipline.
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import statistics
 import sys
@@ -155,12 +156,20 @@ def run_parallel(
             cached = cap == ALL
             limit = 2 * file_bytes + (4 << 30) if cached else int(cap)
             flags = ["--mode", "streaming"] + (["--budget", "all", "--preload"] if cached else [])
+            log = work / f"serve-{cap}.log"
             with MemoryCgroup(limit, support) as cgroup:
-                server = BenchServer(
-                    cgroup, [*argv, *flags, "--state-dir", str(work / "state")], work / "serve.log"
-                )
+                server = BenchServer(cgroup, [*argv, *flags, "--state-dir", str(work / "state")], log)
                 try:
                     server.wait_ready()
+                except MoeflashError:
+                    # a cap that cannot hold the slots' contexts: the server says so and exits
+                    refusal = _last_error(log)
+                    server.proc.kill()
+                    server.proc.wait()
+                    progress(f"cap {cap}: the server refused: {refusal}")
+                    results.append({"cap": int(cap), "limit_bytes": limit, "refused": refusal})
+                    continue
+                try:
                     stream_chat(server.url, _prompt("warm-up", 12), 8, bias)  # not measured
                     runs, latencies = [], []
                     for r in range(rounds):
@@ -190,6 +199,13 @@ def run_parallel(
     return {"tokens": tokens, "rounds": rounds, "ctx_size": ctx_size, "slots": SLOTS, "caps": results}
 
 
+def _last_error(log: Path) -> str:
+    """The server's last error line (its refusal at start-up)."""
+    lines = [line for line in log.read_text(errors="replace").splitlines() if "error" in line.lower()]
+    # the cgroup's file is this machine's: the report keeps the figures
+    return re.sub(r" \(/[^)]*\)", "", lines[-1].strip()) if lines else "no error line in the log"
+
+
 def _median(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
@@ -200,6 +216,9 @@ def summarize(data: dict[str, Any]) -> list[dict[str, Any]]:
     the steps held, and the latency ratios."""
     rows = []
     for cap in data["caps"]:
+        if "refused" in cap:
+            rows.append({"cap": cap["cap"], "refused": cap["refused"]})
+            continue
         row: dict[str, Any] = {"cap": cap["cap"], "peak_over_limit": cap["peak_bytes"] / cap["limit_bytes"]}
         for n in STREAMS:
             mine = [r for r in cap["runs"] if r["streams"] == n]
@@ -246,6 +265,9 @@ def markdown(data: dict[str, Any], rows: list[dict[str, Any]], command: str) -> 
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if "refused" in r:
+            lines.append(f"| {_cap(r['cap'])} | refused at start-up: {r['refused']} |||||||")
+            continue
         lines.append(
             f"| {_cap(r['cap'])} | {r['tok_s_1']:.2f} / {r['tok_s_2']:.2f} / {r['tok_s_4']:.2f} | "
             f"{r['ratio_2']:.2f} | {r['ratio_4']:.2f} | {r['shared_4']:.2f} | {r['tokens_per_step_4']:.2f} | "
@@ -253,17 +275,19 @@ def markdown(data: dict[str, Any], rows: list[dict[str, Any]], command: str) -> 
             f"{r['peak_over_limit']:.2f} |"
         )
 
+    long_tokens = next((r["long_prompt_tokens"] for r in rows if "refused" not in r), "?")
+
     def ratio(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}"
 
     lines += [
         "",
         "| cap | short request's TTFT beside a stream / alone | "
-        f"long prompt's ({rows[0]['long_prompt_tokens'] if rows else '?'} tokens) TTFT beside / alone | "
+        f"long prompt's ({long_tokens} tokens) TTFT beside / alone | "
         "running stream's gap meanwhile / alone |",
         "|---|---|---|---|",
     ]
-    for r in rows:
+    for r in (r for r in rows if "refused" not in r):
         lines.append(
             f"| {_cap(r['cap'])} | {ratio(r['short_ttft_ratio'])} | {ratio(r['long_ttft_ratio'])} | "
             f"{ratio(r['gap_ratio'])} |"

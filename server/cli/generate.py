@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from server.engine.token_loop import GenerationRequest, GenerationStats, SamplingParams, TextDelta, generate
+from server.engine.generation import GenerationRequest, GenerationStats, SamplingParams, TextDelta
+from server.engine.token_loop import generate
 from server.errors import ConfigError
 from server.loading.loader import LoadedModel, load_model
 from server.loading.measured import DecodeStep
@@ -132,7 +133,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def _prompt_tokens(model: LoadedModel, args: argparse.Namespace) -> tuple[int, ...]:
-    from server.engine.token_loop import text_tokens
+    from server.engine.generation import text_tokens
 
     text = args.prompt_file.read_text() if args.prompt_file else args.prompt
     if args.chat:

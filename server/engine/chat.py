@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from server.engine.token_loop import SamplingParams
+from server.engine.generation import SamplingParams
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 

@@ -31,14 +31,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
-from server.engine.token_loop import (
-    GenerationRequest,
-    GenerationStats,
-    JournalEntry,
-    Sequence,
-    TextDelta,
-    TokenLoop,
-)
+from server.engine.generation import GenerationRequest, GenerationStats, TextDelta
+from server.engine.token_loop import JournalEntry, Sequence, TokenLoop
 from server.errors import QueueFull, ServiceUnavailable
 from server.loading.loader import LoadedModel, ModelInfo
 from server.loading.measured import DecodeStep

@@ -7,7 +7,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.engine.token_loop import GenerationStats
+from server.engine.generation import GenerationStats
 from server.engine.worker import Engine
 from streaming_ext import StreamerStats
 from streaming_ext.declarations import Stat

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 from server.engine.chat import ChatMessage, ChatRequest, ChatTool, NamedTool, OutputFormat
 from server.engine.chat import ToolCall as ChatToolCall
 from server.engine.chat import ToolChoice as ChatToolChoice
-from server.engine.token_loop import SamplingParams
+from server.engine.generation import SamplingParams
 
 # Bounds shared by chat and legacy completions
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]

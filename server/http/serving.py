@@ -32,9 +32,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from server.engine.chat import ChatRequest
 from server.engine.chat_template import ChatTemplate
+from server.engine.generation import GenerationRequest, GenerationStats, TextDelta, TokenLogprob
 from server.engine.grammars import GrammarLimits, output_constraint
 from server.engine.reasoning import PlainSplitter, make_splitter
-from server.engine.token_loop import GenerationRequest, GenerationStats, TextDelta, TokenLogprob
 from server.engine.tool_calls import ChatOutput, OutPiece, call_syntax
 from server.engine.worker import Engine, Failed, Finished, Job
 from server.errors import ContextLengthExceeded, InvalidRequest, NotFound, ServiceUnavailable

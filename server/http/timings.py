@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.engine.token_loop import GenerationStats
+from server.engine.generation import GenerationStats
 from server.http.protocol import Timings
 from server.loading.measured import DecodeStep
 

@@ -8,8 +8,8 @@ import pytest
 from llama_cpp import Llama
 
 from server.engine.chat import ChatMessage, ChatRequest, ChatTool, NamedTool, OutputFormat, ToolChoice
+from server.engine.generation import SamplingParams
 from server.engine.grammars import GrammarLimits, output_constraint, schema_grammar, tool_grammar
-from server.engine.token_loop import SamplingParams
 from server.errors import InvalidRequest
 
 WEATHER = ChatTool("get_weather", "weather", {"type": "object", "properties": {"unit": {"type": "string"}}})

@@ -16,14 +16,8 @@ from typing import Any
 
 import pytest
 
-from server.engine.token_loop import (
-    GenerationRequest,
-    GenerationStats,
-    Planned,
-    SamplingParams,
-    TextDelta,
-    TokenLoop,
-)
+from server.engine.generation import GenerationRequest, GenerationStats, SamplingParams, TextDelta
+from server.engine.token_loop import Planned, TokenLoop
 from server.loading.measured import DecodeStep, MeasuredLlama
 from server.loading.resident import load_resident_llama
 from server.loading.streaming import load_streaming_llama

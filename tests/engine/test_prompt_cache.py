@@ -15,7 +15,8 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from server.engine.token_loop import GenerationRequest, GenerationStats, SamplingParams, generate
+from server.engine.generation import GenerationRequest, GenerationStats, SamplingParams
+from server.engine.token_loop import generate
 from server.loading.budget import prompt_cache_bytes
 from server.loading.measured import MeasuredLlama
 from server.loading.prompt_cache import (

@@ -18,6 +18,7 @@ import pytest
 from llama_cpp import Llama
 
 from server.engine.chat import ChatMessage, ChatRequest, ChatTool, NamedTool, OutputFormat
+from server.engine.generation import SamplingParams
 from server.engine.grammars import (
     MAX_GRAMMAR_NESTING,
     GrammarLimits,
@@ -26,7 +27,6 @@ from server.engine.grammars import (
     schema_grammar,
 )
 from server.engine.schemas import ANY_VALUE, LEVELS, MAX_DEPTH, nested_repetition, prepare_schema
-from server.engine.token_loop import SamplingParams
 from server.errors import InvalidRequest
 
 LIMITS = GrammarLimits(max_schema_bytes=64 * 1024, max_compile_ms=10_000)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from server.engine.token_loop import GenerationRequest, SamplingParams, TextDelta
+from server.engine.generation import GenerationRequest, SamplingParams, TextDelta
 from server.engine.worker import Engine, EngineState, Failed, Finished, Job
 from server.errors import QueueFull, ServiceUnavailable
 from server.loading.loader import load_model

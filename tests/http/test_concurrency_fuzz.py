@@ -15,7 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from server.engine.token_loop import GenerationStats, JournalEntry, TokenLoop
+from server.engine.generation import GenerationStats
+from server.engine.token_loop import JournalEntry, TokenLoop
 from server.loading.loader import load_model
 from server.settings import load_settings
 from tests.models import expert_layer_bytes

@@ -17,7 +17,8 @@ import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 
 from server.engine.chat import ChatMessage, ChatTool
-from server.engine.token_loop import Sequence, TextDelta
+from server.engine.generation import TextDelta
+from server.engine.token_loop import Sequence
 from server.engine.tool_calls import OutPiece, ToolCallArgs, ToolCallStart
 from server.errors import ExpertReadError
 from server.http.messages import ContentBlocks, MessagesRequest, to_chat_request

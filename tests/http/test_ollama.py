@@ -20,7 +20,8 @@ import httpx
 import ollama
 import pytest
 
-from server.engine.token_loop import Sequence, TextDelta
+from server.engine.generation import TextDelta
+from server.engine.token_loop import Sequence
 from tests.hub_server import fake_hub
 from tests.servers import RunningServer, running_server, script_generation, serve_process
 

@@ -18,7 +18,8 @@ from typing import Any, Literal, NamedTuple
 
 import pytest
 
-from server.engine.token_loop import GenerationRequest, GenerationStats, SamplingParams, generate
+from server.engine.generation import GenerationRequest, GenerationStats, SamplingParams
+from server.engine.token_loop import generate
 from server.errors import ConfigError
 from server.loading.loader import load_model
 from server.loading.route_trace import ModelShape, Route, load_trace, recorded_routes, write_trace

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from server.engine.token_loop import GenerationRequest, SamplingParams
+from server.engine.generation import GenerationRequest, SamplingParams
 from server.engine.worker import Engine, Finished
 from server.loading.hot_set import ModelFiles, WarmStart, read_hot_set, write_hot_set
 from server.loading.loader import LoadedModel, load_model

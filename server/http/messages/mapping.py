@@ -42,7 +42,7 @@ from server.engine.chat import (
     ToolCall,
     ToolChoice,
 )
-from server.engine.token_loop import SamplingParams
+from server.engine.generation import SamplingParams
 from server.engine.tool_calls import json_text
 from server.errors import InvalidRequest
 from server.http.messages.protocol import (

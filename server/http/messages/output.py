@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from server.engine.token_loop import GenerationStats
+from server.engine.generation import GenerationStats
 from server.engine.tool_calls import OutPiece, ToolCallArgs, ToolCallStart, strict_json
 from server.http.messages.protocol import (
     ContentBlockDelta,

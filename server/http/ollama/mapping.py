@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from server.engine.chat import ChatMessage, ChatRequest, ChatTool, OutputFormat, ToolCall
-from server.engine.token_loop import SamplingParams
+from server.engine.generation import SamplingParams
 from server.engine.tool_calls import json_text
 from server.errors import InvalidRequest
 from server.http.ollama.protocol import ChatRequest as OllamaChat

@@ -14,7 +14,7 @@ import logging
 import time
 from datetime import UTC, datetime
 
-from server.engine.token_loop import GenerationStats, TokenLogprob
+from server.engine.generation import GenerationStats, TokenLogprob
 from server.engine.tool_calls import OutPiece, ToolCallArgs, ToolCallStart
 from server.http.ollama.protocol import Durations, FunctionOut, LogprobOut, ToolCallOut, TopLogprobOut
 

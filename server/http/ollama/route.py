@@ -23,7 +23,7 @@ from fastapi import Body
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from server.engine.token_loop import GenerationRequest, TokenLogprob
+from server.engine.generation import GenerationRequest, TokenLogprob
 from server.engine.tool_calls import OutPiece
 from server.engine.worker import Finished
 from server.errors import InvalidRequest

@@ -15,7 +15,7 @@ from fastapi import Body
 from starlette.requests import Request
 from starlette.responses import Response
 
-from server.engine.token_loop import TokenLogprob
+from server.engine.generation import TokenLogprob
 from server.engine.tool_calls import OutPiece, ToolCallArgs, ToolCallStart
 from server.errors import InvalidRequest
 from server.http.openai.choices import check_choices, more_choices, respond_choices

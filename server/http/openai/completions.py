@@ -13,7 +13,7 @@ from fastapi import Body
 from starlette.requests import Request
 from starlette.responses import Response
 
-from server.engine.token_loop import GenerationRequest, TokenLogprob
+from server.engine.generation import GenerationRequest, TokenLogprob
 from server.engine.tool_calls import OutPiece
 from server.errors import InvalidRequest
 from server.http.openai.choices import check_choices, more_choices, respond_choices

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from server.engine.chat import ChatRequest, ChatTool, NamedTool, OutputFormat
 from server.engine.chat import ToolChoice as ChatToolChoice
-from server.engine.token_loop import SamplingParams
+from server.engine.generation import SamplingParams
 from server.errors import InvalidRequest
 from server.http.openai.responses.items import conversation, flat_name, warn_once
 from server.http.openai.responses.protocol import (

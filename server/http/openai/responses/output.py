@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.engine.token_loop import GenerationStats
+from server.engine.generation import GenerationStats
 from server.engine.tool_calls import OutPiece, ToolCallArgs, ToolCallStart, strict_json
 from server.http.openai.responses.mapping import Offered, Toolbox
 from server.http.openai.responses.protocol import (

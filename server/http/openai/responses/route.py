@@ -8,7 +8,7 @@ from fastapi import Body
 from starlette.requests import Request
 from starlette.responses import Response
 
-from server.engine.token_loop import GenerationStats, TokenLogprob
+from server.engine.generation import GenerationStats, TokenLogprob
 from server.engine.tool_calls import OutPiece
 from server.engine.worker import Finished
 from server.http.openai.responses.mapping import Toolbox, to_chat_request
