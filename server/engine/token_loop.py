@@ -387,14 +387,14 @@ class TokenLoop:
 
     def _slot_for(self, tokens: tuple[int, ...]) -> Slot:
         """The free slot to decode `tokens` in; a longer prefix live in another slot is copied into
-        it first (a unified KV shares the cells)."""
+        it first where slots share cells (`_shares`)."""
         slots = self.llama.slots
         free = [slot for slot in slots if not slot.busy]
         best = max(free, key=lambda slot: (common_prefix(slot.tokens, tokens), -slot.used))
         n_best = common_prefix(best.tokens, tokens)
         donor = max(slots, key=lambda slot: common_prefix(slot.tokens, tokens))
         n_donor = min(common_prefix(donor.tokens, tokens), len(tokens) - 1)
-        if donor is not best and n_donor > n_best and self.llama.context_params.kv_unified:
+        if donor is not best and n_donor > n_best and self._shares():
             if self.prompt_cache is not None:
                 self.prompt_cache.keep_if_dropped(self.llama, best, 0)
             copy_prefix(self.llama, donor, best, n_donor)

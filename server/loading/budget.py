@@ -195,10 +195,21 @@ def choose_budget(
         )
     if free < layer_bytes:
         raise ConfigError(
-            f"not enough memory for a {n_ctx}-token context: {why} = {_mib(free)}, below one layer's "
-            f"experts ({_mib(layer_bytes)}); lower --ctx-size, free memory, or use a smaller model"
+            f"not enough memory for {_contexts(terms, n_ctx)}: {why} = {_mib(free)}, below one layer's "
+            f"experts ({_mib(layer_bytes)}); lower --ctx-size{_or_parallel(terms)}, free memory, or use a "
+            "smaller model"
         )
     return BudgetChoice(free, f"auto: {why}")
+
+
+def _contexts(terms: MemoryTerms, n_ctx: int) -> str:
+    """The context the memory must hold, in the words of a refusal: each slot's when several."""
+    n_seq = terms.context.n_seq
+    return f"{n_seq} contexts of {n_ctx // n_seq} tokens" if n_seq > 1 else f"a {n_ctx}-token context"
+
+
+def _or_parallel(terms: MemoryTerms) -> str:
+    return " or --parallel" if terms.context.n_seq > 1 else ""
 
 
 def check_budget_floor(requested: int, layer_bytes: int) -> None:
@@ -218,8 +229,8 @@ def check_resident(terms: MemoryTerms, limit: MemoryLimit, file_bytes: int, n_ct
     free = limit.bytes - terms.total
     if free < 0:
         raise ConfigError(
-            f"not enough memory for a {n_ctx}-token context: {why} = {_mib(free)}; lower --ctx-size "
-            "or free memory"
+            f"not enough memory for {_contexts(terms, n_ctx)}: {why} = {_mib(free)}; lower "
+            f"--ctx-size{_or_parallel(terms)} or free memory"
         )
     if free < file_bytes:
         logger.warning(
