@@ -311,8 +311,13 @@ class ModelSettings(BaseSettings):
     @field_validator("parallel", mode="before")
     @classmethod
     def _parse_parallel(cls, value: Any) -> Any:
-        if isinstance(value, str) and value.strip().lower() == "auto":
-            return "auto"
+        if isinstance(value, str):
+            word = value.strip().lower()
+            if word == "auto":
+                return "auto"
+            if not word.lstrip("-").isdigit():
+                raise ValueError(f"parallel must be auto or 1 to {MAX_PARALLEL}, got {value!r}")
+            return int(word)
         return value
 
     @field_validator("parallel")

@@ -16,6 +16,7 @@ import logging
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -134,10 +135,27 @@ def _progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def _write(
+    data: dict[str, Any],
+    info: dict[str, Any],
+    out: Path | None,
+    name: str,
+    write: Callable[[dict[str, Any], Path, str], list[Path]],
+    command: str,
+) -> int:
+    """A served benchmark's report: its data with the model and the environment, under `out` or
+    bench/reports/<name>; prints the files' paths."""
+    from server.bench.harness import environment
+
+    data = {"model": info, "environment": environment(), **data}
+    for path in write(data, out or Path("bench/reports") / name, command):
+        print(path)
+    return 0
+
+
 def _warm_start(
     args: argparse.Namespace, path: Path, info: dict[str, Any], flags: list[str], tokens: int, command: str
 ) -> int:
-    from server.bench.harness import environment
     from server.bench.warm_start import run_warm_start, write_warm_report
 
     if args.rounds < 1:
@@ -151,17 +169,12 @@ def _warm_start(
         settings_flags=tuple(flags),
         progress=_progress,
     )
-    data = {"model": info, "environment": environment(), **data}
-    out = args.out or Path("bench/reports") / f"warm-start-{info['name']}"
-    for p in write_warm_report(data, out, command):
-        print(p)
-    return 0
+    return _write(data, info, args.out, f"warm-start-{info['name']}", write_warm_report, command)
 
 
 def _prompt_cache(
     args: argparse.Namespace, path: Path, info: dict[str, Any], flags: list[str], tokens: int, command: str
 ) -> int:
-    from server.bench.harness import environment
     from server.bench.prompt_cache import run_prompt_cache, write_prompt_cache_report
 
     data = run_prompt_cache(
@@ -172,16 +185,11 @@ def _prompt_cache(
         settings_flags=tuple(flags),
         progress=_progress,
     )
-    data = {"model": info, "environment": environment(), **data}
-    out = args.out or Path("bench/reports") / f"prompt-cache-{info['name']}"
-    for p in write_prompt_cache_report(data, out, command):
-        print(p)
-    return 0
+    return _write(data, info, args.out, f"prompt-cache-{info['name']}", write_prompt_cache_report, command)
 
 
 def run_parallel(args: argparse.Namespace) -> int:
     """`moeflash bench parallel`."""
-    from server.bench.harness import environment
     from server.bench.models import describe_model, shape_model
     from server.bench.parallel import ALL, write_parallel_report
     from server.bench.parallel import run_parallel as measure
@@ -210,11 +218,7 @@ def run_parallel(args: argparse.Namespace) -> int:
         settings_flags=(),
         progress=_progress,
     )
-    data = {"model": info, "environment": environment(), **data}
-    out = args.out or Path("bench/reports") / f"parallel-{info['name']}"
-    for p in write_parallel_report(data, out, command):
-        print(p)
-    return 0
+    return _write(data, info, args.out, f"parallel-{info['name']}", write_parallel_report, command)
 
 
 def run(args: argparse.Namespace) -> int:

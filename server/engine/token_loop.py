@@ -330,8 +330,6 @@ class TokenLoop:
         self.replay: dict[int, dict[int, int]] | None = None
         self.running: list[Sequence] = []
         self.steps = 0  # steps decoded by this loop
-        self.shared_steps = 0  # of them, those that held two or more sequences
-        self.last_tokens = 0  # the last step's tokens
         # the step's plan, for a replay (server/engine/schedule.py) and the gates
         self.last_plan: tuple[Planned, ...] = ()
         self._batch = LlamaBatch(n_tokens=self.step_tokens, embd=0, n_seq_max=1, verbose=False)
@@ -404,13 +402,13 @@ class TokenLoop:
         """Decode one step for every running request; returns those that ended in it (cancelled
         ones included, without decoding). Raises what llama.cpp raises: the running requests'
         KV is then unknown, and the caller ends them all (`abort`)."""
+        self.last_plan = ()  # until a step decodes
         ended = [seq for seq in self.running if seq.cancelled()]
         for seq in ended:
             seq.finish("cancelled")  # a partial prompt stays in the slot: its tokens say which
             if self.journal is not None:
                 self.journal.append(JournalEntry("cancel", self.steps, seq.index))
         self.running = [seq for seq in self.running if not seq.done]
-        self.last_tokens = 0
         if not self.running:
             return self._ended(ended)
         self._share_prefixes()
@@ -428,9 +426,7 @@ class TokenLoop:
         if self.journal is not None:
             self.journal.append(JournalEntry("step", self.steps, -1, plan=plan))
         self.steps += 1
-        self.shared_steps += len(parts) > 1
         self.last_plan = plan
-        self.last_tokens = step.n_tokens
         at = 0  # the batch index after each part's last token: its logits, when it has them
         for (seq, tokens), planned in zip(parts, plan, strict=True):
             at += len(tokens)

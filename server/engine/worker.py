@@ -391,10 +391,11 @@ class Engine:
                 except Exception as exc:  # noqa: BLE001 - handed to the requests, which map it to HTTP
                     logger.exception("a decode step failed")
                     ended, failure = loop.abort(exc), exc
+                plan = loop.last_plan  # empty when the step only ended cancelled requests
                 with self._cond:
-                    self.steps += loop.last_tokens > 0
-                    self.step_tokens += loop.last_tokens
-                    self.shared_steps += loop.last_tokens > 0 and len(loop.last_plan) > 1
+                    self.steps += bool(plan)
+                    self.step_tokens += sum(part.n_tokens for part in plan)
+                    self.shared_steps += len(plan) > 1
                 if ended:
                     self._end(model, sequences, ended, failure)
         except BaseException as exc:
