@@ -246,7 +246,7 @@ test: setup-dev arm
 # need 29% of this file: at 25% the streamer refuses to start, "not enough memory"), every
 # system and lever; a few minutes. Reports in bench/reports/small.*
 bench-small: setup-dev
-	$(VENV)/bin/moeflash bench --shape qwen30b-8l-shape --caps 0.35,0.5 --tokens 16 --mmap-tokens 3 \
+	$(VENV)/bin/moeflash bench suite --shape qwen30b-8l-shape --caps 0.35,0.5 --tokens 16 --mmap-tokens 3 \
 		--out bench/reports/small
 
 # The full report (an 18 GB model, ~30 minutes) and the trace replay. BENCH_SHAPE=qwen30b-q4km-shape
@@ -260,16 +260,16 @@ BENCH_SHAPE ?= qwen30b-shape
 ROUTE_TRACE ?=
 BENCH_OUT = bench/reports/$(BENCH_SHAPE)$(if $(ROUTE_TRACE),-$(firstword $(subst ., ,$(notdir $(ROUTE_TRACE)))))
 bench: setup-dev
-	$(VENV)/bin/moeflash bench --shape $(BENCH_SHAPE) --caps 0.25,0.5 --mmap-tokens 6 \
+	$(VENV)/bin/moeflash bench suite --shape $(BENCH_SHAPE) --caps 0.25,0.5 --mmap-tokens 6 \
 		$(if $(ROUTE_TRACE),--route-trace $(ROUTE_TRACE) --no-levers,--tokens 32) --out $(BENCH_OUT)
 
 # The first answer after a restart, warm-started and cold (~35 minutes): bench/reports/warm-start-<shape>.*
 bench-warm-start: setup-dev
-	$(VENV)/bin/moeflash bench --warm-start --shape $(BENCH_SHAPE) --caps 0.25,0.5 --rounds 3 \
+	$(VENV)/bin/moeflash bench warm-start --shape $(BENCH_SHAPE) --caps 0.25,0.5 --rounds 3 \
 		--out bench/reports/warm-start-$(BENCH_SHAPE)
 
 replay: setup-dev
-	$(VENV)/bin/moeflash bench --replay bench/route-traces/qwen.route.csv \
+	$(VENV)/bin/moeflash bench replay bench/route-traces/qwen.route.csv \
 		bench/route-traces/gemma.route.csv bench/route-traces/trained.route.csv --out bench/reports/trace-replay
 
 # The pinned Codex CLI against the demo model's shape, 50 runs in a row (~40 minutes; not in CI):

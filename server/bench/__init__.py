@@ -1,1 +1,2 @@
-"""The benchmark harness (`moeflash bench`) and its building blocks (memory cgroups, disk ceiling)."""
+"""The benchmarks of `moeflash bench` (one subcommand each) and their building blocks (memory cgroups,
+disk ceiling)."""

@@ -4,7 +4,7 @@ The two real traces have short prompts (28-29 tokens), 6 experts per token and 1
 policy tuned to them might not hold on a model with fewer, larger experts per token, fewer experts
 per layer or a prompt longer than its decode. These derivations keep a real trace's routing
 structure and change one such property. They are not real routing: they judge robustness
-(`moeflash bench --replay`, "Derived traces"), never a headline figure.
+(`moeflash bench replay`, "Derived traces"), never a headline figure.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`moeflash bench`: moeflash against stock mmap and the disk's ceiling, side by side.
+"""`moeflash bench suite`: moeflash against stock mmap and the disk's ceiling, side by side.
 
 One invocation measures, on the same file: the disk ceiling (O_DIRECT random reads of one
 expert's size at 1/2/4 readers, and sequential), the uncapped references (resident; streaming
@@ -49,7 +49,7 @@ class BenchConfig:
     ceiling_seconds: float = 8.0
     timeout_s: float = 1800.0
     expert_bytes_per_read: int = 0  # one expert slice; from the model when 0
-    # model-settings flags given to `moeflash bench`, passed to every system's `generate`
+    # model-settings flags given to `moeflash bench suite`, passed to every system's `generate`
     settings_flags: tuple[str, ...] = ()
 
 

@@ -1,6 +1,6 @@
 """The prompt-cache benchmark: an agent-like replay, with and without the prompt cache.
 
-    moeflash bench --prompt-cache --shape qwen30b-8l-shape --caps 0.5
+    moeflash bench prompt-cache --shape qwen30b-8l-shape --caps 0.5
 
 Real `moeflash serve` processes under a memory cgroup, streamed chat completions over HTTP.
 Three agents with long system prompts of their own (A, B, C: about 3,000, 2,250 and 1,900

@@ -1,4 +1,4 @@
-"""`moeflash bench --replay`: cache-policy curves on real routing traces, with the checks.
+"""`moeflash bench replay`: cache-policy curves on real routing traces, with the checks.
 
 For each trace: hit rates of the streamer's policies (LAYER, the default, and LRU; the C code
 itself) next to LFU, random and Belady's optimum at budgets from 250 MiB to 8 GiB; the published

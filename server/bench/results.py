@@ -27,7 +27,7 @@ class Run:
 
 @dataclass
 class BenchResult:
-    """Everything one `moeflash bench` run measured."""
+    """Everything one `moeflash bench suite` run measured."""
 
     model: dict[str, Any]
     environment: dict[str, Any]

@@ -1,7 +1,7 @@
 """The warm-start benchmark: the first answer after a restart, with and without the last run's
 hot set read back (server/loading/hot_set.py).
 
-    moeflash bench --warm-start --shape qwen30b-shape --caps 0.25
+    moeflash bench warm-start --shape qwen30b-shape --caps 0.25
 
 Real `moeflash serve` processes under a memory cgroup, a streamed chat conversation over HTTP.
 Each round:

@@ -1,24 +1,34 @@
-"""`moeflash bench`: the side-by-side benchmark, and `--replay` of routing traces.
+"""`moeflash bench`: one subcommand a benchmark, each with only the flags it runs with.
 
-moeflash bench --shape qwen30b-shape --caps 0.25,0.5          # generates (or reuses) the model
-moeflash bench --model m.gguf --caps 4G,8G --tokens 32
-moeflash bench --replay bench/route-traces/qwen.route.csv
-moeflash bench --warm-start --shape qwen30b-shape --caps 0.25  # the first answer after a restart
-moeflash bench --prompt-cache --shape qwen30b-8l-shape --caps 0.5  # agents taking turns, cache on/off
+moeflash bench suite --shape qwen30b-shape --caps 0.25,0.5          # generates (or reuses) the model
+moeflash bench suite --model m.gguf --caps 4G,8G --tokens 32
+moeflash bench replay bench/route-traces/qwen.route.csv
+moeflash bench warm-start --shape qwen30b-shape --caps 0.25  # the first answer after a restart
+moeflash bench prompt-cache --shape qwen30b-8l-shape --caps 0.5  # agents taking turns, cache on/off
 moeflash bench parallel --shape qwen30b-shape --caps all,0.5,0.25  # several clients at once
+
+A benchmark's flags given to `bench` itself, as the command once took them (`bench --replay T`,
+`bench --warm-start ...`, `bench --shape ...` for the suite), are refused with the subcommand's
+command spelled out, exit status 2 as argparse's errors; so is bench's `--models-dir`, named
+`--shapes-dir` (serve's `--models-dir` is a directory of models to serve, a thing of its own).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from pydantic import create_model
+from pydantic_settings import BaseSettings
 
 from server.errors import ConfigError, MoeflashError
 from server.settings import ModelSettings, RouteTraceSettings, add_arguments, given_flags
@@ -29,74 +39,222 @@ logger = logging.getLogger(__name__)
 BENCH_CTX_SIZE = 1024
 # the prompt-cache replay's, as in issue 40's report (its conversations grow to about 3,400 tokens)
 PROMPT_CACHE_CTX_SIZE = 8192
+# the mode flags of `bench` before its subcommands, and the subcommand each became
+OLD_MODES = (("--replay", "replay"), ("--warm-start", "warm-start"), ("--prompt-cache", "prompt-cache"))
+# bench's flags that were renamed, and their names now
+RENAMED = (("--models-dir", "--shapes-dir"),)
+
+
+def _only(cls: type[BaseSettings], names: Iterable[str]) -> type[BaseSettings]:
+    """`cls` with only the fields `names`, for `add_arguments` to make their flags (help, defaults,
+    short forms as `serve` and `generate` have them) and no others; named as `cls`, whose name
+    titles the flags' group in --help."""
+    chosen = set(names)
+    fields: dict[str, Any] = {
+        name: (field.annotation, field) for name, field in cls.model_fields.items() if name in chosen
+    }
+    made: type[BaseSettings] = create_model(cls.__name__, __base__=BaseSettings, **fields)
+    return made
+
+
+class _Renamed(argparse.Action):
+    """A flag of bench that has another name now: refused, naming the new one."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any, **__: Any) -> None:
+        new = dict(RENAMED)[self.option_strings[0]]
+        parser.error(
+            f"{self.option_strings[0]} is {new} in bench: where --shape models are generated and "
+            "reused (serve's --models-dir is a directory of models to serve)"
+        )
+
+
+class _OldForm(argparse.Action):
+    """A flag given to `bench` itself, as before its benchmarks were subcommands: kept with its
+    values in order, for `_refuse_old_form` to spell out the new command."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: Any = None,
+    ) -> None:
+        given = [*(getattr(namespace, self.dest) or ()), (str(option_string), list(values))]
+        setattr(namespace, self.dest, given)
+
+
+def _new_form(given: Sequence[tuple[str, list[str]]], options: Mapping[str, set[str]]) -> tuple[str, str]:
+    """The subcommand an old form meant, and its command line: the mode flag's subcommand (the
+    suite without one), --replay's traces as replay's arguments, renamed flags under their new
+    name, and flags the old form ignored in that mode left out."""
+    modes, renamed = dict(OLD_MODES), dict(RENAMED)
+    name = next((modes[flag] for flag, _ in given if flag in modes), "suite")
+    words = ["moeflash", "bench", name]
+    for flag, values in given:
+        new = renamed.get(flag, flag)
+        if flag in modes:
+            words += values
+        elif new in options[name]:
+            words += [new, *values]
+    return name, shlex.join(words)
+
+
+def _refuse_old_form(
+    parser: argparse.ArgumentParser, options: Mapping[str, set[str]], args: argparse.Namespace
+) -> int:
+    """`bench` without a subcommand: a usage error (exit status 2) that names the subcommand an
+    old form's flags meant, spelled out with them."""
+    if not args.old_form:
+        parser.error(f"name a benchmark: moeflash bench {{{','.join(options)}}} (moeflash bench --help)")
+    name, command = _new_form(args.old_form, options)
+    first = next((flag for flag, _ in args.old_form if flag in dict(OLD_MODES)), args.old_form[0][0])
+    parser.error(
+        f"`moeflash bench {first}` is `moeflash bench {name}` now (each benchmark is a subcommand "
+        f"with its own flags): {command}"
+    )
 
 
 def register(subparsers: Any) -> None:
-    """Add the `bench` subcommand."""
+    """Add `bench` and its subcommands; flags given to `bench` itself are the old forms'."""
     p = subparsers.add_parser(
         "bench",
         help="benchmark moeflash against stock mmap and the disk ceiling (or replay routing traces)",
-        description="Side-by-side benchmark on one model file under memory caps, with the ratios of "
-        "docs/benchmarks.md; or --replay a routing trace through the streamer's cache policy.",
+        description="The benchmarks, one subcommand each (docs/benchmarks.md); `moeflash bench BENCH "
+        "--help` gives a benchmark's flags.",
     )
-    what = p.add_argument_group("what to measure (one of --shape, --model, --replay)")
-    what.add_argument("--shape", help="synthetic model preset to generate or reuse (e.g. qwen30b-shape)")
-    what.add_argument("--replay", type=Path, nargs="+", help="route trace(s) to replay (*.route.csv)")
-    p.add_argument("--caps", default="0.25,0.5", help="memory caps: fractions of the file size or sizes (4G)")
-    p.add_argument(
-        "--tokens",
-        type=int,
-        default=None,
-        help="decode tokens per system (default 32; with --route-trace the trace's whole decode)",
+    # not required: `bench` alone or with the old forms' flags reaches _refuse_old_form, which
+    # names the subcommand meant
+    benches = p.add_subparsers(title="benchmarks", metavar="BENCH")
+    _register_suite(benches)
+    replay = benches.add_parser(
+        "replay",
+        help="replay routing traces through the streamer's cache policies (no model, no clock)",
+        description="Replay routing traces (*.route.csv) through the streamer's cache policies, beside "
+        "LRU, LFU, random and Belady's optimum (server/bench/replay_report.py).",
     )
-    p.add_argument("--mmap-tokens", type=int, default=8, help="decode tokens of the stock mmap run (slow)")
-    p.add_argument("--no-levers", action="store_true", help="skip the one-lever-at-a-time variants")
-    p.add_argument(
-        "--warm-start",
-        action="store_true",
-        help="measure instead the first answer after a restart of `serve`, warm-started and cold "
-        "(server/bench/warm_start.py)",
-    )
-    p.add_argument("--rounds", type=int, default=3, help="--warm-start: restarts per cap and schedule")
-    p.add_argument(
-        "--prompt-cache",
-        action="store_true",
-        help="measure instead an agent-like replay of `serve` with and without the prompt cache "
-        f"(server/bench/prompt_cache.py; --ctx-size {PROMPT_CACHE_CTX_SIZE} unless given)",
-    )
-    p.add_argument("--ceiling-seconds", type=float, default=8.0, help="seconds per disk-ceiling pattern")
-    p.add_argument("--models-dir", type=Path, default=Path("models"), help="where --shape models live")
-    p.add_argument("--delete-model", action="store_true", help="delete a generated model afterwards")
-    p.add_argument("--out", type=Path, help="report path without suffix (default bench/reports/<name>)")
-    # the model settings of serve and generate: --model is an existing GGUF (the first file of a split
-    # set); the others given go to every system's run (its own levers come later and win), and
-    # --ctx-size is 1024 unless given; --route-trace routes every system by the trace, its prompt
-    # as long as the trace's
-    add_arguments(p, (ModelSettings, RouteTraceSettings))
+    replay.add_argument("traces", type=Path, nargs="+", metavar="TRACE", help="route trace(s) to replay")
+    _add_out(replay, "trace-replay")
+    replay.set_defaults(func=run_replay)
+    _register_served(benches)
+    # each subcommand's flags, for the old forms' message (argparse keeps them only privately)
+    options = {
+        name: set(sub._option_string_actions) - {"-h", "--help"} for name, sub in benches.choices.items()
+    }
+    old = sorted(set().union(*options.values(), dict(OLD_MODES)))
+    p.add_argument(*old, dest="old_form", action=_OldForm, nargs="*", help=argparse.SUPPRESS)
+    p.set_defaults(func=functools.partial(_refuse_old_form, p, options))
+
+
+def _model_bench(
+    benches: Any,
+    name: str,
+    run: Callable[[argparse.Namespace], int],
+    tokens: tuple[int | None, str],
+    caps: str = "0.25,0.5",
+    **texts: str,
+) -> Any:
+    """A benchmark on a model: its parser, with what each of them takes (the model, --caps of
+    default `caps`, --tokens of default and help `tokens`, --out) and `run` to run it; `texts` are
+    its help and description."""
+    p = benches.add_parser(name, **texts)
     p.set_defaults(func=run)
-    benches = p.add_subparsers(title="benchmarks with a subcommand", metavar="BENCH")
-    parallel = benches.add_parser(
+    _add_model_choice(p)
+    every = "all (every expert cached), " if "all" in caps.split(",") else ""
+    p.add_argument(
+        "--caps",
+        default=caps,
+        help=f"memory caps: {every}fractions of the file size or sizes (4G) (default {caps})",
+    )
+    p.add_argument("--tokens", type=int, default=tokens[0], help=tokens[1])
+    _add_out(p, "<name>" if name == "suite" else f"{name}-<name>")
+    return p
+
+
+def _register_suite(benches: Any) -> None:
+    suite = _model_bench(
+        benches,
+        "suite",
+        run_suite,
+        (None, "decode tokens per system (default 32; with --route-trace the trace's whole decode)"),
+        help="moeflash against stock mmap and the disk ceiling under memory caps, side by side",
+        description="Side-by-side benchmark on one model file under memory caps, with the ratios of "
+        f"docs/benchmarks.md (server/bench/harness.py); --ctx-size {BENCH_CTX_SIZE} unless given.",
+    )
+    suite.add_argument(
+        "--mmap-tokens", type=int, default=8, help="decode tokens of the stock mmap run (slow)"
+    )
+    suite.add_argument("--no-levers", action="store_true", help="skip the one-lever-at-a-time variants")
+    suite.add_argument("--ceiling-seconds", type=float, default=8.0, help="seconds per disk-ceiling pattern")
+    # --route-trace routes every system by the trace, its prompt as long as the trace's
+    _add_model_settings(suite, _only(RouteTraceSettings, ["route_trace"]))
+
+
+def _register_served(benches: Any) -> None:
+    """The benchmarks of real `moeflash serve` processes."""
+    warm = _model_bench(
+        benches,
+        "warm-start",
+        run_warm_start,
+        (32, "tokens per answer"),
+        help="the first answer after a restart of `serve`, warm-started and cold",
+        description="The first answer after a restart of `serve` under memory caps, warm-started from "
+        f"the last run's hot set and cold (server/bench/warm_start.py); --ctx-size {BENCH_CTX_SIZE} unless "
+        "given.",
+    )
+    warm.add_argument("--rounds", type=int, default=3, help="restarts per cap and schedule")
+    _add_model_settings(warm)
+    _add_model_settings(
+        _model_bench(
+            benches,
+            "prompt-cache",
+            run_prompt_cache,
+            (16, "tokens per answer"),
+            help="an agent-like replay of `serve` with and without the prompt cache",
+            description="Three agents taking turns on `serve` under memory caps, with and without the "
+            "prompt cache, a restart in the middle (server/bench/prompt_cache.py); --ctx-size "
+            f"{PROMPT_CACHE_CTX_SIZE} unless given.",
+        )
+    )
+    parallel = _model_bench(
+        benches,
         "parallel",
+        run_parallel,
+        (128, "tokens per stream"),
+        caps="all,0.5,0.25",
         help="several clients at once on `serve --parallel 4`: aggregate tokens/s, latencies",
         description="Aggregate tokens/s of 1, 2 and 4 streams at once, and a short and a long request's "
         "time to first token beside a running stream, per memory cap (server/bench/parallel.py).",
     )
-    shape = parallel.add_mutually_exclusive_group(required=True)
-    shape.add_argument("--shape", help="synthetic model preset to generate or reuse (e.g. qwen30b-shape)")
-    shape.add_argument("--model", "-m", type=Path, help="an existing GGUF (the first file of a split set)")
-    parallel.add_argument(
-        "--caps",
-        default="all,0.5,0.25",
-        help="memory caps: all (every expert cached), fractions of the file size or sizes (4G)",
-    )
-    parallel.add_argument("--tokens", type=int, default=128, help="tokens per stream")
     parallel.add_argument("--rounds", type=int, default=2, help="rounds, the stream counts alternated")
     parallel.add_argument("--ctx-size", type=int, default=4096, help="each request's context")
-    parallel.add_argument("--models-dir", type=Path, default=Path("models"), help="where --shape models live")
-    parallel.add_argument(
-        "--out", type=Path, help="report path without suffix (default bench/reports/<name>)"
+
+
+def _add_model_choice(p: argparse.ArgumentParser) -> None:
+    """--shape or --model, exactly one: the model a benchmark runs on (argparse refuses both or
+    neither); --shapes-dir, where --shape's are generated and reused."""
+    group = p.add_argument_group("the model (one of --shape, --model)")
+    choice = group.add_mutually_exclusive_group(required=True)
+    choice.add_argument("--shape", help="synthetic model preset to generate or reuse (e.g. qwen30b-shape)")
+    choice.add_argument("-m", "--model", type=Path, help="an existing GGUF (the first file of a split set)")
+    group.add_argument(
+        "--shapes-dir",
+        type=Path,
+        default=Path("models"),
+        help="where --shape models are generated and reused (default models)",
     )
-    parallel.set_defaults(func=run_parallel)
+    p.add_argument(*dict(RENAMED), nargs="?", action=_Renamed, help=argparse.SUPPRESS)
+
+
+def _add_out(p: argparse.ArgumentParser, name: str) -> None:
+    p.add_argument("--out", type=Path, help=f"report path without suffix (default bench/reports/{name})")
+
+
+def _add_model_settings(p: argparse.ArgumentParser, *more: type[BaseSettings]) -> None:
+    """The model settings of serve and generate but --model (the model is --shape's or --model's):
+    the ones given go to every run (a system's own levers come later and win; --ctx-size is the
+    benchmark's own unless given); and --delete-model."""
+    p.add_argument("--delete-model", action="store_true", help="delete a model --shape generated afterwards")
+    add_arguments(p, (_only(ModelSettings, (n for n in ModelSettings.model_fields if n != "model")), *more))
 
 
 def _parse_caps(text: str, file_bytes: int) -> list[int]:
@@ -135,75 +293,117 @@ def _progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def _command() -> str:
+    """The command line as the reports record it."""
+    return "moeflash " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def _model_path(args: argparse.Namespace) -> tuple[Path, bool]:
+    """--shape's model, generated (True) or reused in --shapes-dir, or --model's."""
+    from server.bench.models import shape_model
+
+    if args.shape:
+        return shape_model(args.shape, args.shapes_dir, progress=sys.stderr.isatty())
+    if not args.model.exists():
+        raise ConfigError(f"model {args.model} does not exist")
+    return args.model, False
+
+
+@contextmanager
+def _bench_model(args: argparse.Namespace) -> Iterator[tuple[Path, dict[str, Any], list[str]]]:
+    """The model a benchmark of model settings runs on, its description (a generated one's sha256
+    too) and the settings' flags given; with --delete-model, a model generated here is deleted
+    afterwards, however the benchmark ended."""
+    from server.bench.models import describe_model
+
+    path, generated = _model_path(args)
+    try:
+        info = describe_model(path)
+        if args.shape:
+            info["sha256"] = path.with_suffix(".sha256").read_text().strip()
+        yield path, info, given_flags(args, ModelSettings, skip=("model", "ctx_size"))
+    finally:
+        if generated and args.delete_model:
+            path.unlink(missing_ok=True)
+            path.with_suffix(".sha256").unlink(missing_ok=True)
+
+
 def _write(
     data: dict[str, Any],
     info: dict[str, Any],
     out: Path | None,
     name: str,
     write: Callable[[dict[str, Any], Path, str], list[Path]],
-    command: str,
 ) -> int:
     """A served benchmark's report: its data with the model and the environment, under `out` or
     bench/reports/<name>; prints the files' paths."""
     from server.bench.harness import environment
 
     data = {"model": info, "environment": environment(), **data}
-    for path in write(data, out or Path("bench/reports") / name, command):
+    for path in write(data, out or Path("bench/reports") / name, _command()):
         print(path)
     return 0
 
 
-def _warm_start(
-    args: argparse.Namespace, path: Path, info: dict[str, Any], flags: list[str], tokens: int, command: str
+def run_replay(args: argparse.Namespace) -> int:
+    """`moeflash bench replay`."""
+    from server.bench.replay_report import run_replay as replay
+
+    return replay(args.traces, args.out, _command(), _progress)
+
+
+def _run_served(
+    args: argparse.Namespace,
+    name: str,
+    ctx_size: int,
+    measure: Callable[..., dict[str, Any]],
+    write: Callable[[dict[str, Any], Path, str], list[Path]],
+    **more: Any,
 ) -> int:
-    from server.bench.warm_start import run_warm_start, write_warm_report
+    """A benchmark of `serve` processes on the model under each cap, the model settings given
+    passed to them, --ctx-size `ctx_size` unless given; its report is <name>-<model>."""
+    with _bench_model(args) as (path, info, flags):
+        data = measure(
+            path,
+            _parse_caps(args.caps, info["file_bytes"]),
+            tokens=args.tokens,
+            ctx_size=int(args.ctx_size or ctx_size),
+            settings_flags=tuple(flags),
+            progress=_progress,
+            **more,
+        )
+        return _write(data, info, args.out, f"{name}-{info['name']}", write)
 
-    if args.rounds < 1:
-        raise ConfigError("--rounds must be >= 1")
-    data = run_warm_start(
-        path,
-        _parse_caps(args.caps, info["file_bytes"]),
-        rounds=args.rounds,
-        tokens=tokens,
-        ctx_size=int(args.ctx_size or BENCH_CTX_SIZE),
-        settings_flags=tuple(flags),
-        progress=_progress,
-    )
-    return _write(data, info, args.out, f"warm-start-{info['name']}", write_warm_report, command)
+
+def run_warm_start(args: argparse.Namespace) -> int:
+    """`moeflash bench warm-start`."""
+    from server.bench.warm_start import run_warm_start as measure
+    from server.bench.warm_start import write_warm_report
+
+    if args.tokens < 4 or args.rounds < 1:
+        raise ConfigError("--tokens must be >= 4 and --rounds >= 1")
+    return _run_served(args, "warm-start", BENCH_CTX_SIZE, measure, write_warm_report, rounds=args.rounds)
 
 
-def _prompt_cache(
-    args: argparse.Namespace, path: Path, info: dict[str, Any], flags: list[str], tokens: int, command: str
-) -> int:
-    from server.bench.prompt_cache import run_prompt_cache, write_prompt_cache_report
+def run_prompt_cache(args: argparse.Namespace) -> int:
+    """`moeflash bench prompt-cache`."""
+    from server.bench.prompt_cache import run_prompt_cache as measure
+    from server.bench.prompt_cache import write_prompt_cache_report
 
-    data = run_prompt_cache(
-        path,
-        _parse_caps(args.caps, info["file_bytes"]),
-        tokens=tokens,
-        ctx_size=int(args.ctx_size or PROMPT_CACHE_CTX_SIZE),
-        settings_flags=tuple(flags),
-        progress=_progress,
-    )
-    return _write(data, info, args.out, f"prompt-cache-{info['name']}", write_prompt_cache_report, command)
+    if args.tokens < 4:
+        raise ConfigError("--tokens must be >= 4")
+    return _run_served(args, "prompt-cache", PROMPT_CACHE_CTX_SIZE, measure, write_prompt_cache_report)
 
 
 def run_parallel(args: argparse.Namespace) -> int:
     """`moeflash bench parallel`."""
-    from server.bench.models import describe_model, shape_model
+    from server.bench.models import describe_model
     from server.bench.parallel import ALL, write_parallel_report
     from server.bench.parallel import run_parallel as measure
 
-    command = "moeflash " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     if args.tokens < 8 or args.rounds < 1:
         raise ConfigError("--tokens must be >= 8 and --rounds >= 1")
-    path = (
-        shape_model(args.shape, args.models_dir, progress=sys.stderr.isatty())[0]
-        if args.shape
-        else args.model
-    )
-    if not path.exists():
-        raise ConfigError(f"model {path} does not exist")
+    path, _ = _model_path(args)
     info = describe_model(path)
     words = [c.strip() for c in args.caps.split(",") if c.strip()]
     caps: list[int | str] = [ALL] * (ALL in words)
@@ -218,55 +418,22 @@ def run_parallel(args: argparse.Namespace) -> int:
         settings_flags=(),
         progress=_progress,
     )
-    return _write(data, info, args.out, f"parallel-{info['name']}", write_parallel_report, command)
+    return _write(data, info, args.out, f"parallel-{info['name']}", write_parallel_report)
 
 
-def run(args: argparse.Namespace) -> int:
-    """The `bench` subcommand."""
-    command = "moeflash " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    if sum(bool(x) for x in (args.shape, args.model, args.replay)) != 1:
-        raise ConfigError("name one of --shape, --model or --replay")
-    if args.replay:
-        from server.bench.replay_report import run_replay
-
-        return run_replay(args.replay, args.out, command, _progress)
-    if (args.tokens is not None and args.tokens < 4) or args.mmap_tokens < 1:
-        raise ConfigError("--tokens must be >= 4 and --mmap-tokens >= 1")
-    routing = RouteTraceSettings.from_args(args)
-    if routing.record_route_trace is not None:
-        raise ConfigError("--record-route-trace records one run: use it with moeflash generate")
-    if routing.prefetch_from_trace:
-        raise ConfigError(
-            "--prefetch-from-trace is one of the systems a traced bench runs: give --route-trace"
-        )
+def run_suite(args: argparse.Namespace) -> int:
+    """`moeflash bench suite`."""
     from server.bench.harness import BenchConfig, run_bench
-    from server.bench.models import describe_model, shape_model
     from server.bench.report import write_reports
     from server.bench.systems import default_systems
 
-    generated = False
-    if args.shape:
-        path, generated = shape_model(args.shape, args.models_dir, progress=sys.stderr.isatty())
-    else:
-        path = Path(args.model)
-        if not path.exists():
-            raise ConfigError(f"model {path} does not exist")
-    try:
-        info = describe_model(path)
-        if args.shape:
-            info["sha256"] = path.with_suffix(".sha256").read_text().strip()
-        flags = given_flags(args, ModelSettings, skip=("model", "ctx_size", "config"))
+    if (args.tokens is not None and args.tokens < 4) or args.mmap_tokens < 1:
+        raise ConfigError("--tokens must be >= 4 and --mmap-tokens >= 1")
+    trace = RouteTraceSettings.from_args(args).route_trace
+    with _bench_model(args) as (path, info, flags):
         tokens = args.tokens or 32
-        if args.warm_start:
-            if routing.route_trace is not None:
-                raise ConfigError("--warm-start measures `serve`, which runs the model's own routing")
-            return _warm_start(args, path, info, flags, tokens, command)
-        if args.prompt_cache:
-            if routing.route_trace is not None:
-                raise ConfigError("--prompt-cache measures `serve`, which runs the model's own routing")
-            return _prompt_cache(args, path, info, flags, args.tokens or 16, command)
-        if routing.route_trace is not None:
-            flags += _trace_flags(routing.route_trace, path, info)
+        if trace is not None:
+            flags += _trace_flags(trace, path, info)
             # what the replay of each run's routes needs to judge its hit rate (ratios.py)
             defaults = ModelSettings.model_fields
             info["route_trace"] |= {
@@ -283,19 +450,12 @@ def run(args: argparse.Namespace) -> int:
             ceiling_seconds=args.ceiling_seconds,
             settings_flags=tuple(flags),
         )
-        systems = default_systems(
-            args.mmap_tokens, levers=not args.no_levers, traced=routing.route_trace is not None
-        )
+        systems = default_systems(args.mmap_tokens, levers=not args.no_levers, traced=trace is not None)
         try:
             result = run_bench(cfg, systems, info, _progress)
         except OSError as exc:
             raise MoeflashError(str(exc)) from exc
-        out = args.out or Path("bench/reports") / info["name"]
-        for p in write_reports(result, out, command):
-            print(p)
+        for report in write_reports(result, args.out or Path("bench/reports") / info["name"], _command()):
+            print(report)
         print(json.dumps(result.ratios, indent=1))
-    finally:
-        if generated and args.delete_model:
-            path.unlink(missing_ok=True)
-            path.with_suffix(".sha256").unlink(missing_ok=True)
     return 0

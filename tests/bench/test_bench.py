@@ -35,6 +35,7 @@ def test_bench_runs_every_system_on_a_tiny_model(tiny_model: Callable[..., Path]
     out = tmp_path / "report"
     proc = moeflash(
         "bench",
+        "suite",
         "--model",
         str(tiny_model("tiny-qwen3moe")),
         "--caps",
@@ -178,7 +179,7 @@ def test_model_description_counts_every_layers_experts(
 
 
 def test_bench_refuses_a_missing_model(tmp_path: Path) -> None:
-    proc = moeflash("bench", "--model", str(tmp_path / "nope.gguf"))
+    proc = moeflash("bench", "suite", "--model", str(tmp_path / "nope.gguf"))
     assert proc.returncode == 2 and "does not exist" in proc.stderr
 
 
@@ -186,7 +187,7 @@ def test_replay_reproduces_the_published_lru_and_belady_curves(tmp_path: Path) -
     out = tmp_path / "replay"
     proc = moeflash(
         "bench",
-        "--replay",
+        "replay",
         str(TRACES / "qwen.route.csv"),
         str(TRACES / "gemma.route.csv"),
         str(TRACES / "trained.route.csv"),
@@ -435,7 +436,7 @@ def test_replay_refuses_a_bad_trace_and_writes_nothing(
         bad.write_text(text)
     out = tmp_path / "replay"
     # the good trace first: nothing is replayed or written until every trace has been read
-    proc = moeflash("bench", "--replay", str(good), str(bad), "--out", str(out))
+    proc = moeflash("bench", "replay", str(good), str(bad), "--out", str(out))
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert not list(tmp_path.glob("replay*"))
@@ -448,7 +449,7 @@ def test_replay_of_a_trace_every_budget_holds_whole(tmp_path: Path) -> None:
     rows = "".join(f"0,1,{t},{layer},{e},{e},1,0,1\n" for t in range(3) for layer in (0, 1) for e in range(4))
     trace.write_text(head + rows)
     out = tmp_path / "replay"
-    proc = moeflash("bench", "--replay", str(trace), "--out", str(out))
+    proc = moeflash("bench", "replay", str(trace), "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(out.with_suffix(".json").read_text())
     assert data["working_sets"]["rows"] == {"whole": []}
@@ -460,7 +461,7 @@ def test_replay_refuses_a_bad_published_curve(tmp_path: Path) -> None:
     trace = tmp_path / "t.route.csv"
     trace.write_text(_TRACE_TOP + "0,1,0,0,0,1,1,0,1\n")
     (tmp_path / "t-curve.csv").write_text("budget_mib,policy,hit_pct_decode\nlots,lru,1\n")
-    proc = moeflash("bench", "--replay", str(trace), "--out", str(tmp_path / "replay"))
+    proc = moeflash("bench", "replay", str(trace), "--out", str(tmp_path / "replay"))
     assert proc.returncode == 2 and "t-curve.csv: not a published curve" in proc.stderr, proc.stderr[-2000:]
     assert not list(tmp_path.glob("replay*"))
 

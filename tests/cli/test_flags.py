@@ -1,4 +1,5 @@
-"""One settings model generates the model flags of serve, generate and bench alike."""
+"""One settings model generates the model flags of serve, generate and the benchmarks that run
+the model (bench suite, warm-start and prompt-cache) alike."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from server.cli import build_parser
 from server.settings import ModelSettings, ServerSettings, given_flags, settings_from_args
 
 
-def _subcommand(name: str) -> argparse.ArgumentParser:
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    chosen: argparse.ArgumentParser = sub.choices[name]
+def _subcommand(path: str) -> argparse.ArgumentParser:
+    """The parser of a (sub)command by its words, e.g. "bench suite"."""
+    chosen = build_parser()
+    for name in path.split():
+        sub = next(a for a in chosen._actions if isinstance(a, argparse._SubParsersAction))
+        chosen = sub.choices[name]
     return chosen
 
 
@@ -21,7 +24,9 @@ def _options(parser: argparse.ArgumentParser) -> set[str]:
     return {flag for action in parser._actions for flag in action.option_strings}
 
 
-@pytest.mark.parametrize("command", ["serve", "generate", "bench"])
+@pytest.mark.parametrize(
+    "command", ["serve", "generate", "bench suite", "bench warm-start", "bench prompt-cache"]
+)
 def test_every_model_setting_is_a_flag_of_every_command(command: str) -> None:
     options = _options(_subcommand(command))
     for name in ModelSettings.model_fields:
@@ -52,7 +57,7 @@ def test_generate_reads_the_same_settings_as_serve() -> None:
 
 
 def test_bench_passes_the_model_flags_it_was_given_to_generate() -> None:
-    bench = _subcommand("bench").parse_args(
+    bench = _subcommand("bench suite").parse_args(
         ["--shape", "x", "--lanes", "2", "--no-overlap", "--alias", "a", "--alias", "b", "--budget", "1G"]
     )
     flags = given_flags(bench, ModelSettings, skip=("model",))
