@@ -238,10 +238,11 @@ class ModelSettings(BaseSettings):
     threads: int | None = Field(
         None, ge=1, le=1024, description="CPU threads (default: all)", json_schema_extra={"short": "-t"}
     )
-    flash_attn: Literal["auto", "on", "off"] = Field(
-        "auto",
-        description="flash attention: on, off, or auto (on when the attention buffers of a full context "
-        "would crowd the expert cache or the weights out of memory; they shrink about 6x)",
+    flash_attn: Literal["on", "off"] = Field(
+        "off",
+        description="flash attention: off, or on (a long context's attention buffers shrink about 6x, but "
+        "a prompt's text then depends on how it is batched: prompt cache, other requests); never chosen "
+        "by the mode or the memory, so a request gives one text resident or streamed",
     )
     mode: Literal["auto", "resident", "streaming"] = Field(
         "auto",
@@ -307,6 +308,16 @@ class ModelSettings(BaseSettings):
     def model_aliases(self) -> list[str]:
         """The aliases that name the model ('*' is a rule, never a name /v1/models lists)."""
         return [name for name in self.alias if name != ANY_MODEL]
+
+    @field_validator("flash_attn", mode="before")
+    @classmethod
+    def _no_automatic_flash_attn(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            raise ValueError(
+                "flash_attn is on or off: 'auto' (on when memory ran short) is gone, since it made the "
+                "text depend on the memory; the default is off (docs/memory.md)"
+            )
+        return value
 
     @field_validator("parallel", mode="before")
     @classmethod

@@ -53,6 +53,20 @@ def test_prefetch_written_as_on_or_off_still_reads(monkeypatch: pytest.MonkeyPat
         ModelSettings(prefetch="sometimes")
 
 
+def test_automatic_flash_attention_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # "auto" once turned flash attention on when memory ran short, which changed the text
+    config = tmp_path / "moeflash.toml"
+    config.write_text('[model]\nflash_attn = "auto"\n')
+    with pytest.raises(ConfigError, match="'auto' .* is gone"):
+        load_settings({}, config)
+    monkeypatch.setenv("MOEFLASH_FLASH_ATTN", "auto")
+    with pytest.raises(ConfigError, match="'auto' .* is gone"):
+        load_settings({})
+    monkeypatch.setenv("MOEFLASH_FLASH_ATTN", "on")
+    assert load_settings({})[1].flash_attn == "on"
+    assert ModelSettings.model_fields["flash_attn"].default == "off"
+
+
 @pytest.mark.parametrize(
     "cli",
     [

@@ -1,4 +1,4 @@
-"""A llama.cpp context's host memory, measured, and flash attention to shrink it.
+"""A llama.cpp context's host memory, measured.
 
 `context_bytes(llama)` asks llama.cpp (patch 0004, `llama_get_context_bytes`) what the context
 holds beside the weights: the KV cache, the compute buffers reserved for a full micro-batch over
@@ -6,11 +6,14 @@ the whole context (allocated at creation, filled only when a prompt that long ar
 output buffer. Without flash attention one more buffer grows on the first long prompt: ggml's
 work buffer for the attention product, where the F32 scores (n_kv x n_ubatch x n_head) are
 converted to F16 for the V matmul; llama.cpp does not reserve it, so it is computed here from
-those sizes. Flash attention never materialises the scores: on qwen30b-8l-shape at 8192 tokens
-the compute buffers are 96 instead of 558 MiB, and the work buffer is gone
-(docs/memory.md says how to measure it). `recreate_context` swaps a loaded Llama's context for
-one with flash attention on or more slots; the weights stay where they are; `fit_slots` chooses
-the slots (`--parallel`).
+those sizes (docs/memory.md says how to measure it).
+
+Flash attention is a setting, never a memory decision: it changes what is computed, and a model
+must give the same text resident or streamed, under any memory limit. Off by default: the CPU
+backend's flash attention is not batch-invariant (a prompt decoded whole or in two parts gives
+other logits; docs/memory.md), and the prompt cache and prompt chunks beside running requests
+split prompts. `recreate_context` swaps a loaded Llama's context for one with more slots (the
+weights stay where they are); `fit_slots` chooses the slots (`--parallel`).
 """
 
 from __future__ import annotations
@@ -52,10 +55,10 @@ class ContextBytes:
 
 
 def check_flash_attn(setting: str) -> bool:
-    """Whether a context is created with flash attention for `setting` ("on", "off", "auto": off
-    first, see fit_context); ConfigError for anything else, before any load."""
-    if setting not in ("auto", "on", "off"):
-        raise ConfigError(f"flash_attn must be auto, on or off, got {setting!r}")
+    """Whether a context is created with flash attention for `setting` ("on" or "off");
+    ConfigError for anything else, before any load."""
+    if setting not in ("on", "off"):
+        raise ConfigError(f"flash_attn must be on or off, got {setting!r}")
     return setting == "on"
 
 
@@ -85,57 +88,23 @@ def context_bytes(llama: Llama, n_head_max: int) -> ContextBytes:
     )
 
 
-def recreate_context(
-    llama: MeasuredLlama, *, flash_attn: bool | None = None, n_seq: int | None = None
-) -> None:
-    """Replace `llama`'s context by one with flash attention on or `n_seq` slots of the same
-    per-slot context in one unified KV (same parameters otherwise, the eval callback included).
-    Only before the first decode: the KV cache starts empty."""
-    import llama_cpp
+def recreate_context(llama: MeasuredLlama, *, n_seq: int) -> None:
+    """Replace `llama`'s context by one with `n_seq` slots of the same per-slot context in one
+    unified KV (same parameters otherwise, the eval callback and flash attention included). Only
+    before the first decode: the KV cache starts empty."""
     from llama_cpp import _internals
 
     old = llama._ctx
     params = llama.context_params
-    if flash_attn is not None:
-        params.flash_attn_type = (
-            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-            if flash_attn
-            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        )
-    if n_seq is not None:
-        params.n_ctx = llama.n_ctx_seq * n_seq
-        params.n_seq_max = n_seq
-        params.kv_unified = True
+    params.n_ctx = llama.n_ctx_seq * n_seq
+    params.n_seq_max = n_seq
+    params.kv_unified = True
     # first: both contexts at once would hold two KV caches
     old.close()  # type: ignore[no-untyped-call]
     llama._ctx = llama._stack.enter_context(
         contextlib.closing(_internals.LlamaContext(model=llama._model, params=params, verbose=llama.verbose))
     )
     llama.context_changed()
-
-
-def fit_context(
-    llama: MeasuredLlama, *, flash_attn: str, n_head_max: int, fits: Callable[[ContextBytes], bool]
-) -> ContextBytes:
-    """The context's bytes; with `flash_attn` "auto", a context that does not `fits` the memory
-    (without flash attention: its scores crowd the expert cache or the weights) is re-created
-    with flash attention, logged with both sizes."""
-    measured = context_bytes(llama, n_head_max)
-    if flash_attn != "auto" or measured.flash_attn or fits(measured):
-        return measured
-    recreate_context(llama, flash_attn=True)
-    after = context_bytes(llama, n_head_max)
-    logger.info(
-        "flash attention on: the %d-token context's buffers take %.0f MiB instead of %.0f MiB "
-        "(compute %.0f -> %.0f MiB, attention scratch %.0f -> 0 MiB), left to the cache",
-        llama.n_ctx(),
-        after.total / 2**20,
-        measured.total / 2**20,
-        measured.compute / 2**20,
-        after.compute / 2**20,
-        measured.attention_scratch / 2**20,
-    )
-    return after
 
 
 def fit_slots(

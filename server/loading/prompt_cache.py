@@ -45,6 +45,7 @@ import llama_cpp
 
 from server import __version__
 from server.loading import prompt_state_file as state_file
+from server.loading.context import flash_attn_on
 from server.loading.model_files import split_files
 
 if TYPE_CHECKING:
@@ -99,7 +100,7 @@ class StateKey:
         params = llama.context_params
         return cls(
             model=model,
-            flash_attn=params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+            flash_attn=flash_attn_on(llama),
             type_k=int(params.type_k),
             type_v=int(params.type_v),
             n_ctx=llama.n_ctx(),

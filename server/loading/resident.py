@@ -4,8 +4,8 @@ byte-identity gates uses the same setting.
 
 The weights are page cache, which the kernel reclaims rather than killing the process; what the
 context holds is not, so it must fit beside the process: measured once the context exists
-(server/loading/budget.py), a context the memory cannot hold is refused, and with `flash_attn` "auto"
-flash attention comes on when the context and the weights do not both fit.
+(server/loading/budget.py), a context the memory cannot hold is refused. Flash attention is the
+setting's, never the memory's (server/loading/context.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import llama_cpp
 
 from server.errors import ModelLoadError
 from server.loading.budget import PromptCacheRam, check_resident, max_heads, memory_limit, memory_terms
-from server.loading.context import ContextBytes, check_flash_attn, fit_context, fit_slots
+from server.loading.context import ContextBytes, check_flash_attn, context_bytes, fit_slots
 from server.loading.gguf_header import read_metadata
 from server.loading.measured import MeasuredLlama
 from server.loading.model_files import split_files
@@ -32,7 +32,7 @@ def load_resident_llama(
     model_path: str | os.PathLike[str],
     *,
     n_ctx: int = 4096,
-    flash_attn: str = "auto",
+    flash_attn: str = "off",
     parallel: int | str = 1,
     prompt_cache: PromptCacheRam = None,
     **llama_kwargs: Any,
@@ -41,7 +41,7 @@ def load_resident_llama(
     `n_ctx`-token context. ConfigError when its context (and `prompt_cache`, the RAM the server
     keeps prompt states in) cannot be held in this memory, ModelLoadError when llama.cpp cannot
     load it."""
-    flash_first = check_flash_attn(flash_attn)
+    flash = check_flash_attn(flash_attn)
     path = Path(model_path)
     limit = memory_limit()  # before the load: what the process holds now is `in_use`
     kwargs = dict(llama_kwargs)
@@ -56,19 +56,15 @@ def load_resident_llama(
             kv_unified=True,
             load_mode=llama_cpp.LLAMA_LOAD_MODE_MMAP,
             use_extra_bufts=False,
-            flash_attn=flash_first,
+            flash_attn=flash,
             **kwargs,
         )
     except (ValueError, RuntimeError, OSError) as exc:
         raise ModelLoadError(f"llama.cpp could not load {path}: {exc}") from exc
     try:
         file_bytes = sum(part.stat().st_size for part in split_files(path))
-
-        def fits(context: ContextBytes) -> bool:
-            return limit.bytes - memory_terms(limit, 0, context, prompt_cache).total >= file_bytes
-
         n_head_max = max_heads(read_metadata(path))
-        context = fit_context(llm, flash_attn=flash_attn, n_head_max=n_head_max, fits=fits)
+        context = context_bytes(llm, n_head_max)
 
         def room(context: ContextBytes) -> int:
             return limit.bytes - memory_terms(limit, 0, context, prompt_cache).total - file_bytes

@@ -30,7 +30,7 @@ from server.loading.budget import (
     memory_terms,
     streamer_dense_bytes,
 )
-from server.loading.context import ContextBytes, check_flash_attn, fit_context, fit_slots
+from server.loading.context import ContextBytes, check_flash_attn, context_bytes, fit_slots
 from server.loading.gguf_header import read_metadata
 from server.loading.measured import MeasuredLlama
 from server.loading.pressure import BudgetBand, MemoryWatch
@@ -71,7 +71,7 @@ def load_streaming_llama(
     preload: bool = False,
     follow_memory: bool = True,
     n_ctx: int = 4096,
-    flash_attn: str = "auto",
+    flash_attn: str = "off",
     parallel: int | str = 1,
     prompt_cache: PromptCacheRam = None,
     **llama_kwargs: Any,
@@ -81,10 +81,9 @@ def load_streaming_llama(
     `budget`: the expert cache's bytes, "all" or "auto"; `preload` reads every expert at load (the
     budget must hold them all); `follow_memory` moves the budget with memory pressure, between one
     layer's experts and the budget chosen here (server/loading/pressure.py; not when the budget
-    holds every expert, which then lives in the tensors). `flash_attn`: "on", "off", or "auto" (on
-    when the context's attention buffers would keep the cache from holding the budget asked for, or
-    every expert for an automatic one). `parallel`: the slots, each an `n_ctx`-token context
-    (context.fit_slots). The budget counts what the context holds, measured, and
+    holds every expert, which then lives in the tensors). `flash_attn`: "on" or "off" (the
+    same as resident, whatever the memory). `parallel`: the slots, each
+    an `n_ctx`-token context (context.fit_slots). The budget counts what the context holds, measured, and
     `prompt_cache`, the RAM the server keeps prompt states in (server/loading/budget.py). Raises
     ConfigError for bad options (lanes, budget below one layer's experts, a context the memory
     cannot hold, ...) and ModelLoadError for a file that cannot be streamed (missing, truncated,
@@ -95,7 +94,7 @@ def load_streaming_llama(
         raise ModelLoadError(f"model file {path} does not exist")
     if not 1 <= config.lanes <= 16:
         raise ConfigError(f"lanes must be 1..16, got {config.lanes}")
-    flash_first = check_flash_attn(flash_attn)
+    flash = check_flash_attn(flash_attn)
     limit = memory_limit()  # before the load: what the process holds now is `in_use`
     # the streamer indexes the file first: a bad file is refused before llama.cpp sees it
     try:
@@ -129,7 +128,7 @@ def load_streaming_llama(
                 tensor_buft_overrides=overrides,
                 cb_eval=streamer.eval_callback,
                 cb_eval_user_data=streamer.handle,
-                flash_attn=flash_first,
+                flash_attn=flash,
                 **kwargs,
             )
         except ValueError as exc:
@@ -140,13 +139,8 @@ def load_streaming_llama(
             failure = streamer.take_error()
             if failure is not None:
                 raise ModelLoadError(f"loading {path} failed: {failure}")
-            wanted = requested or streamer.expert_bytes
-
-            def fits(context: ContextBytes) -> bool:
-                return limit.bytes - memory_terms(limit, dense, context, prompt_cache).total >= wanted
-
             n_head_max = max_heads(read_metadata(path))
-            context = fit_context(llm, flash_attn=flash_attn, n_head_max=n_head_max, fits=fits)
+            context = context_bytes(llm, n_head_max)
 
             def room(context: ContextBytes) -> int:
                 return limit.bytes - memory_terms(limit, dense, context, prompt_cache).total
