@@ -1,4 +1,12 @@
-"""Locating and loading libmoeflash_stream through ctypes, with every signature declared."""
+"""Locating and loading libmoeflash_stream through ctypes.
+
+No function signature is written here, nor a field of mf_config or mf_stats: the ctypes structs
+of those two and every function's argtypes and restype come from streaming_ext/_declared.py,
+which `make ext` generates from the library's own report of its header's declarations (the
+docstring of streaming_ext/declarations.py says how each is declared once). load_library refuses a
+library whose declarations or struct layouts (mf_route_record's too) differ from that module's and
+these structs (a stale build).
+"""
 
 from __future__ import annotations
 
@@ -8,8 +16,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from streaming_ext._declared import DIGEST, STATS
-from streaming_ext.declarations import read_declarations
+from streaming_ext._declared import CONFIG, DIGEST, FUNCTIONS, STATS
+from streaming_ext.declarations import ctype, declare_functions, read_declarations
 
 logger = logging.getLogger(__name__)
 
@@ -22,20 +30,9 @@ class StreamLibError(RuntimeError):
 
 
 class MfConfig(ctypes.Structure):
-    """struct mf_config (moeflash_stream.h), field for field; the budget is set apart."""
+    """struct mf_config (MF_CONFIG_FIELDS), field for field; the budget is set apart."""
 
-    _fields_ = [
-        ("model_path", ctypes.c_char_p),
-        ("n_lanes", ctypes.c_int32),
-        ("reader", ctypes.c_int32),
-        ("overlap", ctypes.c_int32),
-        ("policy", ctypes.c_int32),
-        ("prefetch", ctypes.c_int32),
-        ("fault_errno", ctypes.c_int32),
-        ("fault_after_bytes", ctypes.c_uint64),
-        ("skip_expert", ctypes.c_int32),
-        ("skip_below", ctypes.c_float),
-    ]
+    _fields_ = [(field.name, ctype(field.c_type, {})) for field in CONFIG]
 
 
 class MfStats(ctypes.Structure):
@@ -58,11 +55,15 @@ class MfRouteRecord(ctypes.Structure):
     ]
 
 
-# the ctypes structs shared with C, by the name the library's layout functions use (mf_<name>_*)
-SHARED_STRUCTS: tuple[tuple[str, type[ctypes.Structure]], ...] = (
-    ("config", MfConfig),
-    ("stats", MfStats),
-    ("route_record", MfRouteRecord),
+# the ctypes structs shared with C by their C names: the types the functions' pointers point to
+C_STRUCTS: tuple[tuple[str, type[ctypes.Structure]], ...] = (
+    ("mf_config", MfConfig),
+    ("mf_stats", MfStats),
+    ("mf_route_record", MfRouteRecord),
+)
+# the same by the name the library's layout functions use (mf_<name>_*), whose layouts load_library checks
+SHARED_STRUCTS: tuple[tuple[str, type[ctypes.Structure]], ...] = tuple(
+    (c_name.removeprefix("mf_"), struct) for c_name, struct in C_STRUCTS
 )
 
 
@@ -76,7 +77,7 @@ def library_path() -> Path:
 
 @dataclass(frozen=True)
 class StreamLib:
-    """A loaded libmoeflash_stream with its function signatures declared."""
+    """A loaded libmoeflash_stream with its function signatures declared (FUNCTIONS)."""
 
     cdll: ctypes.CDLL
     path: Path
@@ -100,78 +101,6 @@ class StreamLib:
     def _str(self, name: str) -> str:
         raw: bytes = getattr(self.cdll, name)()
         return raw.decode()
-
-
-def _declare(cdll: ctypes.CDLL) -> None:
-    vp, u64, i32, c_bool = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int32, ctypes.c_bool
-    sigs: dict[str, tuple[list[type], type | None]] = {
-        "mf_version": ([], ctypes.c_char_p),
-        "mf_ggml_version": ([], ctypes.c_char_p),
-        "mf_ggml_commit": ([], ctypes.c_char_p),
-        "mf_patched_build": ([], ctypes.c_int),
-        "mf_streamer_new": (
-            [ctypes.POINTER(MfConfig), ctypes.POINTER(vp), ctypes.c_char_p, ctypes.c_size_t],
-            ctypes.c_int,
-        ),
-        "mf_streamer_free": ([vp], None),
-        "mf_streamer_set_budget": ([vp, u64], ctypes.c_int),
-        "mf_streamer_expert_buft": ([vp], vp),
-        "mf_streamer_dense_buft": ([vp], vp),
-        "mf_streamer_rows_buft": ([vp], vp),
-        "mf_streamer_check_loaded": ([vp], ctypes.c_int),
-        "mf_streamer_eval_cb": ([vp, c_bool, vp], c_bool),
-        "mf_streamer_get_stats": ([vp, ctypes.POINTER(MfStats)], None),
-        "mf_streamer_take_error": ([vp, ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int),
-        "mf_streamer_last_error": ([vp], ctypes.c_char_p),
-        "mf_streamer_set_predictor": ([vp, vp, vp], None),
-        "mf_streamer_drop_cache": ([vp], None),
-        "mf_streamer_preload": ([vp], ctypes.c_int),
-        "mf_streamer_hot_set": ([vp, ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_uint32), i32], i32),
-        "mf_streamer_restore": (
-            [vp, i32, ctypes.POINTER(ctypes.c_uint8), ctypes.POINTER(ctypes.c_uint32)],
-            i32,
-        ),
-        "mf_streamer_layer_bytes": ([vp], u64),
-        "mf_streamer_expert_bytes": ([vp], u64),
-        "mf_streamer_n_moe_layers": ([vp], i32),
-        "mf_streamer_n_expert": ([vp], i32),
-        "mf_streamer_tensor_bytes": ([vp, ctypes.c_char_p], u64),
-        "mf_streamer_memory_note": ([vp], ctypes.c_char_p),
-        "mf_cache_new": (
-            [i32, i32, ctypes.POINTER(u64), u64, i32, ctypes.POINTER(vp)],
-            ctypes.c_int,
-        ),
-        "mf_cache_free": ([vp], None),
-        "mf_cache_route": (
-            [vp, i32, ctypes.POINTER(ctypes.c_uint8), ctypes.POINTER(i32), i32, i32],
-            ctypes.c_int,
-        ),
-        "mf_cache_prefetch": ([vp, i32, ctypes.POINTER(ctypes.c_uint8)], i32),
-        "mf_cache_loads": ([vp, ctypes.POINTER(i32), i32], i32),
-        "mf_cache_rate_class": ([vp, i32, i32], i32),
-        "mf_cache_counts": ([vp, ctypes.POINTER(u64), ctypes.POINTER(u64), ctypes.POINTER(u64)], None),
-        "mf_route_trace_new": ([i32, i32, i32, ctypes.POINTER(vp)], ctypes.c_int),
-        "mf_route_trace_free": ([vp], None),
-        "mf_route_trace_set_replay": ([vp, i32, ctypes.c_int64, ctypes.POINTER(i32)], ctypes.c_int),
-        "mf_route_trace_set_recording": ([vp, i32], None),
-        "mf_route_trace_chain": ([vp, vp, vp], None),
-        "mf_route_trace_begin_phase": ([vp, i32], None),
-        "mf_route_trace_begin_batch": ([vp, ctypes.c_int64], None),
-        "mf_route_trace_eval_cb": ([vp, c_bool, vp], c_bool),
-        "mf_route_trace_n_recorded": ([vp], ctypes.c_int64),
-        "mf_route_trace_take_recorded": ([vp, ctypes.POINTER(MfRouteRecord), ctypes.c_int64], ctypes.c_int64),
-        "mf_route_trace_take_error": ([vp, ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int),
-        "mf_route_trace_predict": ([vp, i32, ctypes.POINTER(ctypes.c_uint8)], i32),
-        "mf_route_trace_set_predict_error": ([vp, ctypes.c_float, u64], ctypes.c_int),
-    }
-    for struct, _ in SHARED_STRUCTS:
-        sigs[f"mf_{struct}_size"] = ([], ctypes.c_size_t)
-        sigs[f"mf_{struct}_n_fields"] = ([], i32)
-        sigs[f"mf_{struct}_offset"] = ([ctypes.c_char_p], ctypes.c_int64)
-    for name, (argtypes, restype) in sigs.items():
-        fn = getattr(cdll, name)
-        fn.argtypes = argtypes
-        fn.restype = restype
 
 
 def layout_mismatches(cdll: ctypes.CDLL, name: str, struct: type[ctypes.Structure]) -> list[str]:
@@ -211,7 +140,7 @@ def load_library(path: Path | None = None) -> StreamLib:
         raise StreamLibError(f"{lib_path} does not exist: run `make ext` (or `make setup`) to build it")
     try:
         cdll = ctypes.CDLL(str(lib_path))
-        _declare(cdll)
+        declare_functions(cdll, FUNCTIONS, dict(C_STRUCTS))
     except (OSError, AttributeError) as exc:
         raise StreamLibError(f"cannot load {lib_path}: {exc}; rebuild it with `make ext`") from exc
     lib = StreamLib(cdll=cdll, path=lib_path)
@@ -220,7 +149,10 @@ def load_library(path: Path | None = None) -> StreamLib:
     problems = [p for name, struct in SHARED_STRUCTS for p in layout_mismatches(cdll, name, struct)]
     declared = read_declarations(cdll).digest()
     if declared != DIGEST:
-        problems.append(f"its counters and enums (digest {declared}) differ from _declared.py's ({DIGEST})")
+        problems.append(
+            f"its declarations (counters, enums, config fields, functions; digest {declared}) differ "
+            f"from _declared.py's ({DIGEST})"
+        )
     if problems:
         detail = "; ".join(problems)
         raise StreamLibError(

@@ -1,11 +1,11 @@
 """The expert streamer as a Python object: configuration, life cycle, callback, counters.
 
-The counters (StreamerStats) and the enums (Policy, Prefetch, Reader) are generated from the C
-header's declarations (streaming_ext/declarations.py). A Streamer is created for one GGUF before
-the model loads; its two buffer types go into the model's tensor_buft_overrides and its C
-callback into the context's cb_eval (see server/loading/streaming.py, which builds the
-llama_cpp.Llama). Nothing here runs per graph node:
-the per-node path is entirely in C.
+The options (StreamerConfig), the counters (StreamerStats) and the enums (Policy, Prefetch, Reader)
+are generated from the C header's declarations (streaming_ext/declarations.py): the struct handed
+to C is filled field by declared field, so no field is named here. A Streamer is created for one
+GGUF before the model loads; its two buffer types go into the model's tensor_buft_overrides and
+its C callback into the context's cb_eval (see server/loading/streaming.py, which builds the
+llama_cpp.Llama). Nothing here runs per graph node: the per-node path is entirely in C.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ import errno
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-from streaming_ext._declared import Policy, Prefetch, RateClass, Reader, StreamerStats
+from streaming_ext._declared import CONFIG, Policy, RateClass, StreamerConfig, StreamerStats
 from streaming_ext._lib import MfConfig, MfStats, StreamLib, load_library
 
 logger = logging.getLogger(__name__)
@@ -34,29 +33,15 @@ class StreamerError(Exception):
         self.code = code
 
 
-@dataclass(frozen=True)
-class StreamerConfig:
-    """Options of the streamer (the levers its byte-identity gates cover).
-
-    The expert budget is not one of them: set it with Streamer.set_budget before check_loaded.
-    """
-
-    lanes: int = 4
-    reader: Reader = Reader.DIRECT
-    # the matmuls of experts already read run while the rest are read (on, as in the server;
-    # docs/streamer.md, "Threads and the route")
-    overlap: bool = True
-    policy: Policy = Policy.LAYER
-    # fault injection for tests: after this many expert bytes, reads fail with fault_errno
-    fault_errno: int = 0
-    fault_after_bytes: int = 0
-    # negative control for tests: never read expert (skip_expert - 1), leave its memory as it was
-    skip_expert: int = 0
-    # read the next layer's predicted experts while this layer computes, predicted by
-    prefetch: Prefetch = Prefetch.ROUTER
-    # LOSSY, for measurement only: drop a routed expert that would have to be read when its
-    # weight (renormalised over the token's k) is below this (mf_config.skip_below); 0 = off
-    skip_below: float = 0.0
+def c_config(model_path: Path, config: StreamerConfig) -> MfConfig:
+    """struct mf_config for `config`, field by declared field (the PATH field is the model's)."""
+    values: dict[str, bytes | int | float] = {}
+    for field in CONFIG:
+        if field.kind == "PATH":
+            values[field.name] = os.fsencode(model_path)
+        else:
+            values[field.name] = field.c_value(getattr(config, field.name))
+    return MfConfig(**values)
 
 
 class Streamer:
@@ -68,18 +53,7 @@ class Streamer:
         self.lib = lib or load_library()
         self.config = config
         self.model_path = Path(model_path)
-        c = MfConfig(
-            model_path=os.fsencode(self.model_path),
-            n_lanes=config.lanes,
-            reader=int(config.reader),
-            overlap=int(config.overlap),
-            policy=int(config.policy),
-            prefetch=int(config.prefetch),
-            fault_errno=config.fault_errno,
-            fault_after_bytes=config.fault_after_bytes,
-            skip_expert=config.skip_expert,
-            skip_below=config.skip_below,
-        )
+        c = c_config(self.model_path, config)
         handle = ctypes.c_void_p()
         err = ctypes.create_string_buffer(_ERR_LEN)
         rc = self.lib.cdll.mf_streamer_new(ctypes.byref(c), ctypes.byref(handle), err, _ERR_LEN)

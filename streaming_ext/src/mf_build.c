@@ -130,7 +130,7 @@ static int build_frames(mf_streamer * s) {
     }
     const uint64_t fill = s->budget_bytes / s->entry_bytes_max + 2;
     const int32_t  cap  = fill < (uint64_t) total ? (int32_t) fill : total;
-    const int      rc   = mf_frames_init(&s->frames, frame, cap);
+    const int      rc   = mf_frames_init(&s->frames, frame, cap, &s->st.expert_memory_bytes, &s->st.frames_released);
     snprintf(s->memory_note, sizeof s->memory_note,
              "experts in %d frames of %zu bytes (the largest entry, %llu bytes, in whole pages): at most %zu MiB",
              (int) cap, frame, (unsigned long long) s->entry_bytes_max, ((size_t) cap * frame) >> 20);
@@ -160,6 +160,7 @@ static int place_experts_in_tensors(mf_streamer * s) {
 // entry_bytes[l], what the cache counts for an entry of layer l. 0, or -errno with last_error
 static int build_expert_memory(mf_streamer * s, uint64_t * entry_bytes) {
     s->hold_all = s->budget_bytes >= s->expert_bytes;
+    MF_SET(s->st.hold_all, s->hold_all);
     if (s->hold_all) {
         for (int32_t l = 0; l < s->n_layers; l++) {
             entry_bytes[l] = s->layers[l].entry_bytes;
@@ -235,7 +236,7 @@ static int build_route_buffers(mf_streamer * s) {
     s->want = calloc((size_t) s->n_expert, 1);
     free(s->queue);
     // a slice is at most n_lanes + 1 chunks (mf_lanes.c); the queue grows if one is more
-    s->queue_cap = (size_t) s->n_expert * MF_MAX_XT * (size_t) (s->cfg.n_lanes + 1) * 2;
+    s->queue_cap = (size_t) s->n_expert * MF_MAX_XT * (size_t) (s->cfg.lanes + 1) * 2;
     s->queue     = calloc(s->queue_cap, sizeof *s->queue);
     s->q_head    = 0;
     s->q_len     = 0;

@@ -26,7 +26,7 @@
 
 // hold_all: once every expert is READY, routing has nothing left to decide (no read, no eviction)
 void mf_callback_stop_if_all_resident(mf_streamer * s) {
-    if (!s->hold_all || atomic_load_explicit(&s->routing_off, memory_order_relaxed) ||
+    if (!s->hold_all || MF_GET(s->st.routing_off) ||
         atomic_load_explicit(&s->st.resident_bytes, memory_order_relaxed) < s->expert_bytes) {
         return;
     }
@@ -39,7 +39,7 @@ void mf_callback_stop_if_all_resident(mf_streamer * s) {
             }
         }
     }
-    atomic_store_explicit(&s->routing_off, true, memory_order_relaxed);
+    MF_SET(s->st.routing_off, 1);
 }
 
 // one ffn_moe_topk-<il> node: makes the routed experts of layer il resident (queued), prefetches
@@ -165,7 +165,7 @@ static void check_expert_matmul(mf_streamer * s, const struct ggml_tensor * node
 bool mf_streamer_eval_cb(struct ggml_tensor * t, bool ask, void * user_data) {
     mf_streamer * s        = user_data;
     const bool    skipping = s->cfg.skip_below > 0.0f;  // lossy (mf_skip.c): watch the weights too
-    if (atomic_load_explicit(&s->routing_off, memory_order_relaxed)) {
+    if (MF_GET(s->st.routing_off)) {
         return !ask;  // ask for nothing (no split); go on if asked to
     }
     if (ask) {

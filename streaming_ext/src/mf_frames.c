@@ -17,11 +17,14 @@
 #include <string.h>
 #include <sys/mman.h>
 
-int mf_frames_init(mf_frames * fr, size_t frame_bytes, int32_t cap) {
+int mf_frames_init(mf_frames * fr, size_t frame_bytes, int32_t cap, atomic_uint_fast64_t * populated,
+                   atomic_uint_fast64_t * released) {
     memset(fr, 0, sizeof *fr);
-    if (cap <= 0 || frame_bytes == 0 || frame_bytes % mf_page_size() != 0) {
+    if (cap <= 0 || frame_bytes == 0 || frame_bytes % mf_page_size() != 0 || !populated || !released) {
         return -EINVAL;
     }
+    fr->populated   = populated;
+    fr->released    = released;
     fr->frame_bytes = frame_bytes;
     fr->cap         = cap;
     fr->size        = (size_t) cap * frame_bytes;
@@ -52,6 +55,9 @@ void mf_frames_free(mf_frames * fr) {
     if (fr->base) {
         munmap(fr->base, fr->size);
     }
+    if (fr->populated) {
+        atomic_store_explicit(fr->populated, 0, memory_order_relaxed);  // the pages went with the mapping
+    }
     free(fr->warm);
     free(fr->cold);
     memset(fr, 0, sizeof *fr);
@@ -68,7 +74,7 @@ int32_t mf_frames_take(mf_frames * fr) {
     if (fr->n_cold == 0) {
         return -1;
     }
-    atomic_fetch_add_explicit(&fr->populated, fr->frame_bytes, memory_order_relaxed);
+    atomic_fetch_add_explicit(fr->populated, fr->frame_bytes, memory_order_relaxed);
     return fr->cold[--fr->n_cold];
 }
 
@@ -82,7 +88,7 @@ void mf_frames_trim(mf_frames * fr) {
         // errors are not fatal: the frame keeps its pages, only the memory is not returned
         (void) madvise(mf_frames_addr(fr, id), fr->frame_bytes, MADV_DONTNEED);
         fr->cold[fr->n_cold++] = id;
-        atomic_fetch_sub_explicit(&fr->populated, fr->frame_bytes, memory_order_relaxed);
-        atomic_fetch_add_explicit(&fr->released, 1, memory_order_relaxed);
+        atomic_fetch_sub_explicit(fr->populated, fr->frame_bytes, memory_order_relaxed);
+        atomic_fetch_add_explicit(fr->released, 1, memory_order_relaxed);
     }
 }

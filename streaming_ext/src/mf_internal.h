@@ -111,13 +111,18 @@ typedef struct mf_frames {
     int32_t              n_warm;
     int32_t *            cold;         // free frames without pages (a stack: the lowest address on top at first)
     int32_t              n_cold;
-    atomic_size_t        populated;    // bytes of frames with pages now (mf_stats.expert_memory_bytes)
-    atomic_uint_fast64_t released;     // warm frames whose pages were given back (mf_stats.frames_released)
+    // the owner's counters (the streamer's mf_stats.expert_memory_bytes and frames_released):
+    // bytes of frames with pages now, warm frames whose pages were given back
+    atomic_uint_fast64_t * populated;
+    atomic_uint_fast64_t * released;
 } mf_frames;
 
-// maps cap frames of frame_bytes; 0 or -errno (nothing left mapped)
-int     mf_frames_init(mf_frames * fr, size_t frame_bytes, int32_t cap);
-void    mf_frames_free(mf_frames * fr);  // also after a failed init, or on a zeroed struct
+// maps cap frames of frame_bytes, counting into *populated and *released (which must outlive the
+// frames); 0 or -errno (nothing left mapped)
+int     mf_frames_init(mf_frames * fr, size_t frame_bytes, int32_t cap, atomic_uint_fast64_t * populated,
+                       atomic_uint_fast64_t * released);
+// unmaps the frames (*populated back to 0); also after a failed init, or on a zeroed struct
+void    mf_frames_free(mf_frames * fr);
 // a free frame (warm first, else cold), -1 when none is left. Decode thread.
 int32_t mf_frames_take(mf_frames * fr);
 void    mf_frames_give(mf_frames * fr, int32_t id);  // decode thread, no read in flight
@@ -344,14 +349,19 @@ typedef struct mf_job {
     uint64_t     len;
 } mf_job;
 
-// the counters of mf_stats that are counted (relaxed atomics: read without locks), same names
+// the storage of every counter of mf_stats, from the same list (MF_STATS_FIELDS) and under the same
+// names: relaxed atomics, read without locks by mf_streamer_get_stats, which copies them all. A
+// counter is stored where it changes (ADD, MF_SET), gauges and flags too, so that a counter added
+// to the list needs no other edit to reach Python
 typedef struct mf_counters {
-    atomic_uint_fast64_t routes, hits, misses, evictions, bytes_read, reads, flash_wait_ns, cache_ns, read_ns,
-        dense_bytes, resident_bytes, violations, errors, prefetched, prefetch_hits, mapped_bytes, budget_bytes,
-        restored, skipped, predictions;
+#define MF_COUNTER_MEMBER(name, kind, unit, text) atomic_uint_fast64_t name;
+    MF_STATS_FIELDS(MF_COUNTER_MEMBER)
+#undef MF_COUNTER_MEMBER
 } mf_counters;
 
-#define ADD(counter, v) atomic_fetch_add_explicit(&(counter), (uint64_t) (v), memory_order_relaxed)
+#define ADD(counter, v)    atomic_fetch_add_explicit(&(counter), (uint64_t) (v), memory_order_relaxed)
+#define MF_SET(counter, v) atomic_store_explicit(&(counter), (uint64_t) (v), memory_order_relaxed)
+#define MF_GET(counter)    atomic_load_explicit(&(counter), memory_order_relaxed)
 
 struct mf_streamer {
     mf_config  cfg;
@@ -386,10 +396,9 @@ struct mf_streamer {
     uint8_t *     skip_mask;
     int32_t       skip_layer;
     int64_t       skip_rows, skip_k;
-    // the budget holds every expert (see mf_stats.hold_all); set before any expert is read
+    // the budget holds every expert (see mf_stats.hold_all); set before any expert is read. Every
+    // expert resident under hold_all: st.routing_off, and the eval callback asks for no node
     bool          hold_all;
-    // every expert resident under hold_all: the eval callback asks for no node (decode thread)
-    atomic_bool   routing_off;
 
     // prediction of the next layer's experts (mf_predict.c)
     const struct ggml_tensor ** noted;  // dense router and norm tensors seen while loading

@@ -238,7 +238,7 @@ void mf_lanes_apply_evictions(mf_streamer * s) {
 
 static uint64_t chunk_bytes(const mf_streamer * s, const mf_xtensor * xt, bool demand) {
     const uint64_t whole = mf_align_up(xt->nb2, s->page_size) + s->page_size;  // the widest span
-    const uint64_t lanes = (uint64_t) s->cfg.n_lanes;
+    const uint64_t lanes = (uint64_t) s->cfg.lanes;
     const uint64_t share = mf_align_up((xt->nb2 + lanes - 1) / lanes, s->page_size);
     const uint64_t least = mf_align_up((uint64_t) MF_READ_CHUNK_MIN, s->page_size);
     return !demand ? whole : share > least ? share : least;

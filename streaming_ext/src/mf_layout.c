@@ -1,19 +1,16 @@
 // The layout of the structs shared with Python (moeflash_stream.h), which streaming_ext/_lib.py
-// compares with its ctypes declarations when it loads the library.
+// compares with its ctypes structs when it loads the library, and the header's declarations as
+// data (streaming_ext/declarations.py generates the Python side from them at `make ext`).
 //
-// Each struct's fields are listed once: mf_stats's in moeflash_stream.h (MF_STATS_FIELDS, with
-// each counter's kind, unit and description), the others below. The static assertions make each list complete:
-// the struct's size must equal the sum of its listed fields' sizes, so a struct with padding, a
-// field added to the struct but not to its list, or one listed twice fails the build; a listed
-// field the struct lacks fails offsetof. Python then only has to match the lists.
+// Each struct's fields are listed once: mf_config's and mf_stats's in moeflash_stream.h
+// (MF_CONFIG_FIELDS, MF_STATS_FIELDS), mf_route_record's below. The static assertions make each
+// list complete: the struct's size must equal the sum of its listed fields' sizes, so a struct
+// with padding, a field added to the struct but not to its list, or one listed twice fails the
+// build; a listed field the struct lacks fails offsetof. Python then only has to match the lists.
 #include "moeflash_stream.h"
 
 #include <stddef.h>
 #include <string.h>
-
-#define CONFIG_FIELDS(X)                                                                                      \
-    X(model_path) X(n_lanes) X(reader) X(overlap) X(policy) X(prefetch) X(fault_errno) X(fault_after_bytes) \
-        X(skip_expert) X(skip_below)
 
 #define ROUTE_RECORD_FIELDS(X) X(turn) X(phase) X(step) X(layer) X(slot) X(expert) X(weight)
 
@@ -22,19 +19,19 @@ typedef struct mf_field {
     size_t       offset;
 } mf_field;
 
-#define CONFIG_ENTRY(f) { #f, offsetof(mf_config, f) },
+#define CONFIG_ENTRY(f, type, kind, value, text) { #f, offsetof(mf_config, f) },
 #define STATS_ENTRY(f, kind, unit, text) { #f, offsetof(mf_stats, f) },
 #define RECORD_ENTRY(f) { #f, offsetof(mf_route_record, f) },
-#define CONFIG_BYTES(f) +sizeof(((mf_config *) 0)->f)
+#define CONFIG_BYTES(f, type, kind, value, text) +sizeof(((mf_config *) 0)->f)
 #define STATS_BYTES(f, kind, unit, text) +sizeof(((mf_stats *) 0)->f)
 #define RECORD_BYTES(f) +sizeof(((mf_route_record *) 0)->f)
 
-static const mf_field config_fields[] = { CONFIG_FIELDS(CONFIG_ENTRY) };
+static const mf_field config_fields[] = { MF_CONFIG_FIELDS(CONFIG_ENTRY) };
 static const mf_field stats_fields[]  = { MF_STATS_FIELDS(STATS_ENTRY) };
 static const mf_field record_fields[] = { ROUTE_RECORD_FIELDS(RECORD_ENTRY) };
 
-_Static_assert(sizeof(mf_config) == 0 CONFIG_FIELDS(CONFIG_BYTES),
-               "mf_config has padding, or a field missing from CONFIG_FIELDS");
+_Static_assert(sizeof(mf_config) == 0 MF_CONFIG_FIELDS(CONFIG_BYTES),
+               "mf_config has padding, or a field missing from MF_CONFIG_FIELDS");
 _Static_assert(sizeof(mf_stats) == 0 MF_STATS_FIELDS(STATS_BYTES),
                "mf_stats has padding, or a field missing from MF_STATS_FIELDS");
 _Static_assert(sizeof(mf_route_record) == 0 ROUTE_RECORD_FIELDS(RECORD_BYTES),
@@ -89,7 +86,29 @@ int64_t mf_route_record_offset(const char * field) {
 
 // ---------------------------------------------------------------------------------------------
 // The declarations as data (streaming_ext/declarations.py reads them at build time and _lib.py
-// checks them at load)
+// checks them at load). Each table's getters answer its i-th row's column, or `none` past its end
+
+#define ROW_GETTER(ret, fn, table, column, none)                   \
+    ret fn(int32_t i) {                                            \
+        return i >= 0 && i < N_OF(table) ? table[i].column : none; \
+    }
+
+typedef struct mf_config_info {
+    const char * name;
+    const char * type;
+    const char * kind;
+    double       value;
+    const char * text;
+} mf_config_info;
+
+#define CONFIG_INFO(f, type, kind, value, text) { #f, #type, #kind, (double) (value), text },
+static const mf_config_info config_info[] = { MF_CONFIG_FIELDS(CONFIG_INFO) };
+
+ROW_GETTER(const char *, mf_config_field_name, config_info, name, NULL)
+ROW_GETTER(const char *, mf_config_field_type, config_info, type, NULL)
+ROW_GETTER(const char *, mf_config_field_kind, config_info, kind, NULL)
+ROW_GETTER(double, mf_config_field_default, config_info, value, 0.0)
+ROW_GETTER(const char *, mf_config_field_text, config_info, text, NULL)
 
 typedef struct mf_stat_info {
     const char * name;
@@ -101,25 +120,10 @@ typedef struct mf_stat_info {
 #define STATS_INFO(f, kind, unit, text) { #f, #kind, #unit, text },
 static const mf_stat_info stats_info[] = { MF_STATS_FIELDS(STATS_INFO) };
 
-static const mf_stat_info * stat_info(int32_t i) {
-    return i >= 0 && i < N_OF(stats_info) ? &stats_info[i] : NULL;
-}
-
-const char * mf_stats_field_name(int32_t i) {
-    return stat_info(i) ? stat_info(i)->name : NULL;
-}
-
-const char * mf_stats_field_kind(int32_t i) {
-    return stat_info(i) ? stat_info(i)->kind : NULL;
-}
-
-const char * mf_stats_field_unit(int32_t i) {
-    return stat_info(i) ? stat_info(i)->unit : NULL;
-}
-
-const char * mf_stats_field_text(int32_t i) {
-    return stat_info(i) ? stat_info(i)->text : NULL;
-}
+ROW_GETTER(const char *, mf_stats_field_name, stats_info, name, NULL)
+ROW_GETTER(const char *, mf_stats_field_kind, stats_info, kind, NULL)
+ROW_GETTER(const char *, mf_stats_field_unit, stats_info, unit, NULL)
+ROW_GETTER(const char *, mf_stats_field_text, stats_info, text, NULL)
 
 typedef struct mf_enum_info {
     const char * name;
@@ -166,3 +170,25 @@ const char * mf_enum_member_text(const char * enum_name, int32_t i) {
     const mf_enum_info * m = enum_member(enum_name, i);
     return m ? m->text : NULL;
 }
+
+// The functions, one row each from the list moeflash_stream.h declares them by: the parameters as
+// written there (a parenthesised list), which declarations.py maps to ctypes
+typedef struct mf_function_info {
+    const char * name;
+    const char * returns;
+    const char * params;
+} mf_function_info;
+
+#define MF_FUNCTION(ret, name, params) { #name, #ret, #params },
+static const mf_function_info functions[] = {
+#include "moeflash_stream_functions.h"
+};
+#undef MF_FUNCTION
+
+int32_t mf_api_n_functions(void) {
+    return N_OF(functions);
+}
+
+ROW_GETTER(const char *, mf_api_function_name, functions, name, NULL)
+ROW_GETTER(const char *, mf_api_function_returns, functions, returns, NULL)
+ROW_GETTER(const char *, mf_api_function_params, functions, params, NULL)

@@ -79,7 +79,7 @@ int mf_streamer_new(const mf_config * cfg, mf_streamer ** out, char * last_error
     s->cfg        = *cfg;
     s->page_size  = mf_page_size();
     s->skip_layer = -1;
-    if (!cfg->model_path || cfg->n_lanes < 1 || cfg->n_lanes > MF_MAX_LANES || cfg->reader < MF_READER_DIRECT ||
+    if (!cfg->model_path || cfg->lanes < 1 || cfg->lanes > MF_MAX_LANES || cfg->reader < MF_READER_DIRECT ||
         cfg->reader > MF_READER_BUFFERED || cfg->policy < MF_POLICY_LRU || cfg->policy > MF_POLICY_NONE ||
         cfg->prefetch < MF_PREFETCH_OFF || cfg->prefetch > MF_PREFETCH_HISTORY || cfg->fault_errno < 0 ||
         !(cfg->skip_below >= 0.0f && cfg->skip_below < 1.0f)) {
@@ -113,6 +113,7 @@ int mf_streamer_new(const mf_config * cfg, mf_streamer ** out, char * last_error
     for (int32_t i = 0; i < s->ix.n_files; i++) {
         s->direct &= s->ix.files[i].fd_direct >= 0;
     }
+    MF_SET(s->st.direct_io, s->direct);
     if (s->direct) {
         if (posix_memalign(&s->bounce, s->page_size, MF_BOUNCE_SIZE) == 0) {
             s->bounce_size = MF_BOUNCE_SIZE;
@@ -121,7 +122,7 @@ int mf_streamer_new(const mf_config * cfg, mf_streamer ** out, char * last_error
         }
     }
     mf_buft_init(s);
-    if ((rc = mf_lanes_start(s, cfg->n_lanes)) != 0) {
+    if ((rc = mf_lanes_start(s, cfg->lanes)) != 0) {
         snprintf(s->last_error, sizeof s->last_error, "cannot start reader lane: %s", strerror(-rc));
         return fail_new(s, rc, last_error, last_error_size);
     }
@@ -216,34 +217,11 @@ ggml_backend_buffer_type_t mf_streamer_rows_buft(mf_streamer * s) {
     return &s->rows_buft;
 }
 
+// every counter, by the list that declares them (each is stored where it changes: mf_internal.h)
 void mf_streamer_get_stats(const mf_streamer * s, mf_stats * out) {
-#define LOAD(c) atomic_load_explicit(&s->st.c, memory_order_relaxed)
-    out->routes              = LOAD(routes);
-    out->hits                = LOAD(hits);
-    out->misses              = LOAD(misses);
-    out->evictions           = LOAD(evictions);
-    out->bytes_read          = LOAD(bytes_read);
-    out->reads               = LOAD(reads);
-    out->flash_wait_ns       = LOAD(flash_wait_ns);
-    out->cache_ns            = LOAD(cache_ns);
-    out->read_ns             = LOAD(read_ns);
-    out->dense_bytes         = LOAD(dense_bytes);
-    out->resident_bytes      = LOAD(resident_bytes);
-    out->violations          = LOAD(violations);
-    out->errors              = LOAD(errors);
-    out->direct_io           = s->direct ? 1 : 0;
-    out->prefetched          = LOAD(prefetched);
-    out->prefetch_hits       = LOAD(prefetch_hits);
-    out->mapped_bytes        = LOAD(mapped_bytes);
-    out->hold_all            = s->hold_all ? 1 : 0;
-    out->routing_off         = atomic_load_explicit(&s->routing_off, memory_order_relaxed) ? 1 : 0;
-    out->expert_memory_bytes = atomic_load_explicit(&s->frames.populated, memory_order_relaxed);
-    out->frames_released     = atomic_load_explicit(&s->frames.released, memory_order_relaxed);
-    out->budget_bytes        = LOAD(budget_bytes);
-    out->restored            = LOAD(restored);
-    out->skipped             = LOAD(skipped);
-    out->predictions         = LOAD(predictions);
-#undef LOAD
+#define MF_STATS_COPY(name, kind, unit, text) out->name = MF_GET(s->st.name);
+    MF_STATS_FIELDS(MF_STATS_COPY)
+#undef MF_STATS_COPY
 }
 
 uint64_t mf_streamer_layer_bytes(const mf_streamer * s) {

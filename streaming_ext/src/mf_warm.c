@@ -55,7 +55,7 @@ void mf_streamer_drop_cache(mf_streamer * s) {
     if (!s->cache) {
         return;
     }
-    atomic_store_explicit(&s->routing_off, false, memory_order_relaxed);  // reads are needed again
+    MF_SET(s->st.routing_off, 0);  // reads are needed again
     mf_lanes_wait_all(s);
     mf_lanes_reap_failures(s);
     mf_cache_evict_all(s->cache);
@@ -81,7 +81,7 @@ int32_t mf_streamer_restore(mf_streamer * s, int32_t layer, const uint8_t * want
                  s->cache ? "" : " (the model is not loaded)");
         return -EINVAL;
     }
-    if (atomic_load_explicit(&s->routing_off, memory_order_relaxed)) {
+    if (MF_GET(s->st.routing_off)) {
         return 0;  // every expert is resident
     }
     mf_lanes_wait_all(s);

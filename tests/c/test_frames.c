@@ -2,11 +2,11 @@
 // tests/streaming_ext/test_streamer.py.
 //
 // Checks, each printing one "ok NAME: ..." or "FAIL NAME: ..." line (exit status 0 only if all pass):
-//   init      bad sizes and counts are refused with -EINVAL and leave nothing mapped
+//   init      bad sizes and counts, or no counters, are refused with -EINVAL and leave nothing mapped
 //   reuse     a frame given back is the next one taken, with its bytes intact
 //   warm      takes use frames with pages before fresh ones: the memory held grows only when no
 //             frame given back is left
-//   exhaust   a take with every frame live answers -1
+//   exhaust   a take with every frame live answers -1; freed, the frames' counter of memory held is 0
 //   stress    200000 random takes and gives: live frames are distinct, inside the arena and keep
 //             the bytes written into them; the memory held is the live and warm frames exactly
 //   trim      mf_frames_trim gives back every warm frame: the memory held is the live frames',
@@ -53,17 +53,20 @@ static int zeros(const mf_frames * fr, int32_t id) {
 }
 
 static void test_init(void) {
-    mf_frames fr;
-    const int odd  = mf_frames_init(&fr, mf_page_size() + 1, 4);
-    const int none = mf_frames_init(&fr, mf_page_size(), 0);
-    const int zero = mf_frames_init(&fr, 0, 4);
-    verdict(odd == -EINVAL && none == -EINVAL && zero == -EINVAL && fr.base == NULL, "init",
-            "a size not in whole pages, no frames, or empty frames are refused");
+    mf_frames            fr;
+    atomic_uint_fast64_t populated = 0, released = 0;
+    const int            odd       = mf_frames_init(&fr, mf_page_size() + 1, 4, &populated, &released);
+    const int            none      = mf_frames_init(&fr, mf_page_size(), 0, &populated, &released);
+    const int            zero      = mf_frames_init(&fr, 0, 4, &populated, &released);
+    const int            uncounted = mf_frames_init(&fr, mf_page_size(), 4, NULL, &released);
+    verdict(odd == -EINVAL && none == -EINVAL && zero == -EINVAL && uncounted == -EINVAL && fr.base == NULL, "init",
+            "a size not in whole pages, no frames, empty frames or no counters are refused");
 }
 
 static void test_reuse_warm_exhaust(void) {
-    mf_frames fr;
-    if (mf_frames_init(&fr, 3 * mf_page_size(), 4) != 0) {
+    mf_frames            fr;
+    atomic_uint_fast64_t populated = 0, released = 0;
+    if (mf_frames_init(&fr, 3 * mf_page_size(), 4, &populated, &released) != 0) {
         verdict(0, "reuse", "mf_frames_init failed");
         return;
     }
@@ -75,20 +78,22 @@ static void test_reuse_warm_exhaust(void) {
 
     // b live; take two more (fresh), give both back, take two again: no fresh pages needed
     const int32_t c = mf_frames_take(&fr), d = mf_frames_take(&fr);
-    const size_t  held = atomic_load(&fr.populated);
+    const size_t  held = atomic_load(&populated);
     mf_frames_give(&fr, c);
     mf_frames_give(&fr, d);
     const int32_t e = mf_frames_take(&fr), f = mf_frames_take(&fr);
-    const size_t  held_after = atomic_load(&fr.populated);
+    const size_t  held_after = atomic_load(&populated);
     const int32_t g          = mf_frames_take(&fr);  // the fourth frame: fresh
     char          what[160];
     snprintf(what, sizeof what, "held %zu pages after three takes, %zu after reusing two, %zu after a fourth",
-             held / mf_page_size(), held_after / mf_page_size(), atomic_load(&fr.populated) / mf_page_size());
+             held / mf_page_size(), held_after / mf_page_size(), atomic_load(&populated) / mf_page_size());
     verdict(held == 9 * mf_page_size() && held_after == held && ((e == d && f == c) || (e == c && f == d)) && g >= 0 &&
-                g != a && g != c && g != d && atomic_load(&fr.populated) == 12 * mf_page_size(),
+                g != a && g != c && g != d && atomic_load(&populated) == 12 * mf_page_size(),
             "warm", what);
-    verdict(mf_frames_take(&fr) == -1, "exhaust", "a fifth take of four frames answers -1");
+    const int32_t fifth = mf_frames_take(&fr);
     mf_frames_free(&fr);
+    verdict(fifth == -1 && atomic_load(&populated) == 0, "exhaust",
+            "a fifth take of four frames answers -1; freed, the frames hold no memory");
 }
 
 static uint64_t rng_state = 88172645463325252ull;
@@ -103,8 +108,9 @@ static uint64_t rnd(void) {
 static void test_stress_trim(void) {
     enum { CAP = 96, OPS = 200000 };
     const size_t bytes = 5 * mf_page_size();
-    mf_frames    fr;
-    if (mf_frames_init(&fr, bytes, CAP) != 0) {
+    mf_frames            fr;
+    atomic_uint_fast64_t populated = 0, released = 0;
+    if (mf_frames_init(&fr, bytes, CAP, &populated, &released) != 0) {
         verdict(0, "stress", "mf_frames_init failed");
         return;
     }
@@ -142,7 +148,7 @@ static void test_stress_trim(void) {
             serial[k]   = serial[n_live];
             mf_frames_give(&fr, id);
         }
-        ok &= atomic_load(&fr.populated) == (size_t) (n_live + fr.n_warm) * bytes;
+        ok &= atomic_load(&populated) == (size_t) (n_live + fr.n_warm) * bytes;
         ok &= fr.n_warm + fr.n_cold + n_live == CAP;
     }
     for (int32_t k = 0; k < n_live && ok; k++) {
@@ -167,9 +173,9 @@ static void test_stress_trim(void) {
     const int32_t again = mf_frames_take(&fr);
     const int     clean = again >= 0 && zeros(&fr, again);
     snprintf(what, sizeof what, "%d warm frames given back, %llu released", warm,
-             (unsigned long long) atomic_load(&fr.released));
-    verdict(warm > 0 && fr.n_warm == 0 && atomic_load(&fr.released) == (uint64_t) warm && kept && clean &&
-                atomic_load(&fr.populated) == (size_t) (n_live + 1) * bytes,
+             (unsigned long long) atomic_load(&released));
+    verdict(warm > 0 && fr.n_warm == 0 && atomic_load(&released) == (uint64_t) warm && kept && clean &&
+                atomic_load(&populated) == (size_t) (n_live + 1) * bytes,
             "trim", what);
     mf_frames_free(&fr);
 }
