@@ -32,6 +32,7 @@ EXT_DECLARED := streaming_ext/_declared.py
 CTEST_BIN := tests/c/build/test_ready_hook
 CTEST_FRAMES := tests/c/build/test_frames
 CTEST_IDENTITY := tests/c/build/test_stream_identity
+CTEST_REPACK := tests/c/build/test_repack_slices
 
 # aarch64 (the phones): llama.cpp (MOEFLASH_CPU=armv8.2, Debian's cross gcc), streaming_ext and
 # the C tests (clang, Termux's compiler; test_frames with gcc, whose UBSan runtime the cross
@@ -140,7 +141,7 @@ $(VENV)/.install-stamp: pyproject.toml $(VENV)/.deps-stamp
 llama: $(VENV)/.deps-stamp
 	vendor/llama.cpp/build.sh $(VPY)
 
-ext: $(EXT_LIB) $(EXT_DECLARED) $(EXT_ASAN_LIB) $(CTEST_BIN) $(CTEST_FRAMES) $(CTEST_IDENTITY)
+ext: $(EXT_LIB) $(EXT_DECLARED) $(EXT_ASAN_LIB) $(CTEST_BIN) $(CTEST_FRAMES) $(CTEST_IDENTITY) $(CTEST_REPACK)
 
 # the counters and enums moeflash_stream.h declares, as Python (the typed record every figure reads)
 $(EXT_DECLARED): $(EXT_LIB) streaming_ext/declarations.py
@@ -158,6 +159,11 @@ $(EXT_ASAN_LIB): $(EXT_SRC) $(EXT_HDR) $(LLAMA_STAMP) Makefile
 
 # C test of the mul_mat_id ready-hook patch, against the installed libraries
 $(CTEST_BIN): tests/c/test_ready_hook.c $(LLAMA_STAMP) Makefile
+	@mkdir -p $(dir $@)
+	$(CC) $(CTEST_CFLAGS) $< -o $@ $(call LLAMA_LINK,$(SITE)/llama_cpp/lib)
+
+# C test of the repacked layouts in other buffer types (patch 0009)
+$(CTEST_REPACK): tests/c/test_repack_slices.c $(LLAMA_STAMP) Makefile
 	@mkdir -p $(dir $@)
 	$(CC) $(CTEST_CFLAGS) $< -o $@ $(call LLAMA_LINK,$(SITE)/llama_cpp/lib)
 
@@ -189,7 +195,7 @@ arm-toolchain:
 
 arm: arm-toolchain llama
 	@$(MAKE) --no-print-directory $(ARM_EXT_LIB) $(ARM_CTEST)/test_ready_hook $(ARM_CTEST)/test_frames \
-		$(ARM_CTEST)/test_stream_identity
+		$(ARM_CTEST)/test_stream_identity $(ARM_CTEST)/test_repack_slices
 
 $(ARM_STAMP): $(LLAMA_STAMP) vendor/llama.cpp/cross-build.sh vendor/llama.cpp/cmake-args.sh \
 		vendor/llama.cpp/aarch64-linux-gnu.cmake
@@ -201,6 +207,10 @@ $(ARM_EXT_LIB): $(EXT_SRC) $(EXT_HDR) $(ARM_STAMP) Makefile
 	$(ARM_CC) $(EXT_CFLAGS) $(EXT_SRC) -o $@ -shared $(call LLAMA_LINK,$(ARM_LLAMA_LIB))
 
 $(ARM_CTEST)/test_ready_hook: tests/c/test_ready_hook.c $(ARM_STAMP) Makefile
+	@mkdir -p $(dir $@)
+	$(ARM_CC) $(CTEST_CFLAGS) $< -o $@ $(call LLAMA_LINK,$(ARM_LLAMA_LIB))
+
+$(ARM_CTEST)/test_repack_slices: tests/c/test_repack_slices.c $(ARM_STAMP) Makefile
 	@mkdir -p $(dir $@)
 	$(ARM_CC) $(CTEST_CFLAGS) $< -o $@ $(call LLAMA_LINK,$(ARM_LLAMA_LIB))
 

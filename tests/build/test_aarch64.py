@@ -2,7 +2,9 @@
 C tests cross-built by `make arm`, run under qemu-user as a Cortex-A76 (armv8.2-a, dot product,
 fp16) with 4 KiB and 16 KiB pages.
 
-- tests/c/test_ready_hook.c: patch 0002's hook on ggml's NEON matmuls (vec_dot and tiled);
+- tests/c/test_ready_hook.c: patch 0002's hook on ggml's NEON matmuls (vec_dot and tiled), and
+  patch 0009's on the repacked ones;
+- tests/c/test_repack_slices.c: patch 0009's repacked layouts in a plain buffer (Q4_0, Q4_K, MXFP4);
 - tests/c/test_frames.c: the expert frames, with UBSan (ASan does not run under qemu-user);
 - tests/c/test_stream_identity.c: streamed against resident under a budget that evicts, tokens
   and a hash of every logits row, three lever sets, a budget moved mid-decode, a warm start
@@ -42,6 +44,21 @@ def test_ready_hook_on_aarch64(tiny_model: Callable[..., Path], kquant: bool) ->
     else:
         model, env = tiny_model("tiny-qwen3moe"), {}
     run = run_aarch64("test_ready_hook", str(model), "2", env=env)
+    assert run.returncode == 0, run.report()
+    assert run.verdicts() == ["ok"] * 5, run.report()
+
+
+def test_repacked_ready_hook_on_aarch64(tiny_model: Callable[..., Path]) -> None:
+    """Patch 0009 on the armv8.2 build's repacked Q4_0 (4x4, dot product): the hook and gemm."""
+    run = run_aarch64("test_ready_hook", str(tiny_model("tiny-qwen3moe")), "2", "repack")
+    assert run.returncode == 0, run.report()
+    assert run.verdicts() == ["ok"] * 6, run.report()
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_K", "mxfp4"])
+def test_repacked_slices_on_aarch64(qtype: str) -> None:
+    """The armv8.2 build's repacked layouts written slice by slice compute what CPU_REPACK does."""
+    run = run_aarch64("test_repack_slices", qtype)
     assert run.returncode == 0, run.report()
     assert run.verdicts() == ["ok"] * 5, run.report()
 

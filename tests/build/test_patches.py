@@ -11,6 +11,9 @@
      strings: tests/http/test_structured_output.py, whose strict parsers refuse them.
 0006 llama-cpp-python's converter writes bounded repetitions flat (x{m,n}), not as one nested
      group per repetition, which overflowed llama.cpp's parser's stack.
+0009 ggml-cpu repacked MUL_MAT_ID: asks the ready hook where each slice is and computes an expert's
+     tokens 4 at a time (gemm): tests/c/test_ready_hook.c with `repack`; repacked layouts in other
+     buffer types: tests/c/test_repack_slices.c.
 """
 
 from __future__ import annotations
@@ -30,6 +33,13 @@ from tests.models import greedy, load_llama
 
 REPO = Path(__file__).resolve().parents[2]
 READY_HOOK_TEST = REPO / "tests" / "c" / "build" / "test_ready_hook"
+REPACK_SLICES_TEST = REPO / "tests" / "c" / "build" / "test_repack_slices"
+# the repacked layouts llama.cpp has on x86 and on aarch64 for MoE experts: Q4_0, Q4_K, MXFP4
+REPACKED = [
+    pytest.param({}, id="q4_0"),
+    pytest.param({"expert_qtype": QType.Q4_K, "n_ff_exp": 256}, id="q4_K"),
+    pytest.param({"preset": "tiny-gptoss"}, id="mxfp4"),
+]
 
 
 def mapping_rss_bytes(path: Path) -> int:
@@ -98,6 +108,33 @@ def test_0002_ready_hook_announces_and_places_routed_experts(
         model, env = tiny_model("tiny-qwen3moe"), dict(os.environ)
     argv = [str(READY_HOOK_TEST), str(model), "2"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert [line.split()[0] for line in proc.stdout.splitlines()] == ["ok"] * 5, proc.stdout
+
+
+@pytest.mark.parametrize("model_args", REPACKED)
+def test_0009_repacked_mul_mat_id_asks_the_ready_hook(
+    tiny_model: Callable[..., Path], model_args: dict[str, object]
+) -> None:
+    """With the experts repacked (CPU_REPACK), repack's MUL_MAT_ID asks the hook for every routed
+    expert and reads the slice where it says, through gemm (experts with 4 tokens or more) and
+    gemv; without the patch the hook is never called there."""
+    assert READY_HOOK_TEST.is_file(), "build it with `make ext`"
+    args = dict(model_args)
+    model = tiny_model(str(args.pop("preset", "tiny-qwen3moe")), **args)
+    argv = [str(READY_HOOK_TEST), str(model), "2", "repack"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert [line.split()[0] for line in proc.stdout.splitlines()] == ["ok"] * 6, proc.stdout
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_K", "mxfp4"])
+def test_0009_repacked_slices_in_a_plain_buffer(qtype: str) -> None:
+    """Slices written by ggml_cpu_repack_slice into a plain CPU buffer, with the layout in the
+    tensor's extra, compute what CPU_REPACK computes, bit for bit; without it, the plain kernel."""
+    assert REPACK_SLICES_TEST.is_file(), "build it with `make ext`"
+    argv = [str(REPACK_SLICES_TEST), qtype]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert [line.split()[0] for line in proc.stdout.splitlines()] == ["ok"] * 5, proc.stdout
 

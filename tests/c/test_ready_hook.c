@@ -1,6 +1,6 @@
 // Test of patch 0002 (ggml-cpu mul_mat_id ready hook), driven by tests/build/test_patches.py.
 //
-//   test_ready_hook MODEL.gguf N_THREADS
+//   test_ready_hook MODEL.gguf N_THREADS [repack]
 //
 // Decodes a fixed prompt five times on a fresh context each time:
 //   1. no hook                        -> reference logits
@@ -11,6 +11,9 @@
 //   5. a hook that hands out the copy of the next expert's slice -> the logits differ (the matmul
 //      reads the slice where the hook says it is, not at the tensor's own address)
 // Run with GGML_CPU_TILED_MM_FORCE=1 on a K-quant model, the same holds for the tiled matmul.
+// With `repack` (patch 0009) the experts are repacked (CPU_REPACK) and the same holds for repack's
+// MUL_MAT_ID, whose experts with 4 tokens or more run gemm: a sixth check says every hooked slice
+// was repacked and some expert took 4 tokens or more.
 // Without the patch this file does not link (ggml_cpu_set_mul_mat_id_ready_hook is missing).
 // Prints one "ok ..." or "FAIL ..." line per check; exit status 0 only if all pass.
 #include <pthread.h>
@@ -37,7 +40,9 @@ typedef struct {
     uint8_t        routed[MAX_LAYERS][MAX_EXPERTS];
     // experts announced by the hook per layer (written concurrently by compute threads)
     atomic_uint    announced[MAX_LAYERS][MAX_EXPERTS];
+    uint16_t       tokens[MAX_LAYERS][MAX_EXPERTS];  // tokens routed to each, this run
     atomic_long    calls;
+    atomic_long    repacked;  // hook calls for a slice of a CPU_REPACK tensor
     atomic_long    unrouted;  // hook calls for an expert the router did not pick
     enum hook_mode mode;
     // copies of slices, made on first use (under mu): [layer][kind][expert]
@@ -76,12 +81,14 @@ static void free_copies(probe * p) {
 // clears the counters for the next run (the copies stay)
 static void reset(probe * p, enum hook_mode mode) {
     memset(p->routed, 0, sizeof p->routed);
+    memset(p->tokens, 0, sizeof p->tokens);
     for (int il = 0; il < MAX_LAYERS; il++) {
         for (int e = 0; e < MAX_EXPERTS; e++) {
             atomic_store(&p->announced[il][e], 0);
         }
     }
     atomic_store(&p->calls, 0);
+    atomic_store(&p->repacked, 0);
     atomic_store(&p->unrouted, 0);
     p->mode = mode;
 }
@@ -109,6 +116,7 @@ static bool on_eval(struct ggml_tensor * t, bool ask, void * ud) {
             const int32_t e = *(const int32_t *) ((const char *) t->data + i1 * t->nb[1] + i0 * t->nb[0]);
             if (e >= 0 && e < MAX_EXPERTS) {
                 p->routed[il][e] = 1;
+                p->tokens[il][e]++;
             }
         }
     }
@@ -119,6 +127,9 @@ static const void * on_ready(const struct ggml_tensor * src0, int64_t expert, vo
     probe *   p  = ud;
     const int il = layer_of(src0->name);
     atomic_fetch_add(&p->calls, 1);
+    if (src0->buffer && strcmp(ggml_backend_buft_name(ggml_backend_buffer_get_type(src0->buffer)), "CPU_REPACK") == 0) {
+        atomic_fetch_add(&p->repacked, 1);
+    }
     if (il < 0 || expert < 0 || expert >= MAX_EXPERTS || !p->routed[il][expert]) {
         atomic_fetch_add(&p->unrouted, 1);
         return NULL;
@@ -185,14 +196,15 @@ static int expect(struct llama_model * model, int n_threads, probe * p, enum hoo
 }
 
 int main(int argc, char ** argv) {
-    if (argc != 3) {
-        fprintf(stderr, "usage: %s MODEL.gguf N_THREADS\n", argv[0]);
+    const bool repack = argc == 4 && strcmp(argv[3], "repack") == 0;
+    if (argc != 3 && !repack) {
+        fprintf(stderr, "usage: %s MODEL.gguf N_THREADS [repack]\n", argv[0]);
         return 2;
     }
     const int n_threads = atoi(argv[2]);
     llama_backend_init();
     struct llama_model_params mp = llama_model_default_params();
-    mp.use_extra_bufts           = false;  // repacked experts would bypass this mul_mat_id
+    mp.use_extra_bufts           = repack;
     mp.load_mode                 = LLAMA_LOAD_MODE_MMAP;
     struct llama_model * model   = llama_model_load_from_file(argv[1], mp);
     if (!model) {
@@ -239,6 +251,22 @@ int main(int argc, char ** argv) {
     } else {
         printf("ok hook announced all %ld routed (layer, expert) pairs in %ld calls, none unrouted\n", routed,
                atomic_load(&p->calls));
+    }
+    if (repack) {
+        long gemm = 0;
+        for (int il = 0; il < n_layer && il < MAX_LAYERS; il++) {
+            for (int e = 0; e < MAX_EXPERTS; e++) {
+                gemm += p->tokens[il][e] >= 4;
+            }
+        }
+        if (atomic_load(&p->calls) == 0 || atomic_load(&p->repacked) != atomic_load(&p->calls) || gemm == 0) {
+            printf("FAIL repack: %ld of %ld hooked slices repacked, %ld (layer, expert) pairs with 4+ tokens\n",
+                   atomic_load(&p->repacked), atomic_load(&p->calls), gemm);
+            failed = 1;
+        } else {
+            printf("ok all %ld hooked slices repacked; %ld (layer, expert) pairs took 4+ tokens (gemm)\n",
+                   atomic_load(&p->calls), gemm);
+        }
     }
     if (memcmp(ref, got, sizeof(float) * (size_t) n_vocab) != 0) {
         printf("FAIL an allowing hook changed the logits\n");
