@@ -229,14 +229,34 @@ def _problems(s: ModelSpec) -> list[str]:
     """Every reason `s` cannot become a model llama.cpp loads; empty when it is fine."""
     if s.arch not in ARCHITECTURES:
         return [f"unknown architecture {s.arch!r}; valid: {', '.join(ARCHITECTURES)}"]
+    # the later checks compute with the fields: a field of the wrong type or sign ends the list
+    out = _count_problems(s) or _type_problems(s)
+    if out:
+        return out
+    _add_limit_problems(s, out)
+    _add_head_problems(s, out)
+    _add_layout_problems(s, out)
+    _add_qtype_problems(s, out)
+    if not out:
+        _add_block_problems(s, out)
+    _add_scalar_problems(s, out)
+    return out
+
+
+def _count_problems(s: ModelSpec) -> list[str]:
+    """The counts that must be positive integers and are not."""
     out: list[str] = []
     positive = ("n_layer", "n_embd", "n_head", "n_head_kv", "n_expert", "n_expert_used", "n_ff_exp")
     for field in (*positive, "n_vocab", "n_ctx"):
         value = getattr(s, field)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             out.append(f"{field} must be a positive integer (got {value!r})")
-    if out:
-        return out
+    return out
+
+
+def _type_problems(s: ModelSpec) -> list[str]:
+    """The storage types that are not QTypes, and gemma4's sliding-window fields out of place."""
+    out: list[str] = []
     for field in ("expert_qtype", "dense_qtype"):
         if not isinstance(getattr(s, field), QType):
             out.append(f"{field} must be a QType")
@@ -249,9 +269,11 @@ def _problems(s: ModelSpec) -> list[str]:
             out.append(f"{field} must be a positive integer or None (got {value!r})")
         elif value is not None and s.arch != "gemma4":
             out.append(f"{field} is for gemma4's sliding-window layers; {s.arch} has none (leave it None)")
-    if out:
-        return out
+    return out
 
+
+def _add_limit_problems(s: ModelSpec, out: list[str]) -> None:
+    """llama.cpp's limits on layers and experts."""
     if s.n_layer > LLAMA_MAX_LAYERS:
         out.append(f"n_layer {s.n_layer} exceeds llama.cpp's limit of {LLAMA_MAX_LAYERS}")
     if s.n_expert > LLAMA_MAX_EXPERTS:
@@ -259,6 +281,9 @@ def _problems(s: ModelSpec) -> list[str]:
     if s.n_expert_used > s.n_expert:
         out.append(f"n_expert_used {s.n_expert_used} exceeds n_expert {s.n_expert}")
 
+
+def _add_head_problems(s: ModelSpec, out: list[str]) -> None:
+    """The attention heads' widths and counts (a width is checked once the earlier checks pass)."""
     if s.head_dim is None:
         if s.n_embd % s.n_head:
             out.append(f"n_embd {s.n_embd} is not divisible by n_head {s.n_head} (or give head_dim)")
@@ -275,6 +300,9 @@ def _problems(s: ModelSpec) -> list[str]:
     if not out and s.arch == "qwen2moe" and s.n_embd_q != s.n_embd:
         out.append(f"qwen2moe needs n_head * head_dim == n_embd ({s.n_head} * {s.head_size} != {s.n_embd})")
 
+
+def _add_layout_problems(s: ModelSpec, out: list[str]) -> None:
+    """What the architecture needs: a shared expert or none, a sliding window, enough layers."""
     if s.arch in SHARED_EXPERT_ARCHS:
         if s.n_ff_shexp < 1:
             out.append(f"{s.arch} has a shared expert: n_ff_shexp must be positive (got {s.n_ff_shexp})")
@@ -286,6 +314,9 @@ def _problems(s: ModelSpec) -> list[str]:
         # llama.cpp's gemma4 KV cache needs a sliding-window layer besides the last (full) one
         out.append(f"gemma4 needs at least 2 layers (got {s.n_layer})")
 
+
+def _add_qtype_problems(s: ModelSpec, out: list[str]) -> None:
+    """Storage types that are not weight types, and MXFP4 where llama.cpp does not take it."""
     typed = [("expert_qtype", s.expert_qtype), ("dense_qtype", s.dense_qtype)]
     typed += [(f, getattr(s, f)) for f in ("down_qtype", "down_qtype_rest") if getattr(s, f) is not None]
     for field, qtype in typed:
@@ -298,27 +329,31 @@ def _problems(s: ModelSpec) -> list[str]:
     if s.dense_qtype is QType.MXFP4:
         out.append("MXFP4 is for expert tensors only; use F16, Q8_0, Q4_0, Q4_K or Q6_K for dense_qtype")
 
-    # every quantized matrix's row (ne0) must hold whole blocks
-    if not out:
-        rows = {"n_embd": s.n_embd, "n_head * head_dim": s.n_embd_q}
-        if s.head_dim_swa is not None:
-            rows["n_head * head_dim_swa"] = s.n_head * s.head_dim_swa
-        if s.n_ff_shexp:
-            rows["n_ff_shexp"] = s.n_ff_shexp
-        for label, n in rows.items():
-            if n % s.dense_qtype.block_size:
-                out.append(
-                    f"{label} = {n} is not a multiple of {s.dense_qtype.name}'s block of "
-                    f"{s.dense_qtype.block_size}"
-                )
-        # gate and up rows are n_embd wide, down rows n_ff_exp
-        down = {s.down_qtype_of(il) for il in range(s.n_layer)}
-        widths = [("n_embd", s.n_embd, s.expert_qtype)]
-        widths += [("n_ff_exp", s.n_ff_exp, q) for q in sorted(down, key=lambda q: q.name)]
-        for label, n, qtype in dict.fromkeys(widths):
-            if n % qtype.block_size:
-                out.append(f"{label} = {n} is not a multiple of {qtype.name}'s block of {qtype.block_size}")
 
+def _add_block_problems(s: ModelSpec, out: list[str]) -> None:
+    """Every quantized matrix's row (ne0) must hold whole blocks."""
+    rows = {"n_embd": s.n_embd, "n_head * head_dim": s.n_embd_q}
+    if s.head_dim_swa is not None:
+        rows["n_head * head_dim_swa"] = s.n_head * s.head_dim_swa
+    if s.n_ff_shexp:
+        rows["n_ff_shexp"] = s.n_ff_shexp
+    for label, n in rows.items():
+        if n % s.dense_qtype.block_size:
+            out.append(
+                f"{label} = {n} is not a multiple of {s.dense_qtype.name}'s block of "
+                f"{s.dense_qtype.block_size}"
+            )
+    # gate and up rows are n_embd wide, down rows n_ff_exp
+    down = {s.down_qtype_of(il) for il in range(s.n_layer)}
+    widths = [("n_embd", s.n_embd, s.expert_qtype)]
+    widths += [("n_ff_exp", s.n_ff_exp, q) for q in sorted(down, key=lambda q: q.name)]
+    for label, n, qtype in dict.fromkeys(widths):
+        if n % qtype.block_size:
+            out.append(f"{label} = {n} is not a multiple of {qtype.name}'s block of {qtype.block_size}")
+
+
+def _add_scalar_problems(s: ModelSpec, out: list[str]) -> None:
+    """The vocabulary's size, the alignment and the float hyperparameters."""
     if s.n_vocab >= 2**31:
         out.append(f"n_vocab {s.n_vocab} does not fit llama.cpp's int32 token ids")
     elif not out and s.n_vocab < base_vocab_size(s.arch):
@@ -332,7 +367,6 @@ def _problems(s: ModelSpec) -> list[str]:
         out.append(f"rope_freq_base must be positive (got {s.rope_freq_base})")
     if not (math.isfinite(s.rms_eps) and s.rms_eps > 0):
         out.append(f"rms_eps must be positive (got {s.rms_eps})")
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
