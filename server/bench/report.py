@@ -49,8 +49,24 @@ def _cap(run: Run) -> str:
 
 def markdown(result: BenchResult, command: str) -> str:
     """The report as Markdown: model, environment, ceiling, one row per run, the ratios."""
+    lines = _header(result, command)
+    lines += _ceiling(result.ceiling)
+    lines += _systems(result)
+    ra = result.ratios
+    lines += _ratios(ra)
+    lines += _caps(ra)
+    lines += _vs_cached(ra)
+    lines += _prefill(ra)
+    lines += _traced(ra)
+    lines += _targets(ra.get("targets") or [])
+    return "\n".join(lines) + "\n"
+
+
+def _header(result: BenchResult, command: str) -> list[str]:
+    """The title, the command, and what ran: the model, the machine, the code, the routing."""
     m = result.model
-    lines = [
+    env = result.environment
+    return [
         f"# moeflash bench: {m['name']}",
         "",
         f"Produced by `{command}`.",
@@ -60,12 +76,18 @@ def markdown(result: BenchResult, command: str) -> str:
         f"{m['routed_bytes_per_token'] / _MIB:.0f} MiB routed per token, "
         # the file's non-expert bytes; a streaming run's "dense" (RAM) excludes mapped embeddings
         f"non-expert weights {m['dense_bytes'] / _MIB:.0f} MiB; sha256 {m.get('sha256', 'n/a')}).",
-        f"Machine: {result.environment.get('cpu_model', '?')}, {result.environment.get('cpus')} cores, "
-        f"{result.environment.get('mem_total_bytes', 0) / 2**30:.1f} GiB; read_ahead_kb "
-        f"{result.environment.get('read_ahead_kb')}; {result.cgroup}; page cache {result.page_cache}.",
-        f"Code: moeflash {result.environment.get('moeflash', '?')}, commit "
-        f"{result.environment.get('commit') or 'unknown (not a git checkout)'}.",
+        f"Machine: {env.get('cpu_model', '?')}, {env.get('cpus')} cores, "
+        f"{env.get('mem_total_bytes', 0) / 2**30:.1f} GiB; read_ahead_kb "
+        f"{env.get('read_ahead_kb')}; {result.cgroup}; page cache {result.page_cache}.",
+        f"Code: moeflash {env.get('moeflash', '?')}, commit "
+        f"{env.get('commit') or 'unknown (not a git checkout)'}.",
         *_routing_lines(m),
+    ]
+
+
+def _ceiling(ceiling: list[dict[str, Any]]) -> list[str]:
+    """The disk ceiling's probes, one row each."""
+    lines = [
         "",
         "## Disk ceiling (same file)",
         "",
@@ -75,13 +97,18 @@ def markdown(result: BenchResult, command: str) -> str:
         "| probe | pattern | readers | read size | MB/s | O_DIRECT |",
         "|---|---|---|---|---|---|",
     ]
-    for c in result.ceiling:
+    for c in ceiling:
         lines.append(
             f"| {c.get('probe', 0) + 1}: {c.get('label', '')} | {c['pattern']} | {c['readers']} | "
             f"{c['read_bytes'] / _MIB:.2f} MiB | {c['bytes_per_s'] / 1e6:.0f} | "
             f"{'yes' if c['direct_io'] else 'no'} |"
         )
-    lines += [
+    return lines
+
+
+def _systems(result: BenchResult) -> list[str]:
+    """One row per run, in the order they ran."""
+    lines = [
         "",
         "## Systems",
         "",
@@ -90,36 +117,40 @@ def markdown(result: BenchResult, command: str) -> str:
         "compute / flash wait / cache ms per token |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for run in result.runs:
-        if not run.ok:
-            lines.append(
-                f"| {_name(run, result)} | {_cap(run)} | failed: {(run.error or '').splitlines()[-1][:120]} |"
-            )
-            continue
-        r = run.report
-        d = decode_figures(run)
-        n_dec = max(1, r.get("decode_tokens", 1))
-        # per decoded token; a run without decode records spreads the whole run's reads (load
-        # and prompt too) over every token
-        spread = r.get("storage_read_bytes", 0) / (r["prompt_tokens"] + n_dec)
-        read_per_tok = (d["bytes_read"] if d else spread) / 1e6
-        cgroup_peak = _fmt(run.cgroup_peak_bytes / _MIB if run.cgroup_peak_bytes else None, ".0f")
-        split = (
-            f"{d['compute_s'] * 1e3:.0f} / {d['flash_wait_s'] * 1e3:.0f} / {d['cache_s'] * 1e3:.0f}"
-            if d and r.get("mode") == "streaming"
-            else "n/a"
-        )
-        lines.append(
-            f"| {_name(run, result)} | {_cap(run)} | {r['load_s']:.2f} | {r['ttft_s']:.2f} | "
-            f"{r['prompt_tokens'] / r['prompt_s'] if r['prompt_s'] else 0:.1f} | "
-            f"{_fmt(d['tok_s_median'] if d else None)} / {_fmt(d['tok_s_mean'] if d else None)} | "
-            f"{r['peak_rss_bytes'] / _MIB:.0f} | {cgroup_peak} | "
-            f"{r.get('major_faults', 'n/a')} | {read_per_tok:.1f} | "
-            f"{_hits(d) if d and r.get('mode') == 'streaming' else 'n/a'} | {split} |"
-        )
-    ra = result.ratios
+    return lines + [_run_row(run, result) for run in result.runs]
+
+
+def _run_row(run: Run, result: BenchResult) -> str:
+    """A run's row: its times, rates, memory and reads, or why it failed."""
+    if not run.ok:
+        return f"| {_name(run, result)} | {_cap(run)} | failed: {(run.error or '').splitlines()[-1][:120]} |"
+    r = run.report
+    d = decode_figures(run)
+    n_dec = max(1, r.get("decode_tokens", 1))
+    # per decoded token; a run without decode records spreads the whole run's reads (load
+    # and prompt too) over every token
+    spread = r.get("storage_read_bytes", 0) / (r["prompt_tokens"] + n_dec)
+    read_per_tok = (d["bytes_read"] if d else spread) / 1e6
+    cgroup_peak = _fmt(run.cgroup_peak_bytes / _MIB if run.cgroup_peak_bytes else None, ".0f")
+    split = (
+        f"{d['compute_s'] * 1e3:.0f} / {d['flash_wait_s'] * 1e3:.0f} / {d['cache_s'] * 1e3:.0f}"
+        if d and r.get("mode") == "streaming"
+        else "n/a"
+    )
+    return (
+        f"| {_name(run, result)} | {_cap(run)} | {r['load_s']:.2f} | {r['ttft_s']:.2f} | "
+        f"{r['prompt_tokens'] / r['prompt_s'] if r['prompt_s'] else 0:.1f} | "
+        f"{_fmt(d['tok_s_median'] if d else None)} / {_fmt(d['tok_s_mean'] if d else None)} | "
+        f"{r['peak_rss_bytes'] / _MIB:.0f} | {cgroup_peak} | "
+        f"{r.get('major_faults', 'n/a')} | {read_per_tok:.1f} | "
+        f"{_hits(d) if d and r.get('mode') == 'streaming' else 'n/a'} | {split} |"
+    )
+
+
+def _ratios(ra: dict[str, Any]) -> list[str]:
+    """The uncapped ratios: the disk ceiling, the compute bound, prefill and residency."""
     ceiling_mb = ra["disk_ceiling_bytes_per_s"] / 1e6 if ra.get("disk_ceiling_bytes_per_s") else None
-    lines += [
+    return [
         "",
         "## Ratios (docs/benchmarks.md)",
         "",
@@ -141,6 +172,13 @@ def markdown(result: BenchResult, command: str) -> str:
             if len(ra.get("residency_overhead_rounds") or []) > 1
             else ""
         ),
+    ]
+
+
+def _caps(ra: dict[str, Any]) -> list[str]:
+    """Decode per cap: moeflash against stock mmap and against its rooflines, and the speedup's
+    rounds where there were several."""
+    lines = [
         "",
         "Ceiling = the cap's own (the probes around its runs). I/O-bound tok/s = ceiling / bytes read"
         " per token (prefetched experts are read too);"
@@ -178,11 +216,7 @@ def markdown(result: BenchResult, command: str) -> str:
             + "; ".join(f"{cap / 2**30:.2f} GiB {_series(r)}" for cap, r in rounds.items())
             + ".",
         ]
-    lines += _vs_cached(ra)
-    lines += _prefill(ra)
-    lines += _traced(ra)
-    lines += _targets(ra.get("targets") or [])
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _prefill(ra: dict[str, Any]) -> list[str]:

@@ -7,7 +7,7 @@ cgroup when it is capped, on the same file. Options are those of `moeflash gener
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 SHORT_PROMPT_TOKENS = 20
 LONG_PROMPT_TOKENS = 512
@@ -138,93 +138,100 @@ NO_PREFETCH = System("lever-no-prefetch", True, ("--prefetch", "off"), lever="pr
 NO_OVERLAP = System("lever-no-overlap", True, ("--no-overlap",), lever="overlap off")
 
 
+# the uncapped references: stock llama.cpp fully in RAM, and every expert cached
+UNCAPPED = (
+    System(
+        "resident",
+        False,
+        ("--mode", "resident"),
+        description="stock llama.cpp, model fully in RAM (page cache warmed first)",
+        warm_page_cache=True,
+        repeats=3,
+    ),
+    System(
+        "streaming-all-cached",
+        False,
+        # every expert read at load: decode then measures compute alone
+        ("--budget", "all", "--preload"),
+        description="moeflash with every expert cached (compute-bound reference)",
+        repeats=3,
+    ),
+    System(
+        "resident-prefill-512",
+        False,
+        ("--mode", "resident", "--prompt-tokens", str(LONG_PROMPT_TOKENS)),
+        decode_tokens=2,
+        description="stock llama.cpp fully in RAM, a 512-token prompt (the prefill reference)",
+        warm_page_cache=True,
+    ),
+    System(
+        "streaming-all-cached-prefill-512",
+        False,
+        ("--budget", "all", "--preload", "--prompt-tokens", str(LONG_PROMPT_TOKENS)),
+        decode_tokens=4,
+        description="every expert cached, a 512-token prompt (compute-bound prefill reference)",
+    ),
+)
+# stock mmap under the cap decodes the bench's --mmap-tokens (default_systems sets them)
+MMAP_CAPPED = System(
+    "mmap-capped",
+    True,
+    ("--mode", "resident"),
+    description="stock llama.cpp load_mode MMAP (use_extra_bufts off) under the cap",
+    repeats=CAPPED_ROUNDS,
+)
+# the capped systems after stock mmap: its prefill, moeflash's default and its references
+CAPPED = (
+    System(
+        "mmap-capped-prefill-512",
+        True,
+        ("--mode", "resident", "--prompt-tokens", str(LONG_PROMPT_TOKENS)),
+        decode_tokens=2,
+        description="stock llama.cpp mmap under the cap, a 512-token prompt (prefill speedup)",
+    ),
+    System(
+        "streaming",
+        True,
+        (),
+        description="moeflash, default (best) settings, budget auto",
+        repeats=CAPPED_ROUNDS,
+    ),
+    PAIRED_CACHED,
+    System(
+        "streaming-prefill-512",
+        True,
+        ("--prompt-tokens", str(LONG_PROMPT_TOKENS)),
+        decode_tokens=4,
+        description="moeflash, a 512-token prompt (prefill rate and time to first token)",
+    ),
+    System(
+        "streaming-full-context",
+        True,
+        (),
+        decode_tokens=4,
+        description="moeflash, a prompt that fills the context (memory discipline at its worst)",
+        fill_context=True,
+    ),
+)
+# each lever alone (prefetch and overlap off are NO_PREFETCH and NO_OVERLAP)
+LEVERS = (
+    System("lever-no-cache", True, ("--cache-policy", "none"), lever="cache off"),
+    System("lever-lru", True, ("--cache-policy", "lru"), lever="LRU policy"),
+    System("lever-lanes-1", True, ("--lanes", "1"), lever="1 lane"),
+    System("lever-lanes-2", True, ("--lanes", "2"), lever="2 lanes"),
+    System("lever-buffered", True, ("--reader", "buffered"), lever="O_DIRECT off"),
+)
+
+
 def default_systems(mmap_tokens: int, levers: bool = True, traced: bool = False) -> SystemSet:
     """resident + all-cached streaming (uncapped); stock mmap, streaming best and levers (capped);
     `traced` (routing replayed from a trace): prefetch from past routing, from the trace and off,
     and overlap off, levers or not."""
-    uncapped = [
-        System(
-            "resident",
-            False,
-            ("--mode", "resident"),
-            description="stock llama.cpp, model fully in RAM (page cache warmed first)",
-            warm_page_cache=True,
-            repeats=3,
-        ),
-        System(
-            "streaming-all-cached",
-            False,
-            # every expert read at load: decode then measures compute alone
-            ("--budget", "all", "--preload"),
-            description="moeflash with every expert cached (compute-bound reference)",
-            repeats=3,
-        ),
-        System(
-            "resident-prefill-512",
-            False,
-            ("--mode", "resident", "--prompt-tokens", str(LONG_PROMPT_TOKENS)),
-            decode_tokens=2,
-            description="stock llama.cpp fully in RAM, a 512-token prompt (the prefill reference)",
-            warm_page_cache=True,
-        ),
-        System(
-            "streaming-all-cached-prefill-512",
-            False,
-            ("--budget", "all", "--preload", "--prompt-tokens", str(LONG_PROMPT_TOKENS)),
-            decode_tokens=4,
-            description="every expert cached, a 512-token prompt (compute-bound prefill reference)",
-        ),
-    ]
-    capped = [
-        System(
-            "mmap-capped",
-            True,
-            ("--mode", "resident"),
-            decode_tokens=mmap_tokens,
-            description="stock llama.cpp load_mode MMAP (use_extra_bufts off) under the cap",
-            repeats=CAPPED_ROUNDS,
-        ),
-        System(
-            "mmap-capped-prefill-512",
-            True,
-            ("--mode", "resident", "--prompt-tokens", str(LONG_PROMPT_TOKENS)),
-            decode_tokens=2,
-            description="stock llama.cpp mmap under the cap, a 512-token prompt (prefill speedup)",
-        ),
-        System(
-            "streaming",
-            True,
-            (),
-            description="moeflash, default (best) settings, budget auto",
-            repeats=CAPPED_ROUNDS,
-        ),
-        PAIRED_CACHED,
-        System(
-            "streaming-prefill-512",
-            True,
-            ("--prompt-tokens", str(LONG_PROMPT_TOKENS)),
-            decode_tokens=4,
-            description="moeflash, a 512-token prompt (prefill rate and time to first token)",
-        ),
-        System(
-            "streaming-full-context",
-            True,
-            (),
-            decode_tokens=4,
-            description="moeflash, a prompt that fills the context (memory discipline at its worst)",
-            fill_context=True,
-        ),
-    ]
+    capped = [replace(MMAP_CAPPED, decode_tokens=mmap_tokens), *CAPPED]
     if levers:
-        capped += [
-            System("lever-no-cache", True, ("--cache-policy", "none"), lever="cache off"),
-            System("lever-lru", True, ("--cache-policy", "lru"), lever="LRU policy"),
-            System("lever-lanes-1", True, ("--lanes", "1"), lever="1 lane"),
-            System("lever-lanes-2", True, ("--lanes", "2"), lever="2 lanes"),
-            System("lever-buffered", True, ("--reader", "buffered"), lever="O_DIRECT off"),
-        ]
+        capped += LEVERS
     if levers or traced:
         capped += [NO_PREFETCH, NO_OVERLAP]
     if traced:
         capped += [PREFETCH_HISTORY, PREFETCH_FROM_TRACE, PREFETCH_EMULATED]
-    return SystemSet(uncapped, capped)
+    return SystemSet(list(UNCAPPED), capped)
