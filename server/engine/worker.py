@@ -336,79 +336,26 @@ class Engine:
         try:
             model = self._loader()
         except BaseException as exc:  # noqa: BLE001 - reported through state and /health
-            logger.error("model load failed: %s", exc)
-            with self._cond:
-                self._load_error = exc
-                if self._state is EngineState.LOADING:
-                    self._state = EngineState.FAILED
-                self._cond.notify_all()
+            self._load_failed(exc)
             return
         loop = TokenLoop(model.llama, model.prompt_cache)
         loop.journal = self.journal
-        with self._cond:
-            self._model = model
-            self._info = model.info
-            self._slots = len(model.llama.slots)
-            self._idle_since = time.monotonic()
-            self.loads += 1
-            if self._state is EngineState.LOADING:
-                self._state = EngineState.READY
-            self._cond.notify_all()
+        self._ready(model)
         sequences: dict[int, tuple[Job, Sequence]] = {}  # by id(job)
         try:
             idle_work = True  # warm start begins reading back at once
             while True:
-                with self._cond:
-                    # idle, the model's idle work goes on (below, outside the lock): at once while
-                    # warm start reads back, else every _IDLE_POLL_S
-                    idle = not self._waiting and not self._running
-                    if idle and self._state is EngineState.READY and not idle_work:
-                        self._cond.wait(timeout=_IDLE_POLL_S)
-                    if self._state is not EngineState.READY:
-                        break
-                    starting: list[Job] = []
-                    while self._waiting and len(self._running) + len(starting) < self._slots:
-                        starting.append(self._waiting.popleft())
-                    self._running.extend(starting)
-                    running = bool(self._running)
-                for job in starting:
-                    try:
-                        seq = loop.start(job.request, job.stats, job._post, job._cancel.is_set)
-                    except Exception as exc:  # noqa: BLE001 - the request's failure (a state unreadable)
-                        logger.exception("request %s could not start", job.id)
-                        with self._cond:
-                            self._running.remove(job)
-                            self._cond.notify_all()
-                        job._post(Failed(exc))
-                        continue
-                    sequences[id(job)] = (job, seq)
+                taken = self._take_waiting(idle_work)
+                if taken is None:
+                    break
+                starting, running = taken
+                self._start(loop, starting, sequences)
                 if not running:
                     idle_work = model.idle()
                     continue
-                failure: BaseException | None = None
-                try:
-                    ended = loop.step()
-                except Exception as exc:  # noqa: BLE001 - handed to the requests, which map it to HTTP
-                    logger.exception("a decode step failed")
-                    ended, failure = loop.abort(exc), exc
-                plan = loop.last_plan  # empty when the step only ended cancelled requests
-                with self._cond:
-                    self.steps += bool(plan)
-                    self.step_tokens += sum(part.n_tokens for part in plan)
-                    self.shared_steps += len(plan) > 1
-                if ended:
-                    self._end(model, sequences, ended, failure)
+                self._step(model, loop, sequences)
         except BaseException as exc:
-            # a bug, not a request's failure: no request may wait for a worker that is gone
-            logger.exception("the engine worker failed")
-            with self._cond:
-                self._load_error = exc
-                self._state = EngineState.FAILED
-                dropped = list(self._waiting)
-                self._waiting.clear()
-                self._cond.notify_all()
-            for job in dropped:
-                job._post(Failed(exc))
+            self._fail(exc)
             raise
         finally:
             # stopped mid-request (the jobs were cancelled): they end as cancelled, as a client
@@ -418,6 +365,91 @@ class Engine:
             self._end(model, sequences, loop.running, None)
             loop.close()
             model.close()
+
+    def _load_failed(self, exc: BaseException) -> None:
+        """The load raised: FAILED, unless the engine was stopped meanwhile."""
+        logger.error("model load failed: %s", exc)
+        with self._cond:
+            self._load_error = exc
+            if self._state is EngineState.LOADING:
+                self._state = EngineState.FAILED
+            self._cond.notify_all()
+
+    def _ready(self, model: LoadedModel) -> None:
+        """Serve the loaded model: READY, unless the engine was stopped meanwhile."""
+        with self._cond:
+            self._model = model
+            self._info = model.info
+            self._slots = len(model.llama.slots)
+            self._idle_since = time.monotonic()
+            self.loads += 1
+            if self._state is EngineState.LOADING:
+                self._state = EngineState.READY
+            self._cond.notify_all()
+
+    def _take_waiting(self, idle_work: bool) -> tuple[list[Job], bool] | None:
+        """Move the waiting jobs the free slots take to the running ones, in arrival order: those
+        jobs, and whether any job runs. Idle and without idle work, it first waits for a job (at
+        most _IDLE_POLL_S). None once the engine is not READY."""
+        with self._cond:
+            # idle, the model's idle work goes on (outside the lock): at once while warm start
+            # reads back, else every _IDLE_POLL_S
+            idle = not self._waiting and not self._running
+            if idle and self._state is EngineState.READY and not idle_work:
+                self._cond.wait(timeout=_IDLE_POLL_S)
+            if self._state is not EngineState.READY:
+                return None
+            starting: list[Job] = []
+            while self._waiting and len(self._running) + len(starting) < self._slots:
+                starting.append(self._waiting.popleft())
+            self._running.extend(starting)
+            return starting, bool(self._running)
+
+    def _start(
+        self, loop: TokenLoop, starting: list[Job], sequences: dict[int, tuple[Job, Sequence]]
+    ) -> None:
+        """Start the jobs' sequences in the token loop; a job that cannot start fails alone."""
+        for job in starting:
+            try:
+                seq = loop.start(job.request, job.stats, job._post, job._cancel.is_set)
+            except Exception as exc:  # noqa: BLE001 - the request's failure (a state unreadable)
+                logger.exception("request %s could not start", job.id)
+                with self._cond:
+                    self._running.remove(job)
+                    self._cond.notify_all()
+                job._post(Failed(exc))
+                continue
+            sequences[id(job)] = (job, seq)
+
+    def _step(self, model: LoadedModel, loop: TokenLoop, sequences: dict[int, tuple[Job, Sequence]]) -> None:
+        """One decode step of every running job; the jobs it ended are reported. A step that
+        raises fails the requests it decoded, not the engine."""
+        failure: BaseException | None = None
+        try:
+            ended = loop.step()
+        except Exception as exc:  # noqa: BLE001 - handed to the requests, which map it to HTTP
+            logger.exception("a decode step failed")
+            ended, failure = loop.abort(exc), exc
+        plan = loop.last_plan  # empty when the step only ended cancelled requests
+        with self._cond:
+            self.steps += bool(plan)
+            self.step_tokens += sum(part.n_tokens for part in plan)
+            self.shared_steps += len(plan) > 1
+        if ended:
+            self._end(model, sequences, ended, failure)
+
+    def _fail(self, exc: BaseException) -> None:
+        """The worker itself failed (a bug, not a request's failure): FAILED, and no request may
+        wait for a worker that is gone."""
+        logger.exception("the engine worker failed")
+        with self._cond:
+            self._load_error = exc
+            self._state = EngineState.FAILED
+            dropped = list(self._waiting)
+            self._waiting.clear()
+            self._cond.notify_all()
+        for job in dropped:
+            job._post(Failed(exc))
 
     def _end(
         self,

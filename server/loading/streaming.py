@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ import llama_cpp
 from server.errors import ConfigError, ModelLoadError
 from server.loading.budget import (
     BudgetChoice,
+    MemoryLimit,
+    MemoryTerms,
     PromptCacheRam,
     check_budget_floor,
     choose_budget,
@@ -102,63 +105,12 @@ def load_streaming_llama(
     except StreamerError as exc:
         raise ModelLoadError(str(exc)) from exc
     try:
-        overrides = [(EXPERT_PATTERN, streamer.expert_buft)]
-        mapped = streamer.tensor_bytes(EMBEDDINGS) if streamer.tensor_bytes(UNTIED_OUTPUT) else 0
-        if mapped:
-            overrides.append(("^" + re.escape(EMBEDDINGS) + "$", streamer.rows_buft))
-        overrides.append((DENSE_PATTERN, streamer.dense_buft))
-        dense = streamer_dense_bytes(path, streamer.expert_bytes) - mapped
-        requested = streamer.expert_bytes if budget == "all" else None if budget == "auto" else budget
-        if requested is not None:
-            # an explicit budget is checked before anything is loaded
-            check_budget_floor(requested, streamer.layer_bytes)
-        kwargs = dict(llama_kwargs)
-        kwargs.setdefault("verbose", False)
-        # a number of slots is created at once; auto starts from one (context.fit_slots)
-        slots = parallel if isinstance(parallel, int) else 1
+        placement = _place(path, streamer, budget)
+        llm = _load_llama(path, streamer, placement.overrides, flash, n_ctx, parallel, llama_kwargs)
         try:
-            llm = StreamingLlama(
-                str(path),
-                streamer=streamer,
-                n_ctx=n_ctx * slots,
-                n_seq_max=slots,
-                kv_unified=True,
-                load_mode=llama_cpp.LLAMA_LOAD_MODE_MMAP_NO_PREFETCH,
-                use_extra_bufts=False,
-                tensor_buft_overrides=overrides,
-                cb_eval=streamer.eval_callback,
-                cb_eval_user_data=streamer.handle,
-                flash_attn=flash,
-                **kwargs,
+            choice, terms = _fit_memory(
+                llm, path, streamer, placement, limit, parallel, prompt_cache, preload
             )
-        except ValueError as exc:
-            failure = streamer.take_error()
-            detail = f": {failure}" if failure else ""
-            raise ModelLoadError(f"llama.cpp could not load {path}{detail} ({exc})") from exc
-        try:
-            failure = streamer.take_error()
-            if failure is not None:
-                raise ModelLoadError(f"loading {path} failed: {failure}")
-            n_head_max = max_heads(read_metadata(path))
-            context = context_bytes(llm, n_head_max)
-
-            def room(context: ContextBytes) -> int:
-                return limit.bytes - memory_terms(limit, dense, context, prompt_cache).total
-
-            context = fit_slots(llm, parallel=parallel, n_head_max=n_head_max, room=room, context=context)
-            terms = memory_terms(limit, dense, context, prompt_cache)
-            choice = choose_budget(
-                requested=requested,
-                expert_bytes=streamer.expert_bytes,
-                layer_bytes=streamer.layer_bytes,
-                terms=terms,
-                limit=limit,
-                n_ctx=llm.n_ctx(),
-            )
-            streamer.set_budget(choice.bytes)
-            streamer.check_loaded()
-            if preload:
-                streamer.preload()
         except (StreamerError, ModelLoadError, ConfigError) as exc:
             llm.close()
             if isinstance(exc, StreamerError):
@@ -168,17 +120,124 @@ def load_streaming_llama(
         llm.memory = terms
         logger.info("expert budget %.1f MiB: %s", choice.bytes / 2**20, choice.reason)
         if follow_memory and not streamer.stats().hold_all:
-            entry = streamer.expert_bytes // max(1, streamer.n_moe_layers * streamer.n_expert)
-            band = BudgetBand(floor=streamer.layer_bytes, ceiling=choice.bytes, step=entry)
-            llm.memory_watch = MemoryWatch(streamer, band)
-            llm.memory_watch.start()
-            logger.info(
-                "the expert budget follows memory pressure, down to %.1f MiB", streamer.layer_bytes / 2**20
-            )
+            _follow_memory(llm, streamer, choice)
         logger.info("expert memory: %s", streamer.memory_note())
-        if mapped:
-            logger.info("%s (%.1f MiB) mapped from the file, not read into RAM", EMBEDDINGS, mapped / 2**20)
+        if placement.mapped:
+            logger.info(
+                "%s (%.1f MiB) mapped from the file, not read into RAM", EMBEDDINGS, placement.mapped / 2**20
+            )
         return llm
     except BaseException:
         streamer.close()  # idempotent; the model (if any) was freed first
         raise
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where the model's tensors go, and the expert budget asked for."""
+
+    overrides: list[tuple[str, Any]]  # llama.cpp's tensor_buft_overrides, first match wins
+    mapped: int  # bytes of the embeddings left mapped from the file (0: read into RAM)
+    dense: int  # bytes of the dense weights read into RAM
+    requested: int | None  # the expert budget asked for; None: auto
+
+
+def _place(path: Path, streamer: Streamer, budget: Budget) -> _Placement:
+    """The tensors' buffers: experts the streamer's, the embeddings mapped where a separate output
+    matrix lets them be, the rest dense. An explicit budget is checked here, before anything is
+    loaded (ConfigError below one layer's experts)."""
+    overrides = [(EXPERT_PATTERN, streamer.expert_buft)]
+    mapped = streamer.tensor_bytes(EMBEDDINGS) if streamer.tensor_bytes(UNTIED_OUTPUT) else 0
+    if mapped:
+        overrides.append(("^" + re.escape(EMBEDDINGS) + "$", streamer.rows_buft))
+    overrides.append((DENSE_PATTERN, streamer.dense_buft))
+    dense = streamer_dense_bytes(path, streamer.expert_bytes) - mapped
+    requested = streamer.expert_bytes if budget == "all" else None if budget == "auto" else budget
+    if requested is not None:
+        check_budget_floor(requested, streamer.layer_bytes)
+    return _Placement(overrides, mapped, dense, requested)
+
+
+def _load_llama(
+    path: Path,
+    streamer: Streamer,
+    overrides: list[tuple[str, Any]],
+    flash: bool,
+    n_ctx: int,
+    parallel: int | str,
+    llama_kwargs: dict[str, Any],
+) -> StreamingLlama:
+    """llama.cpp's load of the mapped file with the streamer's buffers and callback; its failure
+    is a ModelLoadError saying the streamer's own error where there is one."""
+    kwargs = dict(llama_kwargs)
+    kwargs.setdefault("verbose", False)
+    # a number of slots is created at once; auto starts from one (context.fit_slots)
+    slots = parallel if isinstance(parallel, int) else 1
+    try:
+        return StreamingLlama(
+            str(path),
+            streamer=streamer,
+            n_ctx=n_ctx * slots,
+            n_seq_max=slots,
+            kv_unified=True,
+            load_mode=llama_cpp.LLAMA_LOAD_MODE_MMAP_NO_PREFETCH,
+            use_extra_bufts=False,
+            tensor_buft_overrides=overrides,
+            cb_eval=streamer.eval_callback,
+            cb_eval_user_data=streamer.handle,
+            flash_attn=flash,
+            **kwargs,
+        )
+    except ValueError as exc:
+        failure = streamer.take_error()
+        detail = f": {failure}" if failure else ""
+        raise ModelLoadError(f"llama.cpp could not load {path}{detail} ({exc})") from exc
+
+
+def _fit_memory(
+    llm: StreamingLlama,
+    path: Path,
+    streamer: Streamer,
+    placement: _Placement,
+    limit: MemoryLimit,
+    parallel: int | str,
+    prompt_cache: PromptCacheRam,
+    preload: bool,
+) -> tuple[BudgetChoice, MemoryTerms]:
+    """Fit the slots and the expert budget to the memory beside the loaded model's context, set
+    the budget, check the load and preload the experts if asked; the choice and the terms it
+    counted."""
+    failure = streamer.take_error()
+    if failure is not None:
+        raise ModelLoadError(f"loading {path} failed: {failure}")
+    n_head_max = max_heads(read_metadata(path))
+    context = context_bytes(llm, n_head_max)
+
+    def room(context: ContextBytes) -> int:
+        return limit.bytes - memory_terms(limit, placement.dense, context, prompt_cache).total
+
+    context = fit_slots(llm, parallel=parallel, n_head_max=n_head_max, room=room, context=context)
+    terms = memory_terms(limit, placement.dense, context, prompt_cache)
+    choice = choose_budget(
+        requested=placement.requested,
+        expert_bytes=streamer.expert_bytes,
+        layer_bytes=streamer.layer_bytes,
+        terms=terms,
+        limit=limit,
+        n_ctx=llm.n_ctx(),
+    )
+    streamer.set_budget(choice.bytes)
+    streamer.check_loaded()
+    if preload:
+        streamer.preload()
+    return choice, terms
+
+
+def _follow_memory(llm: StreamingLlama, streamer: Streamer, choice: BudgetChoice) -> None:
+    """Start the watch that moves the budget with memory pressure, between one layer's experts
+    and the budget chosen at load."""
+    entry = streamer.expert_bytes // max(1, streamer.n_moe_layers * streamer.n_expert)
+    band = BudgetBand(floor=streamer.layer_bytes, ceiling=choice.bytes, step=entry)
+    llm.memory_watch = MemoryWatch(streamer, band)
+    llm.memory_watch.start()
+    logger.info("the expert budget follows memory pressure, down to %.1f MiB", streamer.layer_bytes / 2**20)
