@@ -196,8 +196,7 @@ def choose_budget(
     if free < layer_bytes:
         raise ConfigError(
             f"not enough memory for {_contexts(terms, n_ctx)}: {why} = {_mib(free)}, below one layer's "
-            f"experts ({_mib(layer_bytes)}); lower --ctx-size{_or_parallel(terms)}, free memory, or use a "
-            "smaller model"
+            f"experts ({_mib(layer_bytes)}); {_context_levers(terms)}, free memory, or use a smaller model"
         )
     return BudgetChoice(free, f"auto: {why}")
 
@@ -208,8 +207,12 @@ def _contexts(terms: MemoryTerms, n_ctx: int) -> str:
     return f"{n_seq} contexts of {n_ctx // n_seq} tokens" if n_seq > 1 else f"a {n_ctx}-token context"
 
 
-def _or_parallel(terms: MemoryTerms) -> str:
-    return " or --parallel" if terms.context.n_seq > 1 else ""
+def _context_levers(terms: MemoryTerms) -> str:
+    """What shrinks the context, in the words of a refusal."""
+    levers = "lower --ctx-size" + (" or --parallel" if terms.context.n_seq > 1 else "")
+    if not terms.context.flash_attn:
+        levers += ", set --flash-attn on (attention buffers about 6x smaller; docs/memory.md)"
+    return levers
 
 
 def check_budget_floor(requested: int, layer_bytes: int) -> None:
@@ -229,8 +232,8 @@ def check_resident(terms: MemoryTerms, limit: MemoryLimit, file_bytes: int, n_ct
     free = limit.bytes - terms.total
     if free < 0:
         raise ConfigError(
-            f"not enough memory for {_contexts(terms, n_ctx)}: {why} = {_mib(free)}; lower "
-            f"--ctx-size{_or_parallel(terms)} or free memory"
+            f"not enough memory for {_contexts(terms, n_ctx)}: {why} = {_mib(free)}; "
+            f"{_context_levers(terms)} or free memory"
         )
     if free < file_bytes:
         logger.warning(
