@@ -4,7 +4,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
-# CPU code generation for the llama.cpp build: native | portable | armv8.2 (vendor/llama.cpp/cmake-args.sh)
+# CPU code generation for the llama.cpp build: native | portable | armv8.2 | armv8.6 (vendor/llama.cpp/cmake-args.sh)
 MOEFLASH_CPU ?= native
 export MOEFLASH_CPU
 HOST ?= 127.0.0.1
@@ -34,16 +34,22 @@ CTEST_FRAMES := tests/c/build/test_frames
 CTEST_IDENTITY := tests/c/build/test_stream_identity
 CTEST_REPACK := tests/c/build/test_repack_slices
 
-# aarch64 (the phones): llama.cpp (MOEFLASH_CPU=armv8.2, Debian's cross gcc), streaming_ext and
-# the C tests (clang, Termux's compiler; test_frames with gcc, whose UBSan runtime the cross
-# toolchain has) cross-built, run under qemu-user by tests/build/test_aarch64.py
-ARM_CC := clang --target=aarch64-linux-gnu -march=armv8.2-a+dotprod+fp16
+# aarch64 (the phones): llama.cpp (Debian's cross gcc), streaming_ext and the C tests (clang,
+# Termux's compiler; test_frames with gcc, whose UBSan runtime the cross toolchain has)
+# cross-built for each variant, run under qemu-user by tests/build/test_aarch64.py: armv8.2
+# (dot product) and armv8.6 (int8 matrix multiply too, which ggml's repacked kernels choose at
+# compile time)
+ARM_VARIANTS := armv8.2 armv8.6
+ARM_MARCH_armv8.2 := armv8.2-a+dotprod+fp16
+ARM_MARCH_armv8.6 := armv8.6-a+dotprod+fp16+i8mm
 ARM_GCC := aarch64-linux-gnu-gcc
-ARM_LLAMA := vendor/llama.cpp/build/aarch64-armv8.2
-ARM_LLAMA_LIB := $(abspath $(ARM_LLAMA))/bin
-ARM_STAMP := $(ARM_LLAMA)/.moeflash-stamp
-ARM_EXT_LIB := streaming_ext/lib/aarch64/libmoeflash_stream.so
-ARM_CTEST := tests/c/build/aarch64
+ARM_PROGRAMS := test_ready_hook test_frames test_stream_identity test_repack_slices
+arm_llama = vendor/llama.cpp/build/aarch64-$(1)
+arm_lib = $(abspath $(call arm_llama,$(1)))/bin
+arm_stamp = $(call arm_llama,$(1))/.moeflash-stamp
+arm_ext = streaming_ext/lib/aarch64-$(1)/libmoeflash_stream.so
+arm_ctest = tests/c/build/aarch64-$(1)
+arm_cc = clang --target=aarch64-linux-gnu -march=$(ARM_MARCH_$(1))
 
 .PHONY: setup setup-dev chromium corpus-packages train arm-toolchain arm llama ext serve serve-container require-api-key demo-model test codex-loop agent-sequences house lint bench-small bench bench-warm-start replay clean distclean
 
@@ -194,38 +200,42 @@ arm-toolchain:
 	fi
 
 arm: arm-toolchain llama
-	@$(MAKE) --no-print-directory $(ARM_EXT_LIB) $(ARM_CTEST)/test_ready_hook $(ARM_CTEST)/test_frames \
-		$(ARM_CTEST)/test_stream_identity $(ARM_CTEST)/test_repack_slices
+	@$(MAKE) --no-print-directory $(foreach v,$(ARM_VARIANTS),$(call arm_ext,$(v)) \
+		$(addprefix $(call arm_ctest,$(v))/,$(ARM_PROGRAMS)))
 
-$(ARM_STAMP): $(LLAMA_STAMP) vendor/llama.cpp/cross-build.sh vendor/llama.cpp/cmake-args.sh \
+# the rules of one aarch64 variant ($(1)); test_frames: UBSan alone, ASan's shadow memory does not
+# map under qemu-user
+define ARM_VARIANT
+$(call arm_stamp,$(1)): $(LLAMA_STAMP) vendor/llama.cpp/cross-build.sh vendor/llama.cpp/cmake-args.sh \
 		vendor/llama.cpp/aarch64-linux-gnu.cmake
-	MOEFLASH_CPU=armv8.2 vendor/llama.cpp/cross-build.sh $(ARM_LLAMA)
-	touch $@
+	MOEFLASH_CPU=$(1) vendor/llama.cpp/cross-build.sh $(call arm_llama,$(1))
+	touch $$@
 
-$(ARM_EXT_LIB): $(EXT_SRC) $(EXT_HDR) $(ARM_STAMP) Makefile
-	@mkdir -p $(dir $@)
-	$(ARM_CC) $(EXT_CFLAGS) $(EXT_SRC) -o $@ -shared $(call LLAMA_LINK,$(ARM_LLAMA_LIB))
+$(call arm_ext,$(1)): $(EXT_SRC) $(EXT_HDR) $(call arm_stamp,$(1)) Makefile
+	@mkdir -p $$(dir $$@)
+	$(call arm_cc,$(1)) $(EXT_CFLAGS) $(EXT_SRC) -o $$@ -shared $$(call LLAMA_LINK,$(call arm_lib,$(1)))
 
-$(ARM_CTEST)/test_ready_hook: tests/c/test_ready_hook.c $(ARM_STAMP) Makefile
-	@mkdir -p $(dir $@)
-	$(ARM_CC) $(CTEST_CFLAGS) $< -o $@ $(call LLAMA_LINK,$(ARM_LLAMA_LIB))
+$(call arm_ctest,$(1))/test_ready_hook: tests/c/test_ready_hook.c $(call arm_stamp,$(1)) Makefile
+	@mkdir -p $$(dir $$@)
+	$(call arm_cc,$(1)) $(CTEST_CFLAGS) $$< -o $$@ $$(call LLAMA_LINK,$(call arm_lib,$(1)))
 
-$(ARM_CTEST)/test_repack_slices: tests/c/test_repack_slices.c $(ARM_STAMP) Makefile
-	@mkdir -p $(dir $@)
-	$(ARM_CC) $(CTEST_CFLAGS) $< -o $@ $(call LLAMA_LINK,$(ARM_LLAMA_LIB))
+$(call arm_ctest,$(1))/test_repack_slices: tests/c/test_repack_slices.c $(call arm_stamp,$(1)) Makefile
+	@mkdir -p $$(dir $$@)
+	$(call arm_cc,$(1)) $(CTEST_CFLAGS) $$< -o $$@ $$(call LLAMA_LINK,$(call arm_lib,$(1)))
 
-$(ARM_CTEST)/test_stream_identity: tests/c/test_stream_identity.c $(ARM_EXT_LIB) Makefile
-	@mkdir -p $(dir $@)
-	$(ARM_CC) $(CTEST_CFLAGS) $< -o $@ -L$(dir $(ARM_EXT_LIB)) -Wl,-rpath,$(abspath $(dir $(ARM_EXT_LIB))) \
-		-lmoeflash_stream $(call LLAMA_LINK,$(ARM_LLAMA_LIB))
+$(call arm_ctest,$(1))/test_stream_identity: tests/c/test_stream_identity.c $(call arm_ext,$(1)) Makefile
+	@mkdir -p $$(dir $$@)
+	$(call arm_cc,$(1)) $(CTEST_CFLAGS) $$< -o $$@ -L$$(dir $(call arm_ext,$(1))) \
+		-Wl,-rpath,$$(abspath $$(dir $(call arm_ext,$(1)))) -lmoeflash_stream $$(call LLAMA_LINK,$(call arm_lib,$(1)))
 
-# UBSan alone: ASan's shadow memory does not map under qemu-user
-$(ARM_CTEST)/test_frames: tests/c/test_frames.c streaming_ext/src/mf_frames.c $(EXT_HDR) streaming_ext/src/mf_internal.h \
-		$(ARM_STAMP) Makefile
-	@mkdir -p $(dir $@)
-	$(ARM_GCC) $(filter-out -fPIC -fvisibility=hidden -O2,$(EXT_CFLAGS)) -Istreaming_ext/src -O1 -fno-omit-frame-pointer \
-		-fsanitize=undefined -fno-sanitize-recover=undefined tests/c/test_frames.c streaming_ext/src/mf_frames.c \
-		-o $@ -lpthread
+$(call arm_ctest,$(1))/test_frames: tests/c/test_frames.c streaming_ext/src/mf_frames.c $(EXT_HDR) \
+		streaming_ext/src/mf_internal.h $(call arm_stamp,$(1)) Makefile
+	@mkdir -p $$(dir $$@)
+	$(ARM_GCC) $$(filter-out -fPIC -fvisibility=hidden -O2,$(EXT_CFLAGS)) -Istreaming_ext/src -O1 \
+		-fno-omit-frame-pointer -fsanitize=undefined -fno-sanitize-recover=undefined tests/c/test_frames.c \
+		streaming_ext/src/mf_frames.c -o $$@ -lpthread
+endef
+$(foreach v,$(ARM_VARIANTS),$(eval $(call ARM_VARIANT,$(v))))
 
 # the demo model is committed (trained here: docs/training.md); this checks it is the one committed
 demo-model:

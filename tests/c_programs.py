@@ -14,9 +14,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 HOST_BUILD = REPO / "tests" / "c" / "build"
-AARCH64_BUILD = HOST_BUILD / "aarch64"
-# armv8.2-a with dot product and fp16 (MOEFLASH_CPU=armv8.2's target): phones of the last six years
-QEMU_CPU = "cortex-a76"
+# the CPU qemu emulates for each aarch64 build variant (`make arm`, MOEFLASH_CPU): armv8.2-a with
+# dot product and fp16, phones of the last six years; armv8.6-a with int8 matrix multiply too
+# (qemu-user has no such core by name: "max" has every feature, SVE included, which the build
+# does not use)
+QEMU_CPUS = {"armv8.2": "cortex-a76", "armv8.6": "max"}
 AARCH64_SYSROOT = "/usr/aarch64-linux-gnu"
 EM_AARCH64 = 183  # e_machine of an aarch64 ELF file
 
@@ -61,14 +63,19 @@ def run_host(name: str, *args: str, env: dict[str, str] | None = None, timeout: 
 
 
 def run_aarch64(
-    name: str, *args: str, page_size: int = 4096, env: dict[str, str] | None = None, timeout: float = 600
+    name: str,
+    *args: str,
+    variant: str = "armv8.2",
+    page_size: int = 4096,
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
 ) -> Run:
-    """tests/c/build/aarch64/NAME ARGS under qemu-user, as a Cortex-A76 whose pages are
-    `page_size` bytes (Android devices use 4 KiB or 16 KiB)."""
-    program = AARCH64_BUILD / name
+    """tests/c/build/aarch64-VARIANT/NAME ARGS under qemu-user, as that variant's CPU, with pages
+    of `page_size` bytes (Android devices use 4 KiB or 16 KiB)."""
+    program = HOST_BUILD / f"aarch64-{variant}" / name
     assert program.is_file(), f"{program} is missing: build it with `make arm`"
     assert elf_machine(program) == EM_AARCH64, f"{program} is not an aarch64 program"
-    qemu = ["qemu-aarch64", "-cpu", QEMU_CPU, "-p", str(page_size), "-L", AARCH64_SYSROOT]
+    qemu = ["qemu-aarch64", "-cpu", QEMU_CPUS[variant], "-p", str(page_size), "-L", AARCH64_SYSROOT]
     return _run([*qemu, str(program), *args], env, timeout)
 
 

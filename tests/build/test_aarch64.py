@@ -1,14 +1,15 @@
-"""aarch64, the phones' CPU: the patched llama.cpp (MOEFLASH_CPU=armv8.2), streaming_ext and the
-C tests cross-built by `make arm`, run under qemu-user as a Cortex-A76 (armv8.2-a, dot product,
-fp16) with 4 KiB and 16 KiB pages.
+"""aarch64, the phones' CPU: the patched llama.cpp, streaming_ext and the C tests cross-built by
+`make arm` in two variants and run under qemu-user: armv8.2 (MOEFLASH_CPU=armv8.2: dot product,
+fp16) as a Cortex-A76, with 4 KiB and 16 KiB pages, and armv8.6 (int8 matrix multiply too, the
+repacked kernels' other choice in ggml) as qemu's "max" CPU.
 
 - tests/c/test_ready_hook.c: patch 0002's hook on ggml's NEON matmuls (vec_dot and tiled), and
-  patch 0009's on the repacked ones;
+  patch 0009's on the repacked ones (4x4 dot-product layouts on armv8.2, 4x8 i8mm on armv8.6);
 - tests/c/test_repack_slices.c: patch 0009's repacked layouts in a plain buffer (Q4_0, Q4_K, MXFP4);
 - tests/c/test_frames.c: the expert frames, with UBSan (ASan does not run under qemu-user);
 - tests/c/test_stream_identity.c: streamed against resident under a budget that evicts, tokens
   and a hash of every logits row, three lever sets, a budget moved mid-decode, a warm start
-  (experts read back before the first token) and a negative control.
+  (experts read back before the first token) and a negative control, on both variants.
 
 Emulation checks the instructions, the kernels and the memory layout an ARM build meets. Its
 16 KiB pages are what sysconf reports to the program while the host kernel still maps 4 KiB ones:
@@ -28,13 +29,17 @@ from server.modelgen import QType
 from tests.c_programs import run_aarch64
 
 PAGES = [pytest.param(4096, id="4k-pages"), pytest.param(16384, id="16k-pages")]
+VARIANTS = ["armv8.2", "armv8.6"]
+# what ggml reports of each variant's build (llama_print_system_info)
+FEATURES = {"armv8.2": ("NEON = 1", "DOTPROD = 1"), "armv8.6": ("NEON = 1", "DOTPROD = 1", "MATMUL_INT8 = 1")}
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(
     "kquant",
     [pytest.param(False, id="vec-dot"), pytest.param(True, id="tiled")],
 )
-def test_ready_hook_on_aarch64(tiny_model: Callable[..., Path], kquant: bool) -> None:
+def test_ready_hook_on_aarch64(tiny_model: Callable[..., Path], kquant: bool, variant: str) -> None:
     """The hook is told of every routed expert, can refuse it and says where its slice is, on
     ggml's aarch64 kernels: Q4_0 experts through the vec_dot matmul, Q4_K ones, forced, through
     the tiled one."""
@@ -43,24 +48,39 @@ def test_ready_hook_on_aarch64(tiny_model: Callable[..., Path], kquant: bool) ->
         env = {"GGML_CPU_TILED_MM_FORCE": "1"}
     else:
         model, env = tiny_model("tiny-qwen3moe"), {}
-    run = run_aarch64("test_ready_hook", str(model), "2", env=env)
+    run = run_aarch64("test_ready_hook", str(model), "2", variant=variant, env=env)
     assert run.returncode == 0, run.report()
     assert run.verdicts() == ["ok"] * 5, run.report()
 
 
-def test_repacked_ready_hook_on_aarch64(tiny_model: Callable[..., Path]) -> None:
-    """Patch 0009 on the armv8.2 build's repacked Q4_0 (4x4, dot product): the hook and gemm."""
-    run = run_aarch64("test_ready_hook", str(tiny_model("tiny-qwen3moe")), "2", "repack")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_repacked_ready_hook_on_aarch64(tiny_model: Callable[..., Path], variant: str) -> None:
+    """Patch 0009 on each build's repacked Q4_0 (4x4 dot product, 4x8 i8mm): the hook and gemm."""
+    run = run_aarch64("test_ready_hook", str(tiny_model("tiny-qwen3moe")), "2", "repack", variant=variant)
     assert run.returncode == 0, run.report()
     assert run.verdicts() == ["ok"] * 6, run.report()
 
 
+# the repacked layout ggml picks for each type on each variant (docs/performance.md)
+LAYOUTS = {
+    ("armv8.2", "q4_0"): "q4_0_4x4",
+    ("armv8.2", "q4_K"): "q4_K_8x4",
+    ("armv8.2", "mxfp4"): "mxfp4_4x4",
+    ("armv8.6", "q4_0"): "q4_0_4x8",
+    ("armv8.6", "q4_K"): "q4_K_8x8",
+    ("armv8.6", "mxfp4"): "mxfp4_4x4",
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("qtype", ["q4_0", "q4_K", "mxfp4"])
-def test_repacked_slices_on_aarch64(qtype: str) -> None:
-    """The armv8.2 build's repacked layouts written slice by slice compute what CPU_REPACK does."""
-    run = run_aarch64("test_repack_slices", qtype)
+def test_repacked_slices_on_aarch64(qtype: str, variant: str) -> None:
+    """Each build's repacked layouts written slice by slice compute what CPU_REPACK does, and
+    the layout is the one that build's ggml picks for the type (i8mm's 4x8 and 8x8 on armv8.6)."""
+    run = run_aarch64("test_repack_slices", qtype, variant=variant)
     assert run.returncode == 0, run.report()
     assert run.verdicts() == ["ok"] * 5, run.report()
+    assert f"with {LAYOUTS[variant, qtype]}\n" in run.stderr, run.report()
 
 
 @pytest.mark.parametrize("page_size", PAGES)
@@ -72,7 +92,14 @@ def test_frames_on_aarch64(page_size: int) -> None:
     assert run.verdicts() == ["ok"] * 6, run.report()
 
 
-@pytest.mark.parametrize("page_size", PAGES)
+@pytest.mark.parametrize(
+    ("variant", "page_size"),
+    [
+        pytest.param("armv8.2", 4096, id="armv8.2-4k-pages"),
+        pytest.param("armv8.2", 16384, id="armv8.2-16k-pages"),
+        pytest.param("armv8.6", 4096, id="armv8.6-4k-pages"),
+    ],
+)
 @pytest.mark.parametrize(
     ("preset", "overrides"),
     [
@@ -82,13 +109,14 @@ def test_frames_on_aarch64(page_size: int) -> None:
     ],
 )
 def test_streamed_equals_resident_on_aarch64(
-    tiny_model: Callable[..., Path], preset: str, overrides: dict[str, object], page_size: int
+    tiny_model: Callable[..., Path], preset: str, overrides: dict[str, object], variant: str, page_size: int
 ) -> None:
     """Streamed under the budget floor, with every lever set, the aarch64 build gives the
     resident model's tokens and logits bit for bit; a never-read expert changes them."""
-    run = run_aarch64("test_stream_identity", str(tiny_model(preset, **overrides)), "2", page_size=page_size)
+    model = str(tiny_model(preset, **overrides))
+    run = run_aarch64("test_stream_identity", model, "2", variant=variant, page_size=page_size)
     assert run.returncode == 0, run.report()
     assert run.verdicts() == ["ok"] * 7, run.report()
     assert int(run.value("page")) == page_size, "the emulated kernel did not use the page size asked for"
     features = run.value("system")
-    assert "NEON = 1" in features and "DOTPROD = 1" in features, f"not the armv8.2 build: {features}"
+    assert all(feature in features for feature in FEATURES[variant]), f"not the {variant} build: {features}"

@@ -137,6 +137,9 @@ def test_0009_repacked_slices_in_a_plain_buffer(qtype: str) -> None:
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert [line.split()[0] for line in proc.stdout.splitlines()] == ["ok"] * 5, proc.stdout
+    # the layout ggml picks on x86 with AVX2 (AVX-512 machines too): 8 rows interleaved, 8-byte blocks
+    if " avx2 " in Path("/proc/cpuinfo").read_text():
+        assert f"with {qtype}_8x8\n" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_0003_cb_eval_is_called_and_survives_recreation(qwen: Path) -> None:

@@ -9,13 +9,16 @@
 #   portable  baseline ISA of the target (x86-64: SSE only; aarch64: armv8-a); for Docker images
 #             and wheels run elsewhere
 #   armv8.2   aarch64 phones with dot-product instructions (armv8.2-a+dotprod+fp16), e.g. Termux
+#   armv8.6   aarch64 phones with int8 matrix multiply too (armv8.6-a+dotprod+fp16+i8mm): ggml's
+#             repacked kernels use i8mm, a compile-time choice
 llama_cmake_args() {
   local cpu
   case "$1" in
     native)   cpu="-DGGML_NATIVE=ON" ;;
     portable) cpu="-DGGML_NATIVE=OFF" ;;
     armv8.2)  cpu="-DGGML_NATIVE=OFF -DGGML_CPU_ARM_ARCH=armv8.2-a+dotprod+fp16" ;;
-    *) echo "MOEFLASH_CPU must be native, portable or armv8.2 (got '$1')" >&2; return 2 ;;
+    armv8.6)  cpu="-DGGML_NATIVE=OFF -DGGML_CPU_ARM_ARCH=armv8.6-a+dotprod+fp16+i8mm" ;;
+    *) echo "MOEFLASH_CPU must be native, portable, armv8.2 or armv8.6 (got '$1')" >&2; return 2 ;;
   esac
   # only the shared libraries llama-cpp-python loads: no tests, tools, examples or mtmd
   echo "$cpu -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \

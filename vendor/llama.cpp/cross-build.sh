@@ -17,7 +17,7 @@ src="$here/llama-cpp-python/vendor/llama.cpp"
 . "$here/cmake-args.sh"
 cmake_args=$(llama_cmake_args "$cpu" 2>&1) || { echo "cross-build.sh: $cmake_args" >&2; exit 2; }
 if [ "$cpu" = native ]; then
-  echo "cross-build.sh: MOEFLASH_CPU=native means this machine's CPU; use armv8.2 or portable" >&2
+  echo "cross-build.sh: MOEFLASH_CPU=native means this machine's CPU; use armv8.2, armv8.6 or portable" >&2
   exit 2
 fi
 if [ ! -d "$src" ]; then
