@@ -22,7 +22,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from server.errors import ConfigError
 from server.units import format_size
@@ -60,6 +60,23 @@ def check_flash_attn(setting: str) -> bool:
     if setting not in ("on", "off"):
         raise ConfigError(f"flash_attn must be on or off, got {setting!r}")
     return setting == "on"
+
+
+def llama_params(n_ctx: int, parallel: int | str, flash_attn: str, **llama_kwargs: Any) -> dict[str, Any]:
+    """The Llama arguments both loaders pass: one place picks the kernels (flash attention; no
+    repacked layouts, `use_extra_bufts` off) and the context, so a resident model and its
+    streamed twin compute the same. A number of slots is created at once; "auto" starts from one
+    (fit_slots). ConfigError for a bad `flash_attn`, before any load."""
+    slots = parallel if isinstance(parallel, int) else 1
+    return {
+        "verbose": False,
+        **llama_kwargs,
+        "n_ctx": n_ctx * slots,
+        "n_seq_max": slots,
+        "kv_unified": True,
+        "use_extra_bufts": False,
+        "flash_attn": check_flash_attn(flash_attn),
+    }
 
 
 def flash_attn_on(llama: Llama) -> bool:

@@ -1,6 +1,6 @@
-"""Resident model loader: llama.cpp maps the whole file the stock way (load mode MMAP) with
-use_extra_bufts off, so no weight is repacked into another layout; the resident reference of the
-byte-identity gates uses the same setting.
+"""Resident model loader: llama.cpp maps the whole file the stock way (load mode MMAP), with the
+kernels and context the streamed loader uses (context.llama_params): the resident reference of
+the byte-identity gates.
 
 The weights are page cache, which the kernel reclaims rather than killing the process; what the
 context holds is not, so it must fit beside the process: measured once the context exists
@@ -18,7 +18,7 @@ import llama_cpp
 
 from server.errors import ModelLoadError
 from server.loading.budget import PromptCacheRam, check_resident, max_heads, memory_limit, memory_terms
-from server.loading.context import ContextBytes, check_flash_attn, context_bytes, fit_slots
+from server.loading.context import ContextBytes, context_bytes, fit_slots, llama_params
 from server.loading.gguf_header import read_metadata
 from server.loading.measured import MeasuredLlama
 from server.loading.model_files import split_files
@@ -41,24 +41,11 @@ def load_resident_llama(
     `n_ctx`-token context. ConfigError when its context (and `prompt_cache`, the RAM the server
     keeps prompt states in) cannot be held in this memory, ModelLoadError when llama.cpp cannot
     load it."""
-    flash = check_flash_attn(flash_attn)
+    params = llama_params(n_ctx, parallel, flash_attn, **llama_kwargs)
     path = Path(model_path)
     limit = memory_limit()  # before the load: what the process holds now is `in_use`
-    kwargs = dict(llama_kwargs)
-    kwargs.setdefault("verbose", False)
-    # a number of slots is created at once; auto starts from one (context.fit_slots)
-    slots = parallel if isinstance(parallel, int) else 1
     try:
-        llm = ResidentLlama(
-            str(path),
-            n_ctx=n_ctx * slots,
-            n_seq_max=slots,
-            kv_unified=True,
-            load_mode=llama_cpp.LLAMA_LOAD_MODE_MMAP,
-            use_extra_bufts=False,
-            flash_attn=flash,
-            **kwargs,
-        )
+        llm = ResidentLlama(str(path), load_mode=llama_cpp.LLAMA_LOAD_MODE_MMAP, **params)
     except (ValueError, RuntimeError, OSError) as exc:
         raise ModelLoadError(f"llama.cpp could not load {path}: {exc}") from exc
     try:

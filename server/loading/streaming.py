@@ -33,7 +33,7 @@ from server.loading.budget import (
     memory_terms,
     streamer_dense_bytes,
 )
-from server.loading.context import ContextBytes, check_flash_attn, context_bytes, fit_slots
+from server.loading.context import ContextBytes, context_bytes, fit_slots, llama_params
 from server.loading.gguf_header import read_metadata
 from server.loading.measured import MeasuredLlama
 from server.loading.pressure import BudgetBand, MemoryWatch
@@ -97,7 +97,7 @@ def load_streaming_llama(
         raise ModelLoadError(f"model file {path} does not exist")
     if not 1 <= config.lanes <= 16:
         raise ConfigError(f"lanes must be 1..16, got {config.lanes}")
-    flash = check_flash_attn(flash_attn)
+    params = llama_params(n_ctx, parallel, flash_attn, **llama_kwargs)
     limit = memory_limit()  # before the load: what the process holds now is `in_use`
     # the streamer indexes the file first: a bad file is refused before llama.cpp sees it
     try:
@@ -106,7 +106,7 @@ def load_streaming_llama(
         raise ModelLoadError(str(exc)) from exc
     try:
         placement = _place(path, streamer, budget)
-        llm = _load_llama(path, streamer, placement.overrides, flash, n_ctx, parallel, llama_kwargs)
+        llm = _load_llama(path, streamer, placement.overrides, params)
         try:
             choice, terms = _fit_memory(
                 llm, path, streamer, placement, limit, parallel, prompt_cache, preload
@@ -159,34 +159,20 @@ def _place(path: Path, streamer: Streamer, budget: Budget) -> _Placement:
 
 
 def _load_llama(
-    path: Path,
-    streamer: Streamer,
-    overrides: list[tuple[str, Any]],
-    flash: bool,
-    n_ctx: int,
-    parallel: int | str,
-    llama_kwargs: dict[str, Any],
+    path: Path, streamer: Streamer, overrides: list[tuple[str, Any]], params: dict[str, Any]
 ) -> StreamingLlama:
-    """llama.cpp's load of the mapped file with the streamer's buffers and callback; its failure
-    is a ModelLoadError saying the streamer's own error where there is one."""
-    kwargs = dict(llama_kwargs)
-    kwargs.setdefault("verbose", False)
-    # a number of slots is created at once; auto starts from one (context.fit_slots)
-    slots = parallel if isinstance(parallel, int) else 1
+    """llama.cpp's load of the mapped file with the streamer's buffers and callback (`params`:
+    context.llama_params); its failure is a ModelLoadError saying the streamer's own error where
+    there is one."""
     try:
         return StreamingLlama(
             str(path),
             streamer=streamer,
-            n_ctx=n_ctx * slots,
-            n_seq_max=slots,
-            kv_unified=True,
             load_mode=llama_cpp.LLAMA_LOAD_MODE_MMAP_NO_PREFETCH,
-            use_extra_bufts=False,
             tensor_buft_overrides=overrides,
             cb_eval=streamer.eval_callback,
             cb_eval_user_data=streamer.handle,
-            flash_attn=flash,
-            **kwargs,
+            **params,
         )
     except ValueError as exc:
         failure = streamer.take_error()
