@@ -98,6 +98,14 @@ class StreamLib:
         """True when linked against moeflash's patched llama.cpp build."""
         return bool(self.cdll.mf_patched_build())
 
+    def repacked_bytes(self, name: str, ggml_type: int, shape: tuple[int, ...]) -> int:
+        """The bytes of a weight (its name in the file, ggml type, shape ne0, ne1[, ne2]) that
+        llama.cpp and the streamer keep in the CPU backend's repacked layout on this CPU, 0 when
+        none (anonymous memory beside a resident model's mapped file)."""
+        ne = (*shape, 1, 1)[:3]
+        value: int = self.cdll.mf_repacked_bytes(name.encode(), ggml_type, *ne)
+        return value
+
     def _str(self, name: str) -> str:
         raw: bytes = getattr(self.cdll, name)()
         return raw.decode()

@@ -67,6 +67,7 @@ class Streamer:
         if address is None:
             raise StreamerError("mf_streamer_eval_cb has no address", errno.ENOSYS)
         self.eval_callback = llama_cpp.ggml_backend_sched_eval_callback(address)
+        self.repack = False  # the weights' layouts (set_repack)
 
     @property
     def handle(self) -> int:
@@ -200,6 +201,28 @@ class Streamer:
         """Bytes of the named tensor in the model file, 0 when it has none."""
         value: int = self.lib.cdll.mf_streamer_tensor_bytes(self.handle, name.encode())
         return value
+
+    def set_repack(self, on: bool) -> None:
+        """Before the model loads: its weights in the CPU backend's repacked layouts where llama.cpp
+        has them (as its use_extra_bufts gives a resident model), or in the file's."""
+        rc = self.lib.cdll.mf_streamer_set_repack(self.handle, int(on))
+        if rc != 0:
+            raise StreamerError(f"mf_streamer_set_repack: {os.strerror(-rc)} (a model has loaded)", -rc)
+        self.repack = on
+
+    @property
+    def cpu_buft(self) -> int:
+        """llama.cpp's CPU buffer type (mf_cpu_buft): an override to it lets llama.cpp choose."""
+        value: int = self.lib.cdll.mf_cpu_buft()
+        return value
+
+    def tensor_repacked(self, name: str) -> bool:
+        """Whether the loaded model holds the file's tensor `name` in a repacked layout; KeyError
+        when the file has no such tensor."""
+        value: int = self.lib.cdll.mf_streamer_tensor_repacked(self.handle, name.encode())
+        if value < 0:
+            raise KeyError(name)
+        return bool(value)
 
     def close(self) -> None:
         """Free the streamer; only after the model using its buffer types has been freed."""

@@ -1,8 +1,10 @@
 """Helpers for tests that run synthetic models through the patched llama-cpp-python.
 
 - `load_llama(path, **kw)`: a Llama with the settings every byte-identity comparison must share
-  (n_ctx 512, 2 threads, use_extra_bufts=False so Q4_0 experts are not repacked into RAM,
-  quiet); keyword arguments override them (load_mode, cb_eval, tensor_buft_overrides, ...).
+  (n_ctx 512, 2 threads, use_extra_bufts off as the product loads them by default, `--repack`:
+  server/loading/context.py, quiet); keyword arguments override them (load_mode, cb_eval,
+  tensor_buft_overrides, ...).
+- `load_llama_noting_repacks(path, **kw)`: the same, with the tensors llama.cpp repacked.
 - `greedy(llm, prompt_tokens, n)`: greedy decoding that returns the tokens and a sha256 of every
   logits row it looked at: the fingerprint two runs must share to count as identical.
 - `RouteRecorder`: a cb_eval that records the experts each layer routed each token to.
@@ -13,12 +15,15 @@ The session fixtures that make the models live in conftest.py (`tiny_model`, `ll
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
+import io
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import llama_cpp
 import numpy as np
@@ -32,9 +37,26 @@ LLAMA_DEFAULTS: dict[str, Any] = {
 }
 
 
+T = TypeVar("T")
+
+
 def load_llama(path: Path | str, **kw: Any) -> llama_cpp.Llama:
     """Load `path` (the first file of a split set) with LLAMA_DEFAULTS updated by `kw`."""
     return llama_cpp.Llama(str(path), **{**LLAMA_DEFAULTS, **kw})
+
+
+def noting_repacks(load: Callable[..., T], *args: Any, **kw: Any) -> tuple[T, frozenset[str]]:
+    """load(*args, verbose=True, **kw), and the names of the tensors llama.cpp put in a repacked
+    layout while it ran (its own log line for each, which it prints when verbose)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        loaded = load(*args, **{**kw, "verbose": True})
+    return loaded, frozenset(re.findall(r"repack: repack tensor (\S+) with", err.getvalue()))
+
+
+def load_llama_noting_repacks(path: Path | str, **kw: Any) -> tuple[llama_cpp.Llama, frozenset[str]]:
+    """load_llama, and the tensors llama.cpp repacked (noting_repacks)."""
+    return noting_repacks(load_llama, path, **kw)
 
 
 def last_logits(llm: llama_cpp.Llama) -> np.ndarray:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from server.errors import ConfigError, ModelLoadError, MoeflashError
+from server.loading.budget import return_freed_buffers
 from server.loading.loader import LoadedModel, load_model
 from server.loading.model_files import gguf_models, model_stem, split_files
 from server.settings import (
@@ -104,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
     from server.http.app import create_app
 
     server_settings, model_settings = settings_from_args(args)
+    return_freed_buffers()  # before any model: it loads and frees large buffers
     engine, switch = served_engine(server_settings, model_settings, StoreSettings.from_args(args).models_dir)
     key = server_settings.resolved_api_key()
     lan = not server_settings.is_loopback()

@@ -3,8 +3,10 @@
 Every term is measured where it can be, once the llama.cpp context exists:
 - in use: the process before the model (Python, libraries), its RSS; counted only under a
   cgroup limit (MemAvailable, read before the load, already leaves the process out);
-- dense: the weights read into RAM (a streamed model's non-expert tensors; a resident model's
-  weights are page cache, which the kernel reclaims instead of killing the process);
+- weights in RAM (`dense`): a streamed model's non-expert tensors, read at load; with `--repack
+  on`, a resident model's weights in the CPU backend's repacked layouts (repacked_bytes), which
+  llama.cpp copies out of the file (the rest of a resident model is page cache, which the kernel
+  reclaims instead of killing the process);
 - the context (server/loading/context.py): KV cache, compute buffers reserved for a full micro-batch
   over the whole context, output buffer, and without flash attention ggml's work buffer for the
   attention product (allocated on the first long prompt);
@@ -20,13 +22,14 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from server.errors import ConfigError
 from server.loading.context import ContextBytes
+from server.loading.gguf_header import TensorInfo, read_tensor_table
 from server.loading.memcg import OwnMemoryCgroup, own_memory_cgroup
 from server.loading.model_files import split_files
 
@@ -79,7 +82,7 @@ class MemoryTerms:
         c = self.context
         parts = [
             f"in use {_mib(self.in_use)}",
-            f"dense {_mib(self.dense)}",
+            f"weights in RAM {_mib(self.dense)}",
             f"KV {_mib(c.kv)}",
             f"compute {_mib(c.compute)}",
             f"output {_mib(c.output)}",
@@ -92,15 +95,72 @@ class MemoryTerms:
         return " - ".join(parts)
 
 
+def return_freed_buffers() -> None:
+    """Make glibc hand every buffer over 1 MiB back to the kernel when it is freed. Its default
+    mmap threshold follows the largest block freed so far (up to 32 MiB), so once a model's
+    buffers have been freed, the next model's of that size come from its arenas and stay held
+    after they too are freed: a server that switches models grows by each switch
+    (tests/loading/test_switch_memory.py). A no-op on other C libraries."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
+        return
+    m_mmap_threshold = -3  # malloc.h; setting it also stops the threshold from moving
+    libc.mallopt(m_mmap_threshold, _MIB)
+
+
 def margin_bytes(limit_bytes: int) -> int:
     """What cannot be measured ahead of time (module docstring)."""
     return 64 * _MIB + limit_bytes * 3 // 100
 
 
-def streamer_dense_bytes(path: Path, expert_bytes: int) -> int:
-    """Bytes of everything but the experts (dense weights, plus the small header)."""
-    total = sum(p.stat().st_size for p in split_files(path) if p.exists())
-    return max(0, total - expert_bytes)
+def repacked_bytes(path: Path) -> int:
+    """Bytes of the weights of `path` (every file of a split set) that llama.cpp holds in the CPU
+    backend's repacked layouts on this CPU: anonymous memory beside a resident model's mapping,
+    and beside a streamed model's dense weights for a tied output matrix (a model without
+    output.weight multiplies by a second copy of its token embeddings, repacked where it can be)."""
+    from streaming_ext import load_library
+
+    lib = load_library()
+    tensors = {t.name: t for part in split_files(path) for t in read_tensor_table(part)[0]}
+    total = sum(lib.repacked_bytes(t.name, t.ggml_type, t.shape) for t in tensors.values())
+    return total + tied_output_bytes(tensors, lib.repacked_bytes)
+
+
+def tied_output_repacked(path: Path) -> bool:
+    """Whether `path` multiplies by a repacked second copy of its token embeddings
+    (tied_output_bytes)."""
+    from streaming_ext import load_library
+
+    tensors = {t.name: t for part in split_files(path) for t in read_tensor_table(part)[0]}
+    return tied_output_bytes(tensors, load_library().repacked_bytes) > 0
+
+
+def tied_output_bytes(
+    tensors: Mapping[str, TensorInfo], repacked: Callable[[str, int, tuple[int, ...]], int]
+) -> int:
+    """The repacked copy of the token embeddings a model without output.weight multiplies by (0
+    when it has one, or the CPU has no layout for their type)."""
+    embd = tensors.get("token_embd.weight")
+    if "output.weight" in tensors or embd is None:
+        return 0
+    return repacked("output.weight", embd.ggml_type, embd.shape)
+
+
+def streamer_dense_bytes(path: Path, expert_bytes: int, repack: bool) -> int:
+    """Bytes of everything but the experts (dense weights, plus the small header), and with
+    repacked layouts a tied output matrix's own repacked copy (tied_output_bytes)."""
+    from streaming_ext import load_library
+
+    parts = [p for p in split_files(path) if p.exists()]
+    total = sum(p.stat().st_size for p in parts)
+    if not repack:
+        return max(0, total - expert_bytes)
+    tensors = {t.name: t for part in parts for t in read_tensor_table(part)[0]}
+    return max(0, total - expert_bytes) + tied_output_bytes(tensors, load_library().repacked_bytes)
 
 
 def cgroup_limit(cg: OwnMemoryCgroup | None) -> tuple[int, str] | None:
@@ -224,10 +284,10 @@ def check_budget_floor(requested: int, layer_bytes: int) -> None:
         )
 
 
-def check_resident(terms: MemoryTerms, limit: MemoryLimit, file_bytes: int, n_ctx: int) -> None:
-    """A resident model's context must fit beside the process (ConfigError otherwise); its weights
-    should too (the page cache holds them; a warning when they do not: they are read again and
-    again from flash)."""
+def check_resident(terms: MemoryTerms, limit: MemoryLimit, mapped_bytes: int, n_ctx: int) -> None:
+    """A resident model's context and weights in RAM must fit beside the process (ConfigError
+    otherwise); its mapped weights (`mapped_bytes`) should too (the page cache holds them; a warning
+    when they do not: they are read again and again from flash)."""
     why = f"{limit.source} {_mib(limit.bytes)} - {terms.describe()}"
     free = limit.bytes - terms.total
     if free < 0:
@@ -235,11 +295,11 @@ def check_resident(terms: MemoryTerms, limit: MemoryLimit, file_bytes: int, n_ct
             f"not enough memory for {_contexts(terms, n_ctx)}: {why} = {_mib(free)}; "
             f"{_context_levers(terms)} or free memory"
         )
-    if free < file_bytes:
+    if free < mapped_bytes:
         logger.warning(
-            "the model file (%s) does not fit in what the context leaves (%s = %s): its weights will be "
-            "read from flash again and again; --mode streaming bounds that",
-            _mib(file_bytes),
+            "the model's mapped weights (%s) do not fit in what the context leaves (%s = %s): they will "
+            "be read from flash again and again; --mode streaming bounds that",
+            _mib(mapped_bytes),
             why,
             _mib(free),
         )

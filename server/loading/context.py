@@ -8,12 +8,14 @@ work buffer for the attention product, where the F32 scores (n_kv x n_ubatch x n
 converted to F16 for the V matmul; llama.cpp does not reserve it, so it is computed here from
 those sizes (docs/memory.md says how to measure it).
 
-Flash attention is a setting, never a memory decision: it changes what is computed, and a model
-must give the same text resident or streamed, under any memory limit. Off by default: the CPU
-backend's flash attention is not batch-invariant (a prompt decoded whole or in two parts gives
-other logits; docs/memory.md), and the prompt cache and prompt chunks beside running requests
-split prompts. `recreate_context` swaps a loaded Llama's context for one with more slots (the
-weights stay where they are); `fit_slots` chooses the slots (`--parallel`).
+Flash attention and the repacked weight layouts are settings, never memory decisions: they
+change what is computed, and a model must give the same text resident or streamed, under any
+memory limit. Both off by default: with either, a request's text depends on how it is batched
+(flash attention: a prompt decoded whole or in two parts gives other logits, docs/memory.md;
+repacked layouts: a chat decoded beside others parts from its lone run, docs/performance.md), and
+the prompt cache and prompt chunks beside running requests split and mix batches. `recreate_context`
+swaps a loaded Llama's context for one with more slots (the weights stay where they are);
+`fit_slots` chooses the slots (`--parallel`).
 """
 
 from __future__ import annotations
@@ -54,19 +56,22 @@ class ContextBytes:
         return self.kv + self.compute + self.output + self.attention_scratch
 
 
-def check_flash_attn(setting: str) -> bool:
-    """Whether a context is created with flash attention for `setting` ("on" or "off");
+def check_on_off(name: str, setting: str) -> bool:
+    """Whether the kernel choice `name` (flash_attn, repack) is on for `setting` ("on" or "off");
     ConfigError for anything else, before any load."""
     if setting not in ("on", "off"):
-        raise ConfigError(f"flash_attn must be on or off, got {setting!r}")
+        raise ConfigError(f"{name} must be on or off, got {setting!r}")
     return setting == "on"
 
 
-def llama_params(n_ctx: int, parallel: int | str, flash_attn: str, **llama_kwargs: Any) -> dict[str, Any]:
-    """The Llama arguments both loaders pass: one place picks the kernels (flash attention; no
-    repacked layouts, `use_extra_bufts` off) and the context, so a resident model and its
-    streamed twin compute the same. A number of slots is created at once; "auto" starts from one
-    (fit_slots). ConfigError for a bad `flash_attn`, before any load."""
+def llama_params(
+    n_ctx: int, parallel: int | str, flash_attn: str, repack: str = "off", **llama_kwargs: Any
+) -> dict[str, Any]:
+    """The Llama arguments both loaders pass: one place picks the kernels (flash attention; the
+    CPU backend's repacked layouts, `use_extra_bufts`, which the streamer's buffer types then give
+    its weights too: Streamer.set_repack) and the context, so a resident model and its streamed
+    twin compute the same. A number of slots is created at once; "auto" starts from one
+    (fit_slots). ConfigError for a bad `flash_attn` or `repack`, before any load."""
     slots = parallel if isinstance(parallel, int) else 1
     return {
         "verbose": False,
@@ -74,8 +79,8 @@ def llama_params(n_ctx: int, parallel: int | str, flash_attn: str, **llama_kwarg
         "n_ctx": n_ctx * slots,
         "n_seq_max": slots,
         "kv_unified": True,
-        "use_extra_bufts": False,
-        "flash_attn": check_flash_attn(flash_attn),
+        "use_extra_bufts": check_on_off("repack", repack),
+        "flash_attn": check_on_off("flash_attn", flash_attn),
     }
 
 

@@ -12,6 +12,7 @@ walks the key/value section once and skips string arrays by their lengths.
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -90,24 +91,41 @@ def _value(f: BinaryIO, vtype: int) -> Any:
     return _values(f, item_type, count)
 
 
-def read_tensor_sizes(path: Path) -> dict[str, int]:
-    """Bytes of each tensor of one GGUF file (its data up to the next tensor's, alignment padding
-    included: at most general.alignment - 1 bytes). ModelLoadError if the file is not a GGUF."""
+@dataclass(frozen=True)
+class TensorInfo:
+    """One row of a GGUF file's tensor table."""
+
+    name: str
+    shape: tuple[int, ...]  # ggml's order: ne0 (a row's elements) first
+    ggml_type: int
+    offset: int  # from the start of the data section
+
+
+def read_tensor_table(path: Path) -> tuple[list[TensorInfo], int]:
+    """The tensor table of one GGUF file and the bytes of its data section. ModelLoadError if the
+    file is not a GGUF."""
     try:
         with path.open("rb") as f:
             n_tensors, meta = _read(f)
-            infos: list[tuple[str, int]] = []
+            infos: list[TensorInfo] = []
             for _ in range(n_tensors):
                 name = _string(f)
                 (n_dims,) = struct.unpack("<I", f.read(4))
-                f.seek(8 * n_dims + 4, 1)  # the dimensions and the type
-                (offset,) = struct.unpack("<Q", f.read(8))
-                infos.append((name, offset))
+                shape = struct.unpack(f"<{n_dims}Q", f.read(8 * n_dims))
+                ggml_type, offset = struct.unpack("<IQ", f.read(12))
+                infos.append(TensorInfo(name, shape, ggml_type, offset))
             alignment = int(meta.get("general.alignment", 32))
             data_start = -(-f.tell() // alignment) * alignment
             data_bytes = path.stat().st_size - data_start
     except (OSError, struct.error, UnicodeDecodeError, ValueError) as exc:
         raise ModelLoadError(f"cannot read the GGUF tensor table of {path}: {exc}") from exc
-    ordered = sorted(infos, key=lambda info: info[1])
-    ends = [offset for _, offset in ordered[1:]] + [data_bytes]
-    return {name: end - offset for (name, offset), end in zip(ordered, ends, strict=True)}
+    return infos, data_bytes
+
+
+def read_tensor_sizes(path: Path) -> dict[str, int]:
+    """Bytes of each tensor of one GGUF file (its data up to the next tensor's, alignment padding
+    included: at most general.alignment - 1 bytes). ModelLoadError if the file is not a GGUF."""
+    infos, data_bytes = read_tensor_table(path)
+    ordered = sorted(infos, key=lambda info: info.offset)
+    ends = [info.offset for info in ordered[1:]] + [data_bytes]
+    return {info.name: end - info.offset for info, end in zip(ordered, ends, strict=True)}

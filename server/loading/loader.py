@@ -274,13 +274,19 @@ def _load(settings: ModelSettings, path: Path, mode: str, kwargs: dict[str, Any]
             follow_memory=settings.follow_memory,
             n_ctx=settings.ctx_size,
             flash_attn=settings.flash_attn,
+            repack=settings.repack,
             parallel=settings.parallel,
             **kwargs,
         )
     from server.loading.resident import load_resident_llama
 
     return load_resident_llama(
-        path, n_ctx=settings.ctx_size, flash_attn=settings.flash_attn, parallel=settings.parallel, **kwargs
+        path,
+        n_ctx=settings.ctx_size,
+        flash_attn=settings.flash_attn,
+        repack=settings.repack,
+        parallel=settings.parallel,
+        **kwargs,
     )
 
 

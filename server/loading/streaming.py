@@ -32,6 +32,7 @@ from server.loading.budget import (
     memory_limit,
     memory_terms,
     streamer_dense_bytes,
+    tied_output_repacked,
 )
 from server.loading.context import ContextBytes, context_bytes, fit_slots, llama_params
 from server.loading.gguf_header import read_metadata
@@ -75,6 +76,7 @@ def load_streaming_llama(
     follow_memory: bool = True,
     n_ctx: int = 4096,
     flash_attn: str = "off",
+    repack: str = "off",
     parallel: int | str = 1,
     prompt_cache: PromptCacheRam = None,
     **llama_kwargs: Any,
@@ -84,8 +86,8 @@ def load_streaming_llama(
     `budget`: the expert cache's bytes, "all" or "auto"; `preload` reads every expert at load (the
     budget must hold them all); `follow_memory` moves the budget with memory pressure, between one
     layer's experts and the budget chosen here (server/loading/pressure.py; not when the budget
-    holds every expert, which then lives in the tensors). `flash_attn`: "on" or "off" (the
-    same as resident, whatever the memory). `parallel`: the slots, each
+    holds every expert, which then lives in the tensors). `flash_attn`, `repack`: "on" or "off"
+    (the same as resident, whatever the memory). `parallel`: the slots, each
     an `n_ctx`-token context (context.fit_slots). The budget counts what the context holds, measured, and
     `prompt_cache`, the RAM the server keeps prompt states in (server/loading/budget.py). Raises
     ConfigError for bad options (lanes, budget below one layer's experts, a context the memory
@@ -97,7 +99,7 @@ def load_streaming_llama(
         raise ModelLoadError(f"model file {path} does not exist")
     if not 1 <= config.lanes <= 16:
         raise ConfigError(f"lanes must be 1..16, got {config.lanes}")
-    params = llama_params(n_ctx, parallel, flash_attn, **llama_kwargs)
+    params = llama_params(n_ctx, parallel, flash_attn, repack, **llama_kwargs)
     limit = memory_limit()  # before the load: what the process holds now is `in_use`
     # the streamer indexes the file first: a bad file is refused before llama.cpp sees it
     try:
@@ -105,6 +107,7 @@ def load_streaming_llama(
     except StreamerError as exc:
         raise ModelLoadError(str(exc)) from exc
     try:
+        streamer.set_repack(params["use_extra_bufts"])
         placement = _place(path, streamer, budget)
         llm = _load_llama(path, streamer, placement.overrides, params)
         try:
@@ -147,11 +150,18 @@ def _place(path: Path, streamer: Streamer, budget: Budget) -> _Placement:
     matrix lets them be, the rest dense. An explicit budget is checked here, before anything is
     loaded (ConfigError below one layer's experts)."""
     overrides = [(EXPERT_PATTERN, streamer.expert_buft)]
-    mapped = streamer.tensor_bytes(EMBEDDINGS) if streamer.tensor_bytes(UNTIED_OUTPUT) else 0
-    if mapped:
-        overrides.append(("^" + re.escape(EMBEDDINGS) + "$", streamer.rows_buft))
+    embeddings = "^" + re.escape(EMBEDDINGS) + "$"
+    mapped = streamer.tensor_bytes(EMBEDDINGS)
+    if streamer.tensor_bytes(UNTIED_OUTPUT):
+        overrides.append((embeddings, streamer.rows_buft))
+    elif streamer.repack and tied_output_repacked(path):
+        # the output matrix is a second, repacked copy of them (resident too): llama.cpp's CPU
+        # buffer type lets it keep the rows mapped and the copy repacked (streaming_ext's mf_cpu_buft)
+        overrides.append((embeddings, streamer.cpu_buft))
+    else:
+        mapped = 0
     overrides.append((DENSE_PATTERN, streamer.dense_buft))
-    dense = streamer_dense_bytes(path, streamer.expert_bytes) - mapped
+    dense = streamer_dense_bytes(path, streamer.expert_bytes, streamer.repack) - mapped
     requested = streamer.expert_bytes if budget == "all" else None if budget == "auto" else budget
     if requested is not None:
         check_budget_floor(requested, streamer.layer_bytes)

@@ -156,7 +156,10 @@ typedef struct mf_config {
     X(budget_bytes, GAUGE, BYTES, "the expert budget now (mf_streamer_set_budget; it follows memory pressure)") \
     X(restored, COUNTER, COUNT, "entries read back by mf_streamer_restore (warm start)")                  \
     X(skipped, COUNTER, COUNT, "routed entries dropped by skip_below (lossy; 0 unless set)")                 \
-    X(predictions, COUNTER, COUNT, "next-layer predictions (one a layer visit; fewer behind a closed gate)")
+    X(predictions, COUNTER, COUNT, "next-layer predictions (one a layer visit; fewer behind a closed gate)") \
+    X(repacked_bytes, GAUGE, BYTES,                                                                          \
+      "weight bytes in the CPU backend's repacked layouts: dense ones read at load, and expert tensors")   \
+    X(repack_ns, COUNTER, NS, "time lanes spent repacking slices they read (summed over lanes)")
 
 // Read with mf_streamer_get_stats (no lock on the hot path).
 typedef struct mf_stats {

@@ -51,6 +51,18 @@ MF_FUNCTION(ggml_backend_buffer_type_t, mf_streamer_expert_buft, (mf_streamer * 
 MF_FUNCTION(ggml_backend_buffer_type_t, mf_streamer_rows_buft, (mf_streamer * s))
 MF_FUNCTION(ggml_backend_buffer_type_t, mf_streamer_dense_buft, (mf_streamer * s))
 
+// Before the model loads: whether its weights take the CPU backend's repacked layouts where
+// llama.cpp has them (on: non-zero), as llama.cpp's use_extra_bufts gives a resident model; the
+// loader sets both from one setting (server/loading/context.py). Off by default. Returns 0, or
+// -EBUSY once a model has loaded into the streamer's buffer types.
+MF_FUNCTION(int, mf_streamer_set_repack, (mf_streamer * s, int32_t on))
+
+// llama.cpp's CPU buffer type: a tensor overridden to it gets the one llama.cpp picks among the
+// CPU's by the tensor's use (a repacked layout, or the file mapped). For the token embeddings of a
+// model without an output matrix whose second copy, the output, is repacked: llama.cpp then keeps
+// the copy read by row mapped and the output repacked, as in its resident load. Thread-safe.
+MF_FUNCTION(ggml_backend_buffer_type_t, mf_cpu_buft, (void))
+
 // After the model has loaded: checks that every expert tensor of the file is in the expert buffer
 // type, then builds the layers, the expert memory and the cache for the budget set. Returns 0,
 // else -errno with a message (-EINVAL when no budget was set).
@@ -100,6 +112,12 @@ MF_FUNCTION(int32_t, mf_streamer_hot_set, (mf_streamer * s, int32_t * out, uint3
 // llama_decode calls.
 MF_FUNCTION(int32_t, mf_streamer_restore, (mf_streamer * s, int32_t layer, const uint8_t * want, const uint32_t * uses))
 
+// The bytes of a weight (its name in the file, ggml type and shape) that llama.cpp keeps in the CPU
+// backend's repacked layout on this CPU, and the streamer too: its size when it has one, else 0
+// (also for a type ggml does not know). What a resident model holds in anonymous memory beside
+// its mapped file. Thread-safe.
+MF_FUNCTION(uint64_t, mf_repacked_bytes, (const char * name, int32_t type, int64_t ne0, int64_t ne1, int64_t ne2))
+
 // Bytes of the largest layer's experts (all of them): the budget floor.
 MF_FUNCTION(uint64_t, mf_streamer_layer_bytes, (const mf_streamer * s))
 // Bytes of all expert tensors, and number of MoE layers / experts per layer.
@@ -108,6 +126,9 @@ MF_FUNCTION(int32_t, mf_streamer_n_moe_layers, (const mf_streamer * s))
 MF_FUNCTION(int32_t, mf_streamer_n_expert, (const mf_streamer * s))
 // Bytes of the named tensor in the file, 0 when the file has no such tensor.
 MF_FUNCTION(uint64_t, mf_streamer_tensor_bytes, (const mf_streamer * s, const char * name))
+// 1 when the model's tensor `name` is held in a repacked layout (mf_repacked_bytes), 0 when in the
+// file's, -ENOENT when the file has no such tensor. Valid once the model has loaded.
+MF_FUNCTION(int, mf_streamer_tensor_repacked, (const mf_streamer * s, const char * name))
 // Where resident experts live: frames (how many, their size, the memory they may take), or the
 // tensors themselves when the budget holds every expert. Valid once the model has loaded.
 MF_FUNCTION(const char *, mf_streamer_memory_note, (const mf_streamer * s))

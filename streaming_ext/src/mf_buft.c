@@ -15,6 +15,8 @@
 // matrix is its own tensor): init_tensor maps the file read-only over its reservation,
 // MADV_RANDOM, so a token costs one page read and the rest is left to the expert cache. Like any
 // mapping of the file, it assumes the file is not rewritten in place while the model is loaded.
+// With repacked layouts on (mf_streamer_set_repack), weights of both kinds take the layout
+// llama.cpp gives their resident twin (mf_repack_layout), so that both run the same kernels.
 // Callbacks run on the thread that loads the model (get_tensor: any thread between decodes).
 // See docs/streamer.md, "Buffer types".
 #include "mf_internal.h"
@@ -26,6 +28,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "ggml-cpu.h"
 #include "gguf.h"
 
 typedef struct mf_buf {
@@ -141,6 +144,8 @@ static enum ggml_status xbuf_init_tensor(ggml_backend_buffer_t buffer, struct gg
     xt->reserve      = b->reserve;
     xt->reserve_size = b->reserve_size;
     xt->data         = t->data;
+    xt->layout       = mf_repack_layout(s, t, true);
+    t->extra         = (void *) xt->layout;  // repack's kernels run it (patch 0009)
     xt->state        = st;
     xt->slot         = sl;
     xt->pending      = pn;
@@ -152,6 +157,9 @@ static enum ggml_status xbuf_init_tensor(ggml_backend_buffer_t buffer, struct gg
         return GGML_STATUS_FAILED;
     }
     b->xt = xt;
+    if (xt->layout) {
+        ADD(s->st.repacked_bytes, ggml_nbytes(t));
+    }
     return GGML_STATUS_SUCCESS;
 }
 
@@ -268,17 +276,43 @@ static const char * dbuft_name(ggml_backend_buffer_type_t buft) {
     return "MF_DENSE";
 }
 
+static enum ggml_status dbuf_init_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * t) {
+    const mf_streamer * s   = ((mf_buf *) buffer->context)->s;
+    const mf_loc *      loc = mf_index_find(&s->ix, t->name);
+    if (!t->view_src && loc && loc->size == ggml_nbytes(t)) {
+        t->extra = (void *) mf_repack_layout(s, t, false);  // a file weight: repack's kernels run it (patch 0009)
+    }
+    return GGML_STATUS_SUCCESS;
+}
+
+// reads file tensor loc into t->data, in t's layout
+static int read_dense(mf_streamer * s, const mf_loc * loc, struct ggml_tensor * t) {
+    int rc = mf_read_whole(&s->ix.files[loc->file], s->bounce, s->bounce_size, s->page_size, loc->offset, loc->size,
+                           t->data);
+    if (rc == 0 && t->extra) {
+        rc = mf_repack_in_place(t);
+        if (rc == 0) {
+            ADD(s->st.repacked_bytes, loc->size);
+        }
+    }
+    return rc;
+}
+
 static void dbuf_set_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * t, const void * data, size_t offset,
                             size_t size) {
     mf_buf *   b   = buffer->context;
     mf_loc *   loc = mf_index_find(&b->s->ix, t->name);
     const bool whole_file_tensor = loc && offset == 0 && size == loc->size && size == ggml_nbytes(t);
     if (!whole_file_tensor) {
+        if (t->extra) {
+            mf_streamer_fail(b->s, -EINVAL, "partial write of repacked weight %s refused", t->name);
+            return;
+        }
         // not a file tensor (or a partial update): take the caller's bytes
         memcpy((char *) t->data + offset, data, size);
         return;
     }
-    if (loc->dense_data) {
+    if (loc->dense_data && loc->dense_layout == t->extra) {
         // a second tensor of the same file bytes (gemma4's tied output matrix, which llama.cpp
         // allocates apart from the token embeddings): both are read-only weights, so this one uses
         // the first copy, and its own pages, never touched, cost nothing (no huge pages for them)
@@ -292,8 +326,7 @@ static void dbuf_set_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * t
         return;
     }
     // read it ourselves rather than from the loader's mapping: no page cache left behind
-    const int rc = mf_read_whole(&b->s->ix.files[loc->file], b->s->bounce, b->s->bounce_size, b->s->page_size,
-                                 loc->offset, loc->size, t->data);
+    const int rc = read_dense(b->s, loc, t);
     if (rc != 0) {
         mf_streamer_fail(b->s, rc, "reading %s from %s failed: %s", t->name, b->s->ix.files[loc->file].path,
                          strerror(-rc));
@@ -301,7 +334,8 @@ static void dbuf_set_tensor(ggml_backend_buffer_t buffer, struct ggml_tensor * t
         return;
     }
     ADD(b->s->st.dense_bytes, loc->size);
-    loc->dense_data = t->data;
+    loc->dense_data   = t->data;
+    loc->dense_layout = t->extra;
     // routers and norms, for predicting the next layer's experts (an optimisation: without
     // memory for the note, that layer is simply not predicted)
     (void) mf_predict_note(b->s, t);
@@ -327,7 +361,7 @@ static void dbuf_clear(ggml_backend_buffer_t buffer, uint8_t value) {
 static const struct ggml_backend_buffer_i dbuf_iface = {
     .free_buffer   = buf_free,
     .get_base      = buf_get_base,
-    .init_tensor   = NULL,
+    .init_tensor   = dbuf_init_tensor,
     .memset_tensor = dbuf_memset_tensor,
     .set_tensor    = dbuf_set_tensor,
     .get_tensor    = host_get_tensor,

@@ -111,7 +111,8 @@ static int add_file(mf_index * ix, const char * path, bool direct, int32_t split
         l->offset  = data_off + gguf_get_tensor_offset(ctx, i);
         l->size    = gguf_get_tensor_size(ctx, i);
         l->file    = ix->n_files - 1;
-        l->dense_data = NULL;
+        l->dense_data   = NULL;
+        l->dense_layout = NULL;
         if (l->offset + l->size < l->offset || l->offset + l->size > f->size) {
             snprintf(err, err_size,
                      "%s is truncated or corrupt: tensor %s needs bytes %llu..%llu but the file has %llu", path,

@@ -10,6 +10,7 @@
 //   mf_route.c     route traces: replayed and recorded routing (beside the streamer: calls none of it)
 //   mf_buft.c      the three buffer types; registers expert tensors while the model loads
 //   mf_lanes.c     reader lanes and the memory of slices: carries out a route's loads and evictions
+//   mf_repack.c    the CPU backend's repacked layouts: which weights, and writing them so
 //   mf_predict.c   the next layer's experts, from its router
 //   mf_history.c   the next layer's experts, from past routing
 //   mf_cache.c     the cache policy's bookkeeping (mf_reuse.c: the LAYER policy's reuse model;
@@ -65,6 +66,7 @@ typedef struct mf_loc {
     uint64_t offset;      // absolute offset of the tensor's data in its file
     uint64_t size;        // bytes
     void *   dense_data;  // where MF_DENSE read it, once it has (a second tensor of it shares that)
+    const void * dense_layout;  // the layout it was read into there (NULL: the file's)
 } mf_loc;
 
 typedef struct mf_index {
@@ -295,6 +297,7 @@ typedef struct mf_xtensor {
     char *               reserve;  // the whole reservation: PROT_NONE unless the budget holds every expert
     size_t               reserve_size;
     char *               data;     // t->data: congruent to loc->offset modulo the page size
+    const void *         layout;   // the repacked layout of its slices (mf_repack_layout), NULL: the file's
     atomic_int *         state;    // [n_expert] enum mf_slice_state
     // [n_expert] where each resident slice's bytes are (in its entry's frame; under hold_all at
     // data + e * nb2): what the ready hook hands the matmul. Set before the slice turns LOADING.
@@ -371,6 +374,7 @@ struct mf_streamer {
     size_t     page_size;     // sysconf(_SC_PAGESIZE)
     mf_index   ix;
     bool       direct;  // O_DIRECT reads in use
+    bool       repack;  // weights in the CPU backend's repacked layouts (mf_streamer_set_repack)
 
     struct ggml_backend_buffer_type expert_buft;
     struct ggml_backend_buffer_type dense_buft;
@@ -478,6 +482,15 @@ int  mf_error_take(mf_streamer * s, char * msg, size_t msg_size);
 // ---------------------------------------------------------------- buffer types (mf_buft.c)
 void         mf_buft_init(mf_streamer * s);
 bool         mf_buft_is_expert(ggml_backend_buffer_type_t buft);
+// ---------------------------------------------------------------- repacked layouts (mf_repack.c)
+// the layout llama.cpp gives a file tensor t resident (an expert tensor: `expert`) when its
+// use_extra_bufts is on, as s->repack says; NULL: the file's
+const void * mf_repack_layout(const mf_streamer * s, const struct ggml_tensor * t, bool expert);
+// writes 2D weight t, read in the file's layout at t->data, in t->extra's layout; 0 or -errno
+int          mf_repack_in_place(struct ggml_tensor * t);
+// writes slice e of xt (read in the file's layout at xt->slot[e]) in xt->layout, through
+// `scratch` (xt->nb2 bytes); 0 or -errno
+int          mf_repack_slice(mf_xtensor * xt, int32_t e, void * scratch);
 mf_xtensor * mf_buffer_xtensor(ggml_backend_buffer_t buffer);  // the tensor of an expert buffer
 // expert reservations as plain read-write memory asking for huge pages (hold_all); 0 or -errno
 int          mf_buft_hold_all(mf_streamer * s);

@@ -5,7 +5,8 @@
 // system call), then each load takes a frame, its slices' addresses in it are noted (xt->slot,
 // what the ready hook hands the matmul) and they turn LOADING, and the reads are queued. N lanes
 // pop jobs from one FIFO (one mutex, work_cv), read unlocked, and mark each slice READY or FAILED
-// under the mutex, broadcasting done_cv. The running layer's slices are read in chunks, one job
+// under the mutex, broadcasting done_cv; the lane that reads a slice's last chunk repacks it first
+// when its tensor has a repacked layout (unlocked: the read stays in flight until then). The running layer's slices are read in chunks, one job
 // each, so that the lanes read them one at a time in the order the matmuls need them (see
 // chunk_bytes). No frame changes hands while a read into it is in flight: a route first waits
 // for every job of the one before. Demand reads (the running layer's) are
@@ -61,8 +62,29 @@ static bool place_entry(mf_streamer * s, mf_layer * L, int32_t e) {
 }
 
 // ---------------------------------------------------------------- reader lanes
+// a lane's own buffer: a page-aligned copy of a slice being repacked, or the bounce buffer of a
+// read that must not write whole pages in place (below)
+typedef struct lane_buf {
+    void * p;
+    size_t cap;  // a multiple of the page
+} lane_buf;
+
+static int lane_buf_reserve(lane_buf * b, size_t need, size_t page) {
+    if (b->cap >= need) {
+        return 0;
+    }
+    free(b->p);
+    b->cap = 0;
+    if (posix_memalign(&b->p, page, mf_align_up(need, page)) != 0) {
+        b->p = NULL;
+        return -ENOMEM;
+    }
+    b->cap = mf_align_up(need, page);
+    return 0;
+}
+
 // one job: a chunk of slice e of xt, into its slot
-static int read_chunk(mf_streamer * s, const mf_job * job) {
+static int read_chunk(mf_streamer * s, const mf_job * job, lane_buf * buf) {
     mf_xtensor * xt = job->xt;
     if (s->cfg.skip_expert > 0 && job->expert == s->cfg.skip_expert - 1) {
         return 0;  // negative control: the slice keeps whatever its frame held (see mf_config.skip_expert)
@@ -77,7 +99,28 @@ static int read_chunk(mf_streamer * s, const mf_job * job) {
     // a chunk's bounds inside the slice are page-aligned: chunks never share a page
     const uint64_t f0  = mf_slice_offset(xt, job->expert);
     char * const   dst = xt->slot[job->expert] + (job->off - f0);
-    return mf_read_in_place(&s->ix.files[xt->loc->file], s->direct, s->page_size, dst, job->off, (size_t) job->len);
+    const mf_file * f  = &s->ix.files[xt->loc->file];
+    if (s->hold_all && xt->layout) {
+        // the slices lie side by side in the tensor: the edge pages of a read in place would
+        // overwrite a neighbour's repacked bytes with the file's. Through the lane's buffer instead
+        const int rc = lane_buf_reserve(buf, 2 * s->page_size, s->page_size);
+        return rc ? rc : mf_read_whole(f, s->direct ? buf->p : NULL, buf->cap, s->page_size, job->off, job->len, dst);
+    }
+    return mf_read_in_place(f, s->direct, s->page_size, dst, job->off, (size_t) job->len);
+}
+
+// the job's slice failed (`what`: "reading" or "repacking"): recorded, and marked FAILED at once,
+// though other chunks may still be in flight: the matmul must not wait for them to skip it, and
+// the entry is forgotten only once no read is in flight (call with s->mu held)
+static void lane_failed_locked(mf_streamer * s, const mf_job * job, const char * what, int rc) {
+    char msg[MF_ERR_LEN];
+    snprintf(msg, sizeof msg, "%s expert %d of %s from %s failed: %s", what, (int) job->expert, job->xt->loc->name,
+             s->ix.files[job->xt->loc->file].path,
+             rc == -ENODATA ? "the file ended early (it changed size while open)" : strerror(-rc));
+    mf_error_record_locked(s, rc, msg);
+    ADD(s->st.errors, 1);
+    atomic_store_explicit(&job->xt->state[job->expert], MF_SLICE_FAILED, memory_order_release);
+    s->n_failed++;
 }
 
 // a reader lane: pops jobs, reads unlocked, marks the slices READY or FAILED under the mutex
@@ -87,6 +130,7 @@ static void * lane_main(void * arg) {
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, NULL);
 
+    lane_buf buf = { 0 };
     pthread_mutex_lock(&s->mu);
     for (;;) {
         while (!s->stop && s->q_len == 0) {
@@ -101,7 +145,7 @@ static void * lane_main(void * arg) {
         pthread_mutex_unlock(&s->mu);
 
         const uint64_t t0 = mf_now_ns();
-        const int      rc = read_chunk(s, &job);
+        int            rc = read_chunk(s, &job, &buf);
         ADD(s->st.read_ns, mf_now_ns() - t0);
 
         pthread_mutex_lock(&s->mu);
@@ -109,18 +153,20 @@ static void * lane_main(void * arg) {
         if (rc == 0) {
             ADD(s->st.bytes_read, job.len);
         } else {
-            char msg[MF_ERR_LEN];
-            snprintf(msg, sizeof msg, "reading expert %d of %s from %s failed: %s", (int) job.expert,
-                     job.xt->loc->name, s->ix.files[job.xt->loc->file].path,
-                     rc == -ENODATA ? "the file ended early (it changed size while open)" : strerror(-rc));
-            mf_error_record_locked(s, rc, msg);
-            ADD(s->st.errors, 1);
-            // at once, though other chunks may still be in flight: the matmul must not wait for
-            // them to skip it, and the entry is forgotten only once no read is in flight
-            atomic_store_explicit(state, MF_SLICE_FAILED, memory_order_release);
-            s->n_failed++;
+            lane_failed_locked(s, &job, "reading", rc);
         }
         const bool slice_done = --job.xt->pending[job.expert] == 0;
+        if (slice_done && job.xt->layout && atomic_load_explicit(state, memory_order_relaxed) == MF_SLICE_LOADING) {
+            pthread_mutex_unlock(&s->mu);
+            const uint64_t t1 = mf_now_ns();
+            rc = lane_buf_reserve(&buf, job.xt->nb2, s->page_size);
+            rc = rc ? rc : mf_repack_slice(job.xt, job.expert, buf.p);
+            ADD(s->st.repack_ns, mf_now_ns() - t1);
+            pthread_mutex_lock(&s->mu);
+            if (rc != 0) {
+                lane_failed_locked(s, &job, "repacking", rc);
+            }
+        }
         if (slice_done) {
             ADD(s->st.reads, 1);
             if (atomic_load_explicit(state, memory_order_relaxed) == MF_SLICE_LOADING) {
@@ -135,6 +181,7 @@ static void * lane_main(void * arg) {
         }
     }
     pthread_mutex_unlock(&s->mu);
+    free(buf.p);
     return NULL;
 }
 

@@ -237,6 +237,31 @@ uint64_t mf_streamer_tensor_bytes(const mf_streamer * s, const char * name) {
     return loc ? loc->size : 0;
 }
 
+int mf_streamer_set_repack(mf_streamer * s, int32_t on) {
+    if (s->n_xt > 0 || MF_GET(s->st.dense_bytes) > 0) {
+        return -EBUSY;  // a model already took its layouts
+    }
+    s->repack = on != 0;
+    return 0;
+}
+
+ggml_backend_buffer_type_t mf_cpu_buft(void) {
+    return ggml_backend_cpu_buffer_type();
+}
+
+int mf_streamer_tensor_repacked(const mf_streamer * s, const char * name) {
+    const mf_loc * loc = name ? mf_index_find(&s->ix, name) : NULL;
+    if (!loc) {
+        return -ENOENT;
+    }
+    for (int32_t j = 0; j < s->n_xt; j++) {
+        if (s->xts[j]->loc == loc) {
+            return s->xts[j]->layout != NULL;
+        }
+    }
+    return loc->dense_data && loc->dense_layout;
+}
+
 int32_t mf_streamer_n_moe_layers(const mf_streamer * s) {
     int32_t n = 0;
     for (int32_t l = 0; l < s->n_layers; l++) {

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import re
 import subprocess
 from collections.abc import Callable
@@ -34,10 +35,17 @@ from tests.models import greedy, load_llama
 REPO = Path(__file__).resolve().parents[2]
 READY_HOOK_TEST = REPO / "tests" / "c" / "build" / "test_ready_hook"
 REPACK_SLICES_TEST = REPO / "tests" / "c" / "build" / "test_repack_slices"
-# the repacked layouts llama.cpp has on x86 and on aarch64 for MoE experts: Q4_0, Q4_K, MXFP4
+# x86 builds carry ggml's tiled K-quant kernel, and there Q4_K keeps the file's layout (patch 0010)
+TILED_BUILD = platform.machine() == "x86_64"
+# the repacked layouts llama.cpp has on x86 and on aarch64 for MoE experts: Q4_0, Q4_K (aarch64
+# only: tests/build/test_aarch64.py), MXFP4
 REPACKED = [
     pytest.param({}, id="q4_0"),
-    pytest.param({"expert_qtype": QType.Q4_K, "n_ff_exp": 256}, id="q4_K"),
+    pytest.param(
+        {"expert_qtype": QType.Q4_K, "n_ff_exp": 256},
+        id="q4_K",
+        marks=pytest.mark.skipif(TILED_BUILD, reason="Q4_K is not repacked where the tiled kernel is"),
+    ),
     pytest.param({"preset": "tiny-gptoss"}, id="mxfp4"),
 ]
 
@@ -66,7 +74,7 @@ def qwen(tiny_model: Callable[..., Path]) -> Path:
 def test_0001_no_prefetch_maps_without_reading(qwen: Path) -> None:
     size = qwen.stat().st_size
     # control: the stock MMAP mode populates the whole mapping at load (MAP_POPULATE)
-    stock = load_llama(qwen, load_mode=llama_cpp.LLAMA_LOAD_MODE_MMAP)
+    stock = load_llama(qwen, load_mode=llama_cpp.LLAMA_LOAD_MODE_MMAP, use_extra_bufts=False)
     try:
         stock_rss = mapping_rss_bytes(qwen)
         stock_out = greedy(stock, list(range(40, 52)), 6)
@@ -74,7 +82,8 @@ def test_0001_no_prefetch_maps_without_reading(qwen: Path) -> None:
         stock.close()
     assert stock_rss > 0.9 * size, f"control failed: stock mmap mapped only {stock_rss} of {size} bytes"
 
-    lazy = load_llama(qwen, load_mode=llama_cpp.LLAMA_LOAD_MODE_MMAP_NO_PREFETCH)
+    # repacked layouts are copies llama.cpp reads out of the mapping: plain ones stay mapped
+    lazy = load_llama(qwen, load_mode=llama_cpp.LLAMA_LOAD_MODE_MMAP_NO_PREFETCH, use_extra_bufts=False)
     try:
         lazy_rss = mapping_rss_bytes(qwen)
         lazy_out = greedy(lazy, list(range(40, 52)), 6)
@@ -136,6 +145,9 @@ def test_0009_repacked_slices_in_a_plain_buffer(qtype: str) -> None:
     argv = [str(REPACK_SLICES_TEST), qtype]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    if qtype == "q4_K" and TILED_BUILD:
+        assert proc.stdout.startswith("ok q4_K has no repacked layout"), proc.stdout
+        return
     assert [line.split()[0] for line in proc.stdout.splitlines()] == ["ok"] * 5, proc.stdout
     # the layout ggml picks on x86 with AVX2 (AVX-512 machines too): 8 rows interleaved, 8-byte blocks
     if " avx2 " in Path("/proc/cpuinfo").read_text():

@@ -111,9 +111,15 @@ int main(int argc, char ** argv) {
     }
     ggml_backend_tensor_set(ids, route, 0, sizeof route);
 
-    int failed = 0;
-    ggml_backend_tensor_set(w[0], raw, 0, nbytes);  // CPU_REPACK repacks on upload
+    int          failed = 0;
     const void * layout = ggml_cpu_repack_layout(w[1]);
+    if (!layout && !w[0]->extra) {
+        // x86 builds keep Q4_K in the file's layout (patch 0010): llama.cpp never puts such a
+        // tensor in CPU_REPACK, and there is nothing to compare
+        printf("ok %s has no repacked layout on this CPU, in CPU_REPACK either\n", argv[1]);
+        return 0;
+    }
+    ggml_backend_tensor_set(w[0], raw, 0, nbytes);  // CPU_REPACK repacks on upload
     failed |= check(layout != NULL && layout == w[0]->extra, "ggml_cpu_repack_layout names CPU_REPACK's layout",
                     "ggml_cpu_repack_layout is not the layout CPU_REPACK gave the same tensor");
     if (!layout) {

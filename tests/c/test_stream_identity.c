@@ -13,7 +13,7 @@
 // must give the reference's tokens and the same hash of every step's logits, with no violation
 // and something evicted; the negative control must not. The model is loaded the way
 // server/loading/streaming.py and resident.py load it (buffer-type overrides, load modes,
-// use_extra_bufts off, the streamer's eval callback).
+// use_extra_bufts on: repacked layouts both sides, the streamer's eval callback).
 // Prints "tokens ...", "logits <hash>" for the reference, "page <bytes>" and "system <llama.cpp's
 // CPU features>", then one "ok ..." or "FAIL ..." line per check; exit status 0 only if all pass.
 #include <errno.h>
@@ -238,7 +238,7 @@ static int decode(struct llama_model * model, int n_threads, ggml_backend_sched_
 static int run_resident(const char * path, int n_threads, outcome * out) {
     struct llama_model_params mp = llama_model_default_params();
     mp.load_mode                 = LLAMA_LOAD_MODE_MMAP;
-    mp.use_extra_bufts           = false;
+    mp.use_extra_bufts           = true;
     struct llama_model * model   = llama_model_load_from_file(path, mp);
     if (!model) {
         printf("FAIL cannot load %s resident\n", path);
@@ -271,8 +271,13 @@ static int run_streamed(const char * path, int n_threads, const mf_config * cfg,
 
     struct llama_model_params mp = llama_model_default_params();
     mp.load_mode                 = LLAMA_LOAD_MODE_MMAP_NO_PREFETCH;
-    mp.use_extra_bufts           = false;
+    mp.use_extra_bufts           = true;
     mp.tensor_buft_overrides     = ov;
+    if (mf_streamer_set_repack(s, 1) != 0) {
+        printf("FAIL mf_streamer_set_repack\n");
+        mf_streamer_free(s);
+        return -1;
+    }
     struct llama_model * model   = llama_model_load_from_file(path, mp);
     int                  rc      = -1;
     if (!model) {

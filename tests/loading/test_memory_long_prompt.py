@@ -161,6 +161,14 @@ def test_a_context_the_cap_cannot_hold_is_refused_at_start(cgroups: Any, two_lay
     assert proc.returncode != 0
     assert kills == 0
     assert f"not enough memory for a {CTX}-token context" in log, log[-3000:]
-    terms = ("in use", "dense", "KV", "compute", "margin", "below one layer's experts", "--flash-attn on")
+    terms = (
+        "in use",
+        "weights in RAM",
+        "KV",
+        "compute",
+        "margin",
+        "below one layer's experts",
+        "--flash-attn on",
+    )
     for term in terms:
         assert term in log, (term, log[-3000:])

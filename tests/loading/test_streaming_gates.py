@@ -1,11 +1,12 @@
 """Byte-identity gates: streaming must reproduce the resident model bit for bit.
 
-Every gate decodes greedily with the resident reference (load mode MMAP, use_extra_bufts off, no
-callback) and with the streamer under one setting, and compares the tokens AND a sha256 of every
-logits row. Each lever of the streamer (cache policy and size, reader mode, lanes, overlap,
-micro-batch size, flash attention, architecture, expert sizes that differ by layer, split files,
-KV-cache reuse) has a gate here; the negative control proves a gate fails when an expert is
-deliberately not loaded.
+Every gate decodes greedily with the resident reference (load mode MMAP, repacked layouts where
+llama.cpp has them, no callback) and with the streamer under one setting,
+and compares the tokens AND a sha256 of every logits row, and the tensors each side holds
+repacked (llama.cpp's own log line for each, the streamer's record). Each lever of the streamer
+(cache policy and size, reader mode, lanes, overlap, micro-batch size, flash attention,
+architecture, expert sizes that differ by layer, split files, KV-cache reuse) has a gate here; the
+negative control proves a gate fails when an expert is deliberately not loaded.
 """
 
 from __future__ import annotations
@@ -19,17 +20,33 @@ import pytest
 from gguf import GGUFReader
 
 from server.errors import ModelLoadError
+from server.loading.model_files import split_files
 from server.loading.streaming import EXPERT_PATTERN, StreamingLlama, load_streaming_llama
 from server.modelgen.spec import QType
 from server.settings import Budget
 from streaming_ext import Policy, Prefetch, Reader, StreamerConfig, StreamerStats
-from tests.models import LLAMA_DEFAULTS, expert_layer_bytes, greedy, last_logits, load_llama
+from tests.models import (
+    LLAMA_DEFAULTS,
+    expert_layer_bytes,
+    greedy,
+    last_logits,
+    load_llama,
+    load_llama_noting_repacks,
+    noting_repacks,
+)
 
 PROMPT = [(7 * i + 40) % 300 for i in range(24)]
 N_TOKENS = 10
 ARCH_PRESETS = ["tiny-qwen3moe", "tiny-gptoss", "tiny-mixtral", "tiny-qwen2moe", "tiny-hyv3", "tiny-gemma4"]
 
 Result = tuple[list[int], str]
+
+
+class Reference(NamedTuple):
+    """A resident run: its greedy result and the tensors llama.cpp repacked."""
+
+    result: Result
+    repacked: frozenset[str]
 
 
 class Options(NamedTuple):
@@ -47,7 +64,7 @@ def options(budget: Budget = "auto", preload: bool = False, policy: str = "layer
 def streamed(path: Path, opts: Options, **kw: Any) -> StreamingLlama:
     """A streaming Llama with the same context settings as the resident reference."""
     settings = {**LLAMA_DEFAULTS, **kw}
-    settings.pop("use_extra_bufts")
+    repack = "on" if settings.pop("use_extra_bufts") else "off"
     n_ctx = settings.pop("n_ctx")
     # the reference's flash attention, never the loader's automatic choice
     flash_attn = "on" if settings.pop("flash_attn", False) else "off"
@@ -58,21 +75,22 @@ def streamed(path: Path, opts: Options, **kw: Any) -> StreamingLlama:
         preload=opts.preload,
         n_ctx=n_ctx,
         flash_attn=flash_attn,
+        repack=repack,
         **settings,
     )
 
 
 @pytest.fixture(scope="module")
-def reference() -> Iterator[Callable[..., Result]]:
+def reference() -> Iterator[Callable[..., Reference]]:
     """Resident greedy results, computed once per (model, prompt, n, context settings)."""
-    cache: dict[str, Result] = {}
+    cache: dict[str, Reference] = {}
 
-    def run(path: Path, prompt: list[int] = PROMPT, n: int = N_TOKENS, **kw: Any) -> Result:
+    def run(path: Path, prompt: list[int] = PROMPT, n: int = N_TOKENS, **kw: Any) -> Reference:
         key = repr((str(path), prompt, n, sorted(kw.items())))
         if key not in cache:
-            llm = load_llama(path, **kw)
+            llm, repacked = load_llama_noting_repacks(path, **kw)
             try:
-                cache[key] = greedy(llm, prompt, n)
+                cache[key] = Reference(greedy(llm, prompt, n), repacked)
             finally:
                 llm.close()
         return cache[key]
@@ -80,18 +98,32 @@ def reference() -> Iterator[Callable[..., Result]]:
     yield run
 
 
-def gate(path: Path, opts: Options, reference: Callable[..., Result], **kw: Any) -> StreamerStats:
-    """Assert streaming == resident for `opts`; returns the streamer's counters."""
+def streamed_repacked(llm: StreamingLlama, path: Path) -> frozenset[str]:
+    """The tensors of `path` (every file of a split set) the streamer holds in a repacked layout."""
+    names = (name for part in split_files(path) for name in _tensor_bytes(part))
+    return frozenset(name for name in names if llm.streamer.tensor_repacked(name))
+
+
+def gate(path: Path, opts: Options, reference: Callable[..., Reference], **kw: Any) -> StreamerStats:
+    """Assert streaming == resident for `opts`, kernels included; returns the streamer's counters.
+    With repacked layouts (`--repack on`) unless told otherwise: the path where the streamer does
+    the most; the other tests here run the default, plain layouts."""
+    kw.setdefault("use_extra_bufts", True)
     prompt = kw.pop("prompt", PROMPT)
     expected = reference(path, prompt, N_TOKENS, **kw)
-    llm = streamed(path, opts, **kw)
+    # the streamer's weights, and any it leaves to llama.cpp (a tied output matrix's copy)
+    llm, by_llama = noting_repacks(streamed, path, opts, **kw)
     try:
         got = greedy(llm, prompt, N_TOKENS)
         stats = llm.stats()
+        repacked = streamed_repacked(llm, path) | by_llama
     finally:
         llm.close()
-    assert got[0] == expected[0], f"tokens differ with {opts}"
-    assert got[1] == expected[1], f"logits differ with {opts}"
+    assert repacked == expected.repacked, (
+        f"repacked streamed, resident: {sorted(repacked ^ expected.repacked)}"
+    )
+    assert got[0] == expected.result[0], f"tokens differ with {opts}"
+    assert got[1] == expected.result[1], f"logits differ with {opts}"
     assert stats.violations == 0 and stats.errors == 0
     return stats
 
@@ -121,12 +153,16 @@ def qwen(tiny_model: Callable[..., Path]) -> Path:
 
 
 # ------------------------------------------------------------------------------------ cache
-def test_gate_large_cache(qwen: Path, reference: Callable[..., Result]) -> None:
+def test_gate_large_cache(qwen: Path, reference: Callable[..., Reference]) -> None:
     stats = gate(qwen, options(), reference)
     assert stats.evictions == 0 and stats.hits > 0, "a budget >= the model caches everything"
+    assert reference(qwen, use_extra_bufts=True).repacked, (
+        "Q4_0 experts have a repacked layout on every CPU the suite runs on"
+    )
+    assert stats.repacked_bytes > 0 and stats.repack_ns > 0
 
 
-def test_gate_no_cache(qwen: Path, reference: Callable[..., Result]) -> None:
+def test_gate_no_cache(qwen: Path, reference: Callable[..., Reference]) -> None:
     stats = gate(qwen, options(policy="none", prefetch=Prefetch.OFF), reference)
     assert stats.hits == 0 and stats.evictions > 0
 
@@ -145,7 +181,7 @@ def test_gate_no_cache(qwen: Path, reference: Callable[..., Result]) -> None:
     ],
 )
 def test_gate_prefetch(
-    qwen: Path, reference: Callable[..., Result], policy: str, overlap: bool, prefetch: Prefetch
+    qwen: Path, reference: Callable[..., Reference], policy: str, overlap: bool, prefetch: Prefetch
 ) -> None:
     # the smallest budget: every prefetch must evict, and the running layer's experts stay pinned
     opts = options(budget=expert_layer_bytes(qwen), policy=policy, overlap=overlap, prefetch=prefetch)
@@ -167,7 +203,7 @@ def test_gate_prefetch(
 
 
 def test_gate_prefetch_follows_gemma4s_router_input(
-    tiny_model: Callable[..., Path], reference: Callable[..., Result]
+    tiny_model: Callable[..., Path], reference: Callable[..., Reference]
 ) -> None:
     """gemma4's router reads rms_norm(attn_out), scaled, times its own per-channel scale: the
     prediction must apply the next layer's scale, not reuse this layer's scaled input (60 of the
@@ -181,7 +217,7 @@ def test_gate_prefetch_follows_gemma4s_router_input(
 
 @pytest.mark.parametrize("policy", ["layer", "lru"])
 def test_gate_cache_that_evicts_every_layer(
-    qwen: Path, reference: Callable[..., Result], policy: str
+    qwen: Path, reference: Callable[..., Reference], policy: str
 ) -> None:
     opts = options(budget=expert_layer_bytes(qwen), policy=policy)
     stats = gate(qwen, opts, reference)
@@ -199,7 +235,7 @@ def test_gate_cache_that_evicts_every_layer(
     ],
 )
 def test_gate_reader_modes(
-    qwen: Path, reference: Callable[..., Result], direct_io: bool, lanes: int, overlap: bool
+    qwen: Path, reference: Callable[..., Reference], direct_io: bool, lanes: int, overlap: bool
 ) -> None:
     # a small cache keeps the reader busy on every token
     reader = Reader.DIRECT if direct_io else Reader.BUFFERED
@@ -221,7 +257,7 @@ def test_gate_reader_modes(
     ],
 )
 def test_gate_frames(
-    tiny_model: Callable[..., Path], reference: Callable[..., Result], n_ff_exp: int, overlap: bool
+    tiny_model: Callable[..., Path], reference: Callable[..., Reference], n_ff_exp: int, overlap: bool
 ) -> None:
     # slices that start and end inside pages (the model's expert data is 32-byte aligned in the
     # file), read whole-page into frames by four lanes at once, large ones in chunks that share no
@@ -233,9 +269,9 @@ def test_gate_frames(
     assert 0 < stats.expert_memory_bytes <= memory_bound(path, budget), (stats.expert_memory_bytes, budget)
 
 
-def test_dropped_cache_holds_no_memory(qwen: Path, reference: Callable[..., Result]) -> None:
+def test_dropped_cache_holds_no_memory(qwen: Path, reference: Callable[..., Reference]) -> None:
     """drop_cache gives the frames' pages back; the next request reads into fresh ones."""
-    expected = reference(qwen)
+    expected = reference(qwen).result
     llm = streamed(qwen, options(budget=2 * expert_layer_bytes(qwen)))
     try:
         first = greedy(llm, PROMPT, N_TOKENS)
@@ -252,7 +288,7 @@ def test_dropped_cache_holds_no_memory(qwen: Path, reference: Callable[..., Resu
 
 @pytest.mark.parametrize("policy", ["layer", "lru"])
 def test_gate_frames_under_stress(
-    tiny_model: Callable[..., Path], reference: Callable[..., Result], policy: str
+    tiny_model: Callable[..., Path], reference: Callable[..., Reference], policy: str
 ) -> None:
     # slices of ~1.1 pages, 16 lanes, the smallest budget and prefetch: a frame handed to a new
     # entry while a read into it is in flight, or a slot left pointing at a frame given away, fails
@@ -269,7 +305,7 @@ def test_gate_frames_under_stress(
 @pytest.mark.parametrize("n_ubatch", [1, 8, 512])
 @pytest.mark.parametrize("layers", [1, 3], ids=["one-layer-budget", "three-layer-budget"])
 def test_gate_micro_batches_long_prompt(
-    qwen: Path, reference: Callable[..., Result], n_ubatch: int, layers: int
+    qwen: Path, reference: Callable[..., Reference], n_ubatch: int, layers: int
 ) -> None:
     prompt = [(13 * i + 5) % 300 for i in range(600)]  # longer than one 512-token micro-batch
     opts = options(budget=layers * expert_layer_bytes(qwen), prefetch=Prefetch.ROUTER)
@@ -319,7 +355,7 @@ def test_gate_multi_turn_kv_reuse(qwen: Path) -> None:
 # ------------------------------------------------------------------------------------ architectures
 @pytest.mark.parametrize("preset", ARCH_PRESETS)
 def test_gate_every_architecture(
-    tiny_model: Callable[..., Path], reference: Callable[..., Result], preset: str
+    tiny_model: Callable[..., Path], reference: Callable[..., Reference], preset: str
 ) -> None:
     path = tiny_model(preset)
     gate(path, options(budget=expert_layer_bytes(path)), reference)
@@ -328,7 +364,7 @@ def test_gate_every_architecture(
 
 @pytest.mark.parametrize("preset", ["tiny-gptoss", "tiny-gemma4"])
 def test_gate_sliding_window_cache_cut_to_the_window(
-    tiny_model: Callable[..., Path], reference: Callable[..., Result], preset: str
+    tiny_model: Callable[..., Path], reference: Callable[..., Reference], preset: str
 ) -> None:
     """The server creates sliding-window KV caches cut to the window (swa_full off): streamed and
     resident agree with a prompt four times the 64-token window, in micro-batches of 32."""
@@ -340,7 +376,7 @@ def test_gate_sliding_window_cache_cut_to_the_window(
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3moe", "tiny-gptoss", "tiny-gemma4"])
 def test_gate_flash_attention(
-    tiny_model: Callable[..., Path], reference: Callable[..., Result], preset: str
+    tiny_model: Callable[..., Path], reference: Callable[..., Reference], preset: str
 ) -> None:
     """Flash attention (the loader's lever for long contexts): streamed and resident agree with it
     on, for a cache that evicts every layer, a sliding-window cache cut to the window and a prompt
@@ -349,8 +385,8 @@ def test_gate_flash_attention(
     prompt = [(11 * i + 3) % 300 for i in range(160)]
     settings = {"n_ctx": 1024, "n_batch": 32, "n_ubatch": 32, "swa_full": False, "flash_attn": True}
     gate(path, options(budget=expert_layer_bytes(path)), reference, prompt=prompt, **settings)
-    off = reference(path, prompt, N_TOKENS, **{**settings, "flash_attn": False})
-    assert off[1] != reference(path, prompt, N_TOKENS, **settings)[1], "flash attention was not on"
+    off = reference(path, prompt, N_TOKENS, **{**settings, "flash_attn": False}).result
+    assert off[1] != reference(path, prompt, N_TOKENS, **settings).result[1], "flash attention was not on"
 
 
 @pytest.mark.parametrize(
@@ -366,7 +402,7 @@ def test_gate_flash_attention(
 )
 def test_gate_expert_sizes_differ_by_layer(
     tiny_model: Callable[..., Path],
-    reference: Callable[..., Result],
+    reference: Callable[..., Reference],
     preset: str,
     experts: str,
     down: str,
@@ -399,7 +435,7 @@ def test_gate_expert_sizes_differ_by_layer(
 
 
 def test_entries_of_two_sizes_share_frames_without_releases(
-    tiny_model: Callable[..., Path], reference: Callable[..., Result]
+    tiny_model: Callable[..., Path], reference: Callable[..., Reference]
 ) -> None:
     """Entries of two sizes (Q6_K down on half the layers) share frames of one size, so a load
     always finds a free frame with pages once the cache is full: decode gives no frame's pages
@@ -432,44 +468,57 @@ def test_entries_of_two_sizes_share_frames_without_releases(
     assert released == 0, (released, misses)
 
 
-def test_gate_split_gguf(tiny_model: Callable[..., Path], reference: Callable[..., Result]) -> None:
+def test_gate_split_gguf(tiny_model: Callable[..., Path], reference: Callable[..., Reference]) -> None:
     whole = tiny_model("tiny-qwen3moe")
     first = tiny_model("tiny-qwen3moe", split_max_size=whole.stat().st_size // 3)
     assert "-00001-of-" in first.name
-    expected = reference(whole)
-    assert reference(first) == expected, "the split twin must decode like the whole file"
+    expected = reference(whole).result
+    assert reference(first).result == expected, "the split twin must decode like the whole file"
     gate(first, options(budget=expert_layer_bytes(first)), reference)
 
 
 # ------------------------------------------------------------------------------------ embeddings
 @pytest.mark.parametrize(
-    ("preset", "tied"),
-    [("tiny-qwen3moe", False), ("tiny-qwen3moe", True), ("tiny-gemma4", True)],
-    ids=["own-output", "tied", "gemma4-tied"],
+    ("preset", "tied", "dense_qtype"),
+    [
+        ("tiny-qwen3moe", False, QType.Q8_0),
+        ("tiny-qwen3moe", True, QType.Q8_0),
+        ("tiny-gemma4", True, QType.Q8_0),
+        ("tiny-qwen3moe", True, QType.Q4_0),
+        ("tiny-gemma4", True, QType.Q4_0),
+    ],
+    ids=["own-output", "tied", "gemma4-tied", "tied-repacked", "gemma4-tied-repacked"],
 )
 def test_gate_token_embeddings(
-    tiny_model: Callable[..., Path], reference: Callable[..., Result], preset: str, tied: bool
+    tiny_model: Callable[..., Path],
+    reference: Callable[..., Reference],
+    preset: str,
+    tied: bool,
+    dense_qtype: QType,
 ) -> None:
     """A token reads one row of the embeddings: they stay mapped from the file (never read into
     memory) unless the model has no output.weight and multiplies by them every token. Then they
     are read once: gemma4 asks llama.cpp for its output matrix before the embeddings, and gets
-    two tensors of the same bytes, which must share one copy."""
-    path = tiny_model(preset, tied_embeddings=tied)
+    two tensors of the same bytes, which must share one copy. Unless the output copy is
+    repacked (Q4_0 here, as llama.cpp repacks it resident): then the loader leaves both to
+    llama.cpp, which maps the rows and repacks the copy, as in its resident load."""
+    path = tiny_model(preset, tied_embeddings=tied, dense_qtype=dense_qtype)
     sizes = _tensor_bytes(path)
     embd = sizes["token_embd.weight"]
     assert embd > 0 and ("output.weight" not in sizes) == tied
     stats = gate(path, options(budget=expert_layer_bytes(path)), reference)
-    assert stats.mapped_bytes == (0 if tied else embd)
+    assert stats.mapped_bytes == (0 if tied else embd)  # the streamer's own mapping (MF_ROWS)
     dense = sum(n for name, n in sizes.items() if not re.search(EXPERT_PATTERN, name))
-    assert stats.dense_bytes == dense - stats.mapped_bytes
+    repacked_copy = tied and dense_qtype == QType.Q4_0  # left to llama.cpp: the rows stay mapped
+    assert stats.dense_bytes == dense - (embd if repacked_copy else stats.mapped_bytes)
 
 
 # ------------------------------------------------------------------------------------ negative control
 def test_negative_control_unloaded_expert_fails_the_gate(
-    qwen: Path, reference: Callable[..., Result]
+    qwen: Path, reference: Callable[..., Reference]
 ) -> None:
     """The gate is not vacuous: leaving one routed expert unread (zeros) changes the output."""
-    expected = reference(qwen)
+    expected = reference(qwen).result
     llm = streamed(qwen, options(skip_expert=1))
     try:
         got = greedy(llm, PROMPT, N_TOKENS)
@@ -479,9 +528,9 @@ def test_negative_control_unloaded_expert_fails_the_gate(
     assert got != expected
 
 
-def test_gate_preloaded_experts(qwen: Path, reference: Callable[..., Result]) -> None:
+def test_gate_preloaded_experts(qwen: Path, reference: Callable[..., Reference]) -> None:
     """--preload reads every expert at load; decoding then never misses."""
-    expected = reference(qwen)
+    expected = reference(qwen).result
     llm = streamed(qwen, options(budget="all", preload=True))
     try:
         loaded = llm.stats()
@@ -501,11 +550,11 @@ def test_gate_preloaded_experts(qwen: Path, reference: Callable[..., Result]) ->
 # ------------------------------------------------------------------------------------ hold all
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
 def test_gate_hold_all_stops_routing_once_resident(
-    qwen: Path, reference: Callable[..., Result], overlap: bool
+    qwen: Path, reference: Callable[..., Reference], overlap: bool
 ) -> None:
     """A budget holding every expert loads them on demand, then stops watching routing (no graph
     splits); dropping the cache makes it watch and read again. Output identical throughout."""
-    expected = reference(qwen)
+    expected = reference(qwen).result
     llm = streamed(qwen, options(budget="all", overlap=overlap))
     try:
         first = greedy(llm, PROMPT, N_TOKENS)

@@ -6,9 +6,9 @@ counters this run cannot move, each with its reason; a counter on it that does m
 so the list stays true.
 
 The run: a tiny model streamed under one layer's budget (every route evicts), O_DIRECT reads,
-router prefetch and a lossy skip_below, decoding a prompt and a few tokens; then its hot set is
-saved, the cache dropped and the hot set restored (warm start); then the same model under a
-budget that holds every expert, which stops watching routing once all are resident.
+router prefetch, repacked layouts and a lossy skip_below, decoding a prompt and a few tokens;
+then its hot set is saved, the cache dropped and the hot set restored (warm start); then the same
+model under a budget that holds every expert, which stops watching routing once all are resident.
 """
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ CANNOT_MOVE: tuple[tuple[str, str], ...] = (
 PROMPT = [(7 * i + 40) % 300 for i in range(24)]
 
 
-def _streamed(path: Path, config: StreamerConfig, budget: Budget) -> StreamingLlama:
-    return load_streaming_llama(path, config, budget=budget, follow_memory=False, n_ctx=256, n_threads=2)
+def _streamed(path: Path, config: StreamerConfig, budget: Budget, repack: str = "off") -> StreamingLlama:
+    return load_streaming_llama(
+        path, config, budget=budget, follow_memory=False, n_ctx=256, n_threads=2, repack=repack
+    )
 
 
 def _run(path: Path) -> list[StreamerStats]:
@@ -39,7 +41,7 @@ def _run(path: Path) -> list[StreamerStats]:
     levers = StreamerConfig(
         reader=Reader.DIRECT, policy=Policy.LAYER, prefetch=Prefetch.ROUTER, overlap=True, skip_below=0.3
     )
-    llm = _streamed(path, levers, expert_layer_bytes(path))
+    llm = _streamed(path, levers, expert_layer_bytes(path), repack="on")
     try:
         samples.append(llm.stats())
         greedy(llm, PROMPT, 8)
