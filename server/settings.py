@@ -247,9 +247,8 @@ class ModelSettings(BaseSettings):
     repack: Literal["on", "off"] = Field(
         "off",
         description="llama.cpp's repacked (interleaved) weight layouts where the CPU has them: on "
-        "(about 1.5x the prompt speed and 1.1-1.2x the decode speed with Q4_0 or MXFP4 experts, but "
-        "a prompt's text then depends on how it is batched: prompt cache, other requests) or off; "
-        "the same resident and streamed",
+        "(about 1.5x the prompt speed and up to 1.2x the decode speed with Q4_0 or MXFP4 experts) "
+        "or off (for now the default: docs/performance.md); the same resident and streamed",
     )
     mode: Literal["auto", "resident", "streaming"] = Field(
         "auto",

@@ -10,10 +10,10 @@ those sizes (docs/memory.md says how to measure it).
 
 Flash attention and the repacked weight layouts are settings, never memory decisions: they
 change what is computed, and a model must give the same text resident or streamed, under any
-memory limit. Both off by default: with either, a request's text depends on how it is batched
-(flash attention: a prompt decoded whole or in two parts gives other logits, docs/memory.md;
-repacked layouts: a chat decoded beside others parts from its lone run, docs/performance.md), and
-the prompt cache and prompt chunks beside running requests split and mix batches. `recreate_context`
+memory limit. Both off by default: flash attention because a prompt decoded whole or in two parts
+gives other logits with it (docs/memory.md), and the prompt cache and prompt chunks beside
+running requests split prompts; the repacked layouts while concurrent requests can still move
+each other's text (docs/performance.md, "Repacked layouts"). `recreate_context`
 swaps a loaded Llama's context for one with more slots (the weights stay where they are);
 `fit_slots` chooses the slots (`--parallel`).
 """
