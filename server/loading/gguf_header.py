@@ -91,6 +91,9 @@ def _value(f: BinaryIO, vtype: int) -> Any:
     return _values(f, item_type, count)
 
 
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """One row of a GGUF file's tensor table."""
@@ -111,6 +114,8 @@ def read_tensor_table(path: Path) -> tuple[list[TensorInfo], int]:
             for _ in range(n_tensors):
                 name = _string(f)
                 (n_dims,) = struct.unpack("<I", f.read(4))
+                if n_dims > _MAX_DIMS:
+                    raise ValueError(f"tensor {name} has {n_dims} dimensions (ggml has {_MAX_DIMS})")
                 shape = struct.unpack(f"<{n_dims}Q", f.read(8 * n_dims))
                 ggml_type, offset = struct.unpack("<IQ", f.read(12))
                 infos.append(TensorInfo(name, shape, ggml_type, offset))

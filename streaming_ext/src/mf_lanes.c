@@ -6,9 +6,9 @@
 // what the ready hook hands the matmul) and they turn LOADING, and the reads are queued. N lanes
 // pop jobs from one FIFO (one mutex, work_cv), read unlocked, and mark each slice READY or FAILED
 // under the mutex, broadcasting done_cv; the lane that reads a slice's last chunk repacks it first
-// when its tensor has a repacked layout (unlocked: the read stays in flight until then). The running layer's slices are read in chunks, one job
-// each, so that the lanes read them one at a time in the order the matmuls need them (see
-// chunk_bytes). No frame changes hands while a read into it is in flight: a route first waits
+// when its tensor has a repacked layout (unlocked: the read stays in flight until then). The
+// running layer's slices are read in chunks, one job each, so that the lanes read them one at a
+// time in the order the matmuls need them (see chunk_bytes). No frame changes hands while a read into it is in flight: a route first waits
 // for every job of the one before. Demand reads (the running layer's) are
 // counted apart from prefetches so a layer waits only for its own. Lanes block all signals (the
 // host process handles them) and stop by flag + broadcast + join. Everything but the lanes

@@ -79,4 +79,3 @@ int mf_repack_in_place(struct ggml_tensor * t) {
     free(copy);
     return rc;
 }
-
