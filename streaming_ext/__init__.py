@@ -7,11 +7,19 @@ MOEFLASH_STREAM_LIB names another build to load instead (the test suite uses it 
 """
 
 try:
-    from streaming_ext._declared import Policy, Prefetch, RateClass, Reader, StreamerConfig, StreamerStats
+    from streaming_ext._declared import (
+        Policy,
+        Prefetch,
+        RateClass,
+        Reader,
+        RouteRecord,
+        StreamerConfig,
+        StreamerStats,
+    )
 except ModuleNotFoundError as exc:  # a checkout that was never built
     raise ImportError("streaming_ext/_declared.py is missing: run `make ext` (or `make setup`)") from exc
 from streaming_ext._lib import StreamLib, StreamLibError, library_path, load_library
-from streaming_ext.routes import RouteRecord, RouteTracer
+from streaming_ext.routes import RouteTracer
 from streaming_ext.streamer import CachePolicy, Streamer, StreamerError
 
 __all__ = [

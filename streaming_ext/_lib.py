@@ -1,11 +1,11 @@
 """Locating and loading libmoeflash_stream through ctypes.
 
-No function signature is written here, nor a field of mf_config or mf_stats: the ctypes structs
-of those two and every function's argtypes and restype come from streaming_ext/_declared.py,
-which `make ext` generates from the library's own report of its header's declarations (the
-docstring of streaming_ext/declarations.py says how each is declared once). load_library refuses a
-library whose declarations or struct layouts (mf_route_record's too) differ from that module's and
-these structs (a stale build).
+No function signature is written here, nor a field of mf_config, mf_stats or mf_route_record: the
+ctypes structs of those three and every function's argtypes and restype come from
+streaming_ext/_declared.py, which `make ext` generates from the library's own report of its
+header's declarations (the docstring of streaming_ext/declarations.py says how each is declared
+once). load_library refuses a library whose declarations or struct layouts differ from that
+module's and these structs (a stale build).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from streaming_ext._declared import CONFIG, DIGEST, FUNCTIONS, STATS
+from streaming_ext._declared import CONFIG, DIGEST, FUNCTIONS, RECORD, STATS
 from streaming_ext.declarations import ctype, declare_functions, read_declarations
 
 logger = logging.getLogger(__name__)
@@ -42,17 +42,9 @@ class MfStats(ctypes.Structure):
 
 
 class MfRouteRecord(ctypes.Structure):
-    """struct mf_route_record (moeflash_stream.h): one routed expert, as a route tracer records it."""
+    """struct mf_route_record (MF_ROUTE_RECORD_FIELDS): one routed expert, as a route tracer records it."""
 
-    _fields_ = [
-        ("turn", ctypes.c_int32),
-        ("phase", ctypes.c_int32),
-        ("step", ctypes.c_int32),
-        ("layer", ctypes.c_int32),
-        ("slot", ctypes.c_int32),
-        ("expert", ctypes.c_int32),
-        ("weight", ctypes.c_float),
-    ]
+    _fields_ = [(field.name, ctype(field.c_type, {})) for field in RECORD]
 
 
 # the ctypes structs shared with C by their C names: the types the functions' pointers point to

@@ -5,6 +5,7 @@ moeflash_stream.h declares each once, and the library reports them back as data:
 - the enums' member lists (mf_enum_member_*);
 - MF_CONFIG_FIELDS (mf_config_field_*): struct mf_config's fields, each with its C type, its kind
   to Python and its default;
+- MF_ROUTE_RECORD_FIELDS (mf_route_record_field_*): struct mf_route_record's fields and C types;
 - moeflash_stream_functions.h (mf_api_function_*): every exported function as one
   MF_FUNCTION(return type, name, (parameters)) line. The header makes that line the prototype the
   compiler checks the definition against, mf_layout.c makes it a row of the table the library
@@ -16,8 +17,9 @@ moeflash_stream.h declares each once, and the library reports them back as data:
 
 `make ext` runs this file as a script on the library it just built, which writes
 streaming_ext/_declared.py: the enums, the counter record (StreamerStats), the options
-(StreamerConfig, with the header's defaults) and the lists STATS, CONFIG and FUNCTIONS, from which
-streaming_ext/_lib.py builds the ctypes structs and signatures. _lib.py refuses a library whose
+(StreamerConfig, with the header's defaults), the route record (RouteRecord) and the lists STATS,
+CONFIG, RECORD and FUNCTIONS, from which streaming_ext/_lib.py builds the ctypes structs and
+signatures. _lib.py refuses a library whose
 declarations differ from that module's (a stale build). Run as a script it imports nothing of
 streaming_ext, which may not be importable before its output exists.
 """
@@ -101,6 +103,15 @@ class ConfigField:
 
 
 @dataclass(frozen=True)
+class RecordField:
+    """One field of struct mf_route_record: its C name and type, and description."""
+
+    name: str
+    c_type: str
+    text: str
+
+
+@dataclass(frozen=True)
 class Function:
     """One exported function: its name, return type and parameter types, as canonical C types
     ("const char *", "mf_streamer **")."""
@@ -115,6 +126,7 @@ class Declarations:
     stats: tuple[Stat, ...]
     enums: tuple[tuple[str, tuple[EnumMember, ...]], ...]
     config: tuple[ConfigField, ...]
+    record: tuple[RecordField, ...]
     functions: tuple[Function, ...]
 
     def digest(self) -> str:
@@ -274,7 +286,15 @@ def read_declarations(cdll: ctypes.CDLL) -> Declarations:
         field = ConfigField(name, canonical_type(c_type), kind, float(cdll.mf_config_field_default(i)), text)
         check_config_field(field, {c_name.upper(): members for c_name, members in enums})
         config.append(field)
-    return Declarations(tuple(stats), tuple(enums), tuple(config), functions)
+    record: list[RecordField] = []
+    for i in range(int(cdll.mf_route_record_n_fields())):
+        name, c_type, text = (
+            _text(getattr(cdll, f"mf_route_record_field_{part}")(i)) for part in ("name", "type", "text")
+        )
+        if name is None or c_type not in ("int32_t", "float") or text is None:
+            raise ValueError(f"route record field {i} ({name}) of type {c_type}: not a declaration")
+        record.append(RecordField(name, str(c_type), text))
+    return Declarations(tuple(stats), tuple(enums), tuple(config), tuple(record), functions)
 
 
 def _doc(text: str) -> str:
@@ -307,7 +327,7 @@ def render(decls: Declarations) -> str:
         "from dataclasses import dataclass",
         "from enum import IntEnum",
         "",
-        "from streaming_ext.declarations import ConfigField, Function, Stat",
+        "from streaming_ext.declarations import ConfigField, Function, RecordField, Stat",
         "from streaming_ext.stats import StatsRecord",
         "",
         f'DIGEST = "{decls.digest()}"',
@@ -333,6 +353,8 @@ def render(decls: Declarations) -> str:
         f"    ConfigField({f.name!r}, {f.c_type!r}, {f.kind!r}, {f.default!r}, {f.text!r}),"
         for f in decls.config
     ]
+    out += [")", "", "RECORD: tuple[RecordField, ...] = ("]
+    out += [f"    RecordField({f.name!r}, {f.c_type!r}, {f.text!r})," for f in decls.record]
     out += [")", "", "FUNCTIONS: tuple[Function, ...] = ("]
     out += [f"    Function({f.name!r}, {f.returns!r}, {f.params!r})," for f in decls.functions]
     out += [
@@ -361,6 +383,16 @@ def render(decls: Declarations) -> str:
         if f.kind != "PATH":
             py_type, default = _option(f, decls)
             out += [f"    {f.name}: {py_type} = {default}", f"    {_doc(f.text)}"]
+    out += [
+        "",
+        "",
+        "@dataclass(frozen=True)",
+        "class RouteRecord:",
+        '    """struct mf_route_record: one routed expert, as a route tracer records it."""',
+        "",
+    ]
+    for r in decls.record:
+        out += [f"    {r.name}: {'float' if r.c_type == 'float' else 'int'}", f"    {_doc(r.text)}"]
     return "\n".join(out) + "\n"
 
 

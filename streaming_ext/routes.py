@@ -14,27 +14,14 @@ import ctypes
 import errno
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from streaming_ext._declared import RECORD, RouteRecord
 from streaming_ext._lib import MfRouteRecord, StreamLib, load_library
 from streaming_ext.streamer import Streamer, StreamerError
 
 _ERR_LEN = 512
 _TAKE = 65536  # records moved per call
-
-
-@dataclass(frozen=True)
-class RouteRecord:
-    """One routed expert (struct mf_route_record, same names)."""
-
-    turn: int
-    phase: int  # 0 prompt, 1 decode
-    step: int  # token index within the phase
-    layer: int
-    slot: int  # rank among the token's k
-    expert: int
-    weight: float  # the router's score of it (0 where the graph does not expose it)
 
 
 class RouteTracer:
@@ -107,10 +94,7 @@ class RouteTracer:
         out: list[RouteRecord] = []
         buf = (MfRouteRecord * _TAKE)()
         while (n := int(self.lib.cdll.mf_route_trace_take_recorded(self.handle, buf, _TAKE))) > 0:
-            out += [
-                RouteRecord(r.turn, r.phase, r.step, r.layer, r.slot, r.expert, float(r.weight))
-                for r in buf[:n]
-            ]
+            out += [RouteRecord(**{field.name: getattr(r, field.name) for field in RECORD}) for r in buf[:n]]
         return out
 
     def take_error(self) -> StreamerError | None:

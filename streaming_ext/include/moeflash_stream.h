@@ -180,16 +180,22 @@ typedef struct mf_cache mf_cache;
 // A route trace (mf_route_trace_*): replayed and recorded routing.
 typedef struct mf_route_trace mf_route_trace;
 
-// One routed expert, as recorded: slot is its rank among the token's k, weight the router's
-// score of it (0 where the graph does not expose the scores).
+// One routed expert, as recorded, each field declared once: X(name, C type, description). This
+// list is struct mf_route_record, its layout check (mf_layout.c) and the Python record
+// (streaming_ext/_declared.py's RouteRecord, generated at `make ext`).
+#define MF_ROUTE_RECORD_FIELDS(X)                                                                     \
+    X(turn, int32_t, "counts mf_route_trace_begin_phase(0) calls from 0")                              \
+    X(phase, int32_t, "0 prompt, 1 decode")                                                           \
+    X(step, int32_t, "token index within the phase")                                                  \
+    X(layer, int32_t, "the layer")                                                                    \
+    X(slot, int32_t, "its rank among the token's k")                                                  \
+    X(expert, int32_t, "the expert")                                                                  \
+    X(weight, float, "the router's score of it (0 where the graph does not expose the scores)")
+
 typedef struct mf_route_record {
-    int32_t turn;    // counts mf_route_trace_begin_phase(0) calls from 0
-    int32_t phase;   // 0 prompt, 1 decode
-    int32_t step;    // token index within the phase
-    int32_t layer;
-    int32_t slot;
-    int32_t expert;
-    float   weight;
+#define MF_RECORD_MEMBER(name, type, text) type name;
+    MF_ROUTE_RECORD_FIELDS(MF_RECORD_MEMBER)
+#undef MF_RECORD_MEMBER
 } mf_route_record;
 
 // The functions, each declared once in moeflash_stream_functions.h (an X-include, which mf_layout.c

@@ -165,6 +165,11 @@ MF_FUNCTION(const char *, mf_stats_field_name, (int32_t i))
 MF_FUNCTION(const char *, mf_stats_field_kind, (int32_t i))
 MF_FUNCTION(const char *, mf_stats_field_unit, (int32_t i))
 MF_FUNCTION(const char *, mf_stats_field_text, (int32_t i))
+// The i-th field of MF_ROUTE_RECORD_FIELDS (0 <= i < mf_route_record_n_fields()): its name, C
+// type and description.
+MF_FUNCTION(const char *, mf_route_record_field_name, (int32_t i))
+MF_FUNCTION(const char *, mf_route_record_field_type, (int32_t i))
+MF_FUNCTION(const char *, mf_route_record_field_text, (int32_t i))
 // The i-th member of an enum ("policy", "prefetch", "reader", "rate_class"): name, value, description.
 MF_FUNCTION(const char *, mf_enum_member_name, (const char * enum_name, int32_t i))
 MF_FUNCTION(int32_t, mf_enum_member_value, (const char * enum_name, int32_t i))

@@ -2,8 +2,8 @@
 // compares with its ctypes structs when it loads the library, and the header's declarations as
 // data (streaming_ext/declarations.py generates the Python side from them at `make ext`).
 //
-// Each struct's fields are listed once: mf_config's and mf_stats's in moeflash_stream.h
-// (MF_CONFIG_FIELDS, MF_STATS_FIELDS), mf_route_record's below. The static assertions make each
+// Each struct's fields are listed once, in moeflash_stream.h (MF_CONFIG_FIELDS, MF_STATS_FIELDS,
+// MF_ROUTE_RECORD_FIELDS). The static assertions make each
 // list complete: the struct's size must equal the sum of its listed fields' sizes, so a struct
 // with padding, a field added to the struct but not to its list, or one listed twice fails the
 // build; a listed field the struct lacks fails offsetof. Python then only has to match the lists.
@@ -12,8 +12,6 @@
 #include <stddef.h>
 #include <string.h>
 
-#define ROUTE_RECORD_FIELDS(X) X(turn) X(phase) X(step) X(layer) X(slot) X(expert) X(weight)
-
 typedef struct mf_field {
     const char * name;
     size_t       offset;
@@ -21,21 +19,21 @@ typedef struct mf_field {
 
 #define CONFIG_ENTRY(f, type, kind, value, text) { #f, offsetof(mf_config, f) },
 #define STATS_ENTRY(f, kind, unit, text) { #f, offsetof(mf_stats, f) },
-#define RECORD_ENTRY(f) { #f, offsetof(mf_route_record, f) },
+#define RECORD_ENTRY(f, type, text) { #f, offsetof(mf_route_record, f) },
 #define CONFIG_BYTES(f, type, kind, value, text) +sizeof(((mf_config *) 0)->f)
 #define STATS_BYTES(f, kind, unit, text) +sizeof(((mf_stats *) 0)->f)
-#define RECORD_BYTES(f) +sizeof(((mf_route_record *) 0)->f)
+#define RECORD_BYTES(f, type, text) +sizeof(((mf_route_record *) 0)->f)
 
 static const mf_field config_fields[] = { MF_CONFIG_FIELDS(CONFIG_ENTRY) };
 static const mf_field stats_fields[]  = { MF_STATS_FIELDS(STATS_ENTRY) };
-static const mf_field record_fields[] = { ROUTE_RECORD_FIELDS(RECORD_ENTRY) };
+static const mf_field record_fields[] = { MF_ROUTE_RECORD_FIELDS(RECORD_ENTRY) };
 
 _Static_assert(sizeof(mf_config) == 0 MF_CONFIG_FIELDS(CONFIG_BYTES),
                "mf_config has padding, or a field missing from MF_CONFIG_FIELDS");
 _Static_assert(sizeof(mf_stats) == 0 MF_STATS_FIELDS(STATS_BYTES),
                "mf_stats has padding, or a field missing from MF_STATS_FIELDS");
-_Static_assert(sizeof(mf_route_record) == 0 ROUTE_RECORD_FIELDS(RECORD_BYTES),
-               "mf_route_record has padding, or a field missing from ROUTE_RECORD_FIELDS");
+_Static_assert(sizeof(mf_route_record) == 0 MF_ROUTE_RECORD_FIELDS(RECORD_BYTES),
+               "mf_route_record has padding, or a field missing from MF_ROUTE_RECORD_FIELDS");
 
 #define N_OF(a) ((int32_t) (sizeof(a) / sizeof((a)[0])))
 
@@ -124,6 +122,19 @@ ROW_GETTER(const char *, mf_stats_field_name, stats_info, name, NULL)
 ROW_GETTER(const char *, mf_stats_field_kind, stats_info, kind, NULL)
 ROW_GETTER(const char *, mf_stats_field_unit, stats_info, unit, NULL)
 ROW_GETTER(const char *, mf_stats_field_text, stats_info, text, NULL)
+
+typedef struct mf_record_info {
+    const char * name;
+    const char * type;
+    const char * text;
+} mf_record_info;
+
+#define RECORD_INFO(f, type, text) { #f, #type, text },
+static const mf_record_info record_info[] = { MF_ROUTE_RECORD_FIELDS(RECORD_INFO) };
+
+ROW_GETTER(const char *, mf_route_record_field_name, record_info, name, NULL)
+ROW_GETTER(const char *, mf_route_record_field_type, record_info, type, NULL)
+ROW_GETTER(const char *, mf_route_record_field_text, record_info, text, NULL)
 
 typedef struct mf_enum_info {
     const char * name;

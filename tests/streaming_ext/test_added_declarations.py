@@ -1,12 +1,14 @@
-"""A config field and a counter, each added in one place, reach everything built on them.
+"""A config field, a counter and a route record field, each added in one place, reach everything
+built on them.
 
 The fixture copies the build inputs, adds one line to each of the header's lists (a uint64_t
-option in front of MF_CONFIG_FIELDS, a counter in front of MF_STATS_FIELDS: every offset after
-them moves) and one line of C that uses both (each route counts the option's value into the
-counter), and builds the copy with the repository's Makefile. With no Python edit, the copy's
-library and generated module then have the field in the C struct, the ctypes struct and
-StreamerConfig (with the header's default), and the counter in the C storage, mf_stats, the
-Python record, `moeflash generate --json` and /metrics.
+option in front of MF_CONFIG_FIELDS, a counter in front of MF_STATS_FIELDS, an int32_t in front
+of MF_ROUTE_RECORD_FIELDS: every offset after them moves) and one line of C that uses the first
+two (each route counts the option's value into the counter), and builds the copy with the
+repository's Makefile. With no Python edit, the copy's library and generated module then have
+the field in the C struct, the ctypes struct and StreamerConfig (with the header's default), the
+counter in the C storage, mf_stats, the Python record, `moeflash generate --json` and /metrics,
+and the record field in the C struct, the ctypes struct and RouteRecord.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tests.servers import serve_process
 REPO = Path(__file__).resolve().parents[2]
 ADDED_FIELD = '    X(test_knob, uint64_t, INT, 3, "an option a test added")'
 ADDED_COUNTER = '    X(test_added, COUNTER, COUNT, "a counter a test added")'
+ADDED_RECORD = '    X(test_mark, int32_t, "a route record field a test added")'
 ROUTE_LINE = "    ADD(s->st.routes, 1);\n"
 ADDED_LINE = "    ADD(s->st.test_added, s->cfg.test_knob);\n"
 
@@ -40,7 +43,7 @@ import ctypes, dataclasses, json, sys
 from pathlib import Path
 import streaming_ext
 from streaming_ext import StreamerConfig, StreamerStats, load_library
-from streaming_ext._lib import MfConfig, MfStats
+from streaming_ext._lib import MfConfig, MfRouteRecord, MfStats
 from server.loading.streaming import load_streaming_llama
 
 cdll = load_library().cdll  # refuses a library whose declarations differ from the module's
@@ -65,6 +68,9 @@ print(json.dumps({
     "record_fields": [f.name for f in dataclasses.fields(StreamerStats)],
     "test_added": stats.test_added,
     "routes": stats.routes,
+    "c_record_offset": cdll.mf_route_record_offset(b"test_mark"),
+    "ctypes_record_fields": [f[0] for f in MfRouteRecord._fields_],
+    "route_record_fields": [f.name for f in dataclasses.fields(streaming_ext.RouteRecord)],
 }))
 """
 
@@ -89,6 +95,9 @@ def added(tmp_path_factory: pytest.TempPathFactory) -> Path:
     header = copy / "streaming_ext" / "include" / "moeflash_stream.h"
     _edit(header, "#define MF_CONFIG_FIELDS(X)", f"#define MF_CONFIG_FIELDS(X) \\\n{ADDED_FIELD}")
     _edit(header, "#define MF_STATS_FIELDS(X)", f"#define MF_STATS_FIELDS(X) \\\n{ADDED_COUNTER}")
+    _edit(
+        header, "#define MF_ROUTE_RECORD_FIELDS(X)", f"#define MF_ROUTE_RECORD_FIELDS(X) \\\n{ADDED_RECORD}"
+    )
     _edit(copy / "streaming_ext" / "src" / "mf_callback.c", ROUTE_LINE, ROUTE_LINE + ADDED_LINE)
     targets = ["streaming_ext/lib/libmoeflash_stream.so", "streaming_ext/_declared.py"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
@@ -137,6 +146,9 @@ def test_a_field_and_a_counter_added_in_c_reach_python(added: Path, tiny_model: 
     assert seen["c_stats_offset"] == 0
     assert seen["ctypes_stats_fields"][0] == seen["record_fields"][0] == "test_added"
     assert seen["routes"] > 0 and seen["test_added"] == 5 * seen["routes"]
+    # the route record's field: the C struct, the ctypes one and the Python record
+    assert seen["c_record_offset"] == 0
+    assert seen["ctypes_record_fields"][0] == seen["route_record_fields"][0] == "test_mark"
     # the repository's own build is untouched
     assert "test_knob" not in {f.name for f in dataclasses.fields(StreamerConfig)}
 
