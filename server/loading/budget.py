@@ -117,26 +117,20 @@ def margin_bytes(limit_bytes: int) -> int:
     return 64 * _MIB + limit_bytes * 3 // 100
 
 
+def model_tensors(path: Path) -> dict[str, TensorInfo]:
+    """The tensor tables of `path` and the rest of its split set, by tensor name."""
+    return {t.name: t for part in split_files(path) for t in read_tensor_table(part)[0]}
+
+
 def repacked_bytes(path: Path) -> int:
     """Bytes of the weights of `path` (every file of a split set) that llama.cpp holds in the CPU
-    backend's repacked layouts on this CPU: anonymous memory beside a resident model's mapping,
-    and beside a streamed model's dense weights for a tied output matrix (a model without
-    output.weight multiplies by a second copy of its token embeddings, repacked where it can be)."""
+    backend's repacked layouts on this CPU: anonymous memory beside a resident model's mapping."""
     from streaming_ext import load_library
 
-    lib = load_library()
-    tensors = {t.name: t for part in split_files(path) for t in read_tensor_table(part)[0]}
-    total = sum(lib.repacked_bytes(t.name, t.ggml_type, t.shape) for t in tensors.values())
-    return total + tied_output_bytes(tensors, lib.repacked_bytes)
-
-
-def tied_output_repacked(path: Path) -> bool:
-    """Whether `path` multiplies by a repacked second copy of its token embeddings
-    (tied_output_bytes)."""
-    from streaming_ext import load_library
-
-    tensors = {t.name: t for part in split_files(path) for t in read_tensor_table(part)[0]}
-    return tied_output_bytes(tensors, load_library().repacked_bytes) > 0
+    repacked = load_library().repacked_bytes
+    tensors = model_tensors(path)
+    total = sum(repacked(t.name, t.ggml_type, t.shape) for t in tensors.values())
+    return total + tied_output_bytes(tensors, repacked)
 
 
 def tied_output_bytes(
@@ -150,17 +144,10 @@ def tied_output_bytes(
     return repacked("output.weight", embd.ggml_type, embd.shape)
 
 
-def streamer_dense_bytes(path: Path, expert_bytes: int, repack: bool) -> int:
-    """Bytes of everything but the experts (dense weights, plus the small header), and with
-    repacked layouts a tied output matrix's own repacked copy (tied_output_bytes)."""
-    from streaming_ext import load_library
-
-    parts = [p for p in split_files(path) if p.exists()]
-    total = sum(p.stat().st_size for p in parts)
-    if not repack:
-        return max(0, total - expert_bytes)
-    tensors = {t.name: t for part in parts for t in read_tensor_table(part)[0]}
-    return max(0, total - expert_bytes) + tied_output_bytes(tensors, load_library().repacked_bytes)
+def streamer_dense_bytes(path: Path, expert_bytes: int) -> int:
+    """Bytes of everything but the experts (dense weights, plus the small header)."""
+    total = sum(p.stat().st_size for p in split_files(path) if p.exists())
+    return max(0, total - expert_bytes)
 
 
 def cgroup_limit(cg: OwnMemoryCgroup | None) -> tuple[int, str] | None:

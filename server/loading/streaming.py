@@ -31,8 +31,9 @@ from server.loading.budget import (
     max_heads,
     memory_limit,
     memory_terms,
+    model_tensors,
     streamer_dense_bytes,
-    tied_output_repacked,
+    tied_output_bytes,
 )
 from server.loading.context import ContextBytes, context_bytes, fit_slots, llama_params
 from server.loading.gguf_header import read_metadata
@@ -152,16 +153,23 @@ def _place(path: Path, streamer: Streamer, budget: Budget) -> _Placement:
     overrides = [(EXPERT_PATTERN, streamer.expert_buft)]
     embeddings = "^" + re.escape(EMBEDDINGS) + "$"
     mapped = streamer.tensor_bytes(EMBEDDINGS)
-    if streamer.tensor_bytes(UNTIED_OUTPUT):
+    untied = streamer.tensor_bytes(UNTIED_OUTPUT) > 0
+    # a tied output matrix's repacked copy of the embeddings (anonymous memory, as resident)
+    tied_copy = (
+        0
+        if untied or not streamer.repack
+        else tied_output_bytes(model_tensors(path), streamer.lib.repacked_bytes)
+    )
+    if untied:
         overrides.append((embeddings, streamer.rows_buft))
-    elif streamer.repack and tied_output_repacked(path):
+    elif tied_copy:
         # the output matrix is a second, repacked copy of them (resident too): llama.cpp's CPU
         # buffer type lets it keep the rows mapped and the copy repacked (streaming_ext's mf_cpu_buft)
         overrides.append((embeddings, streamer.cpu_buft))
     else:
         mapped = 0
     overrides.append((DENSE_PATTERN, streamer.dense_buft))
-    dense = streamer_dense_bytes(path, streamer.expert_bytes, streamer.repack) - mapped
+    dense = streamer_dense_bytes(path, streamer.expert_bytes) + tied_copy - mapped
     requested = streamer.expert_bytes if budget == "all" else None if budget == "auto" else budget
     if requested is not None:
         check_budget_floor(requested, streamer.layer_bytes)
