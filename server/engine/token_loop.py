@@ -384,11 +384,18 @@ class TokenLoop:
         return sequence
 
     def _slot_for(self, tokens: tuple[int, ...]) -> Slot:
-        """The free slot to decode `tokens` in; a longer prefix live in another slot is copied into
-        it first where slots share cells (`_shares`)."""
+        """The free slot to decode `tokens` in: the one holding the longest share of them, among
+        equals one next to a busy slot (llama.cpp takes the streams of consecutive slots in one
+        micro-batch), then the least recently used; a longer prefix live in another slot is
+        copied into it first."""
         slots = self.llama.slots
+        busy = {slot.seq_id for slot in slots if slot.busy}
+
+        def joins(slot: Slot) -> bool:
+            return not busy or slot.seq_id - 1 in busy or slot.seq_id + 1 in busy
+
         free = [slot for slot in slots if not slot.busy]
-        best = max(free, key=lambda slot: (common_prefix(slot.tokens, tokens), -slot.used))
+        best = max(free, key=lambda slot: (common_prefix(slot.tokens, tokens), joins(slot), -slot.used))
         n_best = common_prefix(best.tokens, tokens)
         donor = max(slots, key=lambda slot: common_prefix(slot.tokens, tokens))
         n_donor = min(common_prefix(donor.tokens, tokens), len(tokens) - 1)
@@ -464,7 +471,8 @@ class TokenLoop:
             if tokens:
                 parts.append((seq, tokens))
                 budget -= len(tokens)
-        return parts
+        # in slot order: llama.cpp takes the KV streams of consecutive slots in one micro-batch
+        return sorted(parts, key=lambda part: part[0].slot.seq_id)
 
     def prompt_beside(self) -> int:
         """Prompt tokens a step takes beside running decodes: as many as keep the step within
@@ -494,9 +502,9 @@ class TokenLoop:
             self._prompt_token_ns = mix(self._prompt_token_ns, spent / prompt)
 
     def _shares(self) -> bool:
-        """Whether slots can share cells: a unified KV with no window cut short (a sliding-window
+        """Whether a slot's prefix can be copied into another: not with a sliding window (a
         sequence's early cells may be gone from the ring)."""
-        return bool(self.llama.context_params.kv_unified) and not sliding_window(self.llama)
+        return not sliding_window(self.llama)
 
     def _share_prefixes(self) -> None:
         """A prefilling request whose prompt another running request's slot holds further takes
@@ -509,10 +517,12 @@ class TokenLoop:
             prompt, have = seq.request.prompt_tokens, len(seq.slot.tokens)
             for other in self.running:
                 n = min(common_prefix(other.slot.tokens, prompt), len(prompt) - 1)
-                if other is not seq and n > have:
-                    copy_prefix(self.llama, other.slot, seq.slot, n)
-                    seq.stats.cached_tokens += n - have
-                    have = n
+                # once the other holds all it will share: a copy copies its whole state
+                shared = min(common_prefix(other.request.prompt_tokens, prompt), len(prompt) - 1)
+                if other is not seq and n > have and (n >= shared or not other.prefilling):
+                    copied = copy_prefix(self.llama, other.slot, seq.slot, n)
+                    seq.stats.cached_tokens += copied - have
+                    have = copied
 
     def _follows(self, seq: Sequence) -> bool:
         """Whether `seq` waits this step for an earlier request still prefilling the same prompt

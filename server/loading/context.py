@@ -10,10 +10,11 @@ those sizes (docs/memory.md says how to measure it).
 
 Flash attention and the repacked weight layouts are settings, never memory decisions: they
 change what is computed, and a model must give the same text resident or streamed, under any
-memory limit. Both off by default: flash attention because a prompt decoded whole or in two parts
-gives other logits with it (docs/memory.md), and the prompt cache and prompt chunks beside
-running requests split prompts; the repacked layouts while concurrent requests can still move
-each other's text (docs/performance.md, "Repacked layouts"). `recreate_context`
+memory limit. Flash attention is off by default: a prompt decoded whole or in two parts gives
+other logits with it (docs/memory.md), and the prompt cache and prompt chunks beside running
+requests split prompts. Each slot has a KV stream of its own (`kv_unified` off): a request's
+cells then lie in its stream in its own order, so it computes the same bits alone or beside
+others (docs/api.md, "Concurrency and life cycle"). `recreate_context`
 swaps a loaded Llama's context for one with more slots (the weights stay where they are);
 `fit_slots` chooses the slots (`--parallel`).
 """
@@ -56,16 +57,21 @@ class ContextBytes:
         return self.kv + self.compute + self.output + self.attention_scratch
 
 
-def check_on_off(name: str, setting: str) -> bool:
-    """Whether the kernel choice `name` (flash_attn, repack) is on for `setting` ("on" or "off");
-    ConfigError for anything else, before any load."""
+def check_on_off(name: str, setting: str | None) -> bool:
+    """Whether the kernel choice `name` (flash_attn, repack) is on for `setting` ("on" or "off";
+    None: ModelSettings' default, the one declaration of it); ConfigError for anything else,
+    before any load."""
+    from server.settings import ModelSettings
+
+    if setting is None:
+        setting = str(ModelSettings.model_fields[name].default)
     if setting not in ("on", "off"):
         raise ConfigError(f"{name} must be on or off, got {setting!r}")
     return setting == "on"
 
 
 def llama_params(
-    n_ctx: int, parallel: int | str, flash_attn: str, repack: str = "off", **llama_kwargs: Any
+    n_ctx: int, parallel: int | str, flash_attn: str | None, repack: str | None, **llama_kwargs: Any
 ) -> dict[str, Any]:
     """The Llama arguments both loaders pass: one place picks the kernels (flash attention; the
     CPU backend's repacked layouts, `use_extra_bufts`, which the streamer's buffer types then give
@@ -78,7 +84,7 @@ def llama_params(
         **llama_kwargs,
         "n_ctx": n_ctx * slots,
         "n_seq_max": slots,
-        "kv_unified": True,
+        "kv_unified": False,
         "use_extra_bufts": check_on_off("repack", repack),
         "flash_attn": check_on_off("flash_attn", flash_attn),
     }
@@ -98,7 +104,9 @@ def context_bytes(llama: Llama, n_head_max: int) -> ContextBytes:
 
     measured = llama_cpp.llama_get_context_bytes(llama._ctx.ctx)
     flash = flash_attn_on(llama)
-    scratch = 0 if flash else llama.n_ctx() * llama.context_params.n_ubatch * n_head_max * _F16_BYTES
+    # a micro-batch's tokens attend their own stream's cells: n_ctx_seq of them at most
+    n_kv = int(llama_cpp.llama_n_ctx_seq(llama._ctx.ctx))
+    scratch = 0 if flash else n_kv * llama.context_params.n_ubatch * n_head_max * _F16_BYTES
     return ContextBytes(
         kv=int(measured.memory),
         compute=int(measured.compute),
@@ -112,7 +120,7 @@ def context_bytes(llama: Llama, n_head_max: int) -> ContextBytes:
 
 def recreate_context(llama: MeasuredLlama, *, n_seq: int) -> None:
     """Replace `llama`'s context by one with `n_seq` slots of the same per-slot context in one
-    unified KV (same parameters otherwise, the eval callback and flash attention included). Only
+    KV stream each (same parameters otherwise, the eval callback and flash attention included). Only
     before the first decode: the KV cache starts empty."""
     from llama_cpp import _internals
 
@@ -120,7 +128,7 @@ def recreate_context(llama: MeasuredLlama, *, n_seq: int) -> None:
     params = llama.context_params
     params.n_ctx = llama.n_ctx_seq * n_seq
     params.n_seq_max = n_seq
-    params.kv_unified = True
+    params.kv_unified = False
     # first: both contexts at once would hold two KV caches
     old.close()  # type: ignore[no-untyped-call]
     llama._ctx = llama._stack.enter_context(

@@ -5,9 +5,9 @@ DESIGN (llama-server's prompt cache, server_prompt_cache, per slot)
   A prompt decoded in a slot reuses its longest common prefix with the slot's live tokens or with
   a kept state, whichever is longer; a kept state is put back into the slot's sequence with
   llama_state_seq_set_data, cut to that prefix, and only the rest is prefilled. The KV rows come
-  back as they were computed, so a restored prefix gives what prefilling the same tokens in the
-  same micro-batches gives (the gates check it; with other slots live the cells land elsewhere in
-  the unified KV, which flash attention's sum in cell order does not see).
+  back as they were computed, into the slot's own KV stream from its first cell, as decoding puts
+  them, so a restored prefix gives what prefilling the same tokens in the same micro-batches
+  gives (the gates check it).
 - A state is kept (llama_state_seq_get_data) when a prompt would throw away more than half of a
   slot's live tokens (another client's prompt, a side request) or 1024 of them, and when the
   server stops. A sliding-window cache has dropped what fell out of the window, so its states are only
@@ -160,12 +160,13 @@ class Window:
             return None
         n_swa = int(llama_cpp.llama_model_n_swa(llama._model.model))
         params = llama.context_params
-        n_seq = len(llama.slots)
-        # llama_kv_cache_iswa: the window (of each sequence, in a unified KV) plus a micro-batch,
-        # in whole 256-cell pages
-        window = n_swa * (n_seq if params.kv_unified else 1) + int(params.n_ubatch)
-        ring = -(-min(llama.n_ctx(), window) // 256) * 256
-        return cls(n_swa, ring if ring < llama.n_ctx() else None, shared=n_seq > 1)
+        shared = bool(params.kv_unified) and len(llama.slots) > 1
+        # llama_kv_cache_iswa, per KV stream: the window (of each sequence, in a unified KV) plus a
+        # micro-batch, in whole 256-cell pages, at most the stream's cells
+        window = n_swa * (len(llama.slots) if shared else 1) + int(params.n_ubatch)
+        cells = int(llama_cpp.llama_n_ctx_seq(llama._ctx.ctx))
+        ring = -(-min(cells, window) // 256) * 256
+        return cls(n_swa, ring if ring < cells else None, shared=shared)
 
     def restorable(self, n: int) -> bool:
         if self.ring is not None and self.shared:
@@ -207,14 +208,21 @@ def cut_live(llama: Llama, slot: Slot, n: int) -> int:
     return 0
 
 
-def copy_prefix(llama: Llama, source: Slot, target: Slot, n: int) -> None:
-    """Make `target` hold the first `n` tokens of `source`'s live sequence: in a unified KV the
-    cells are shared, not copied (llama_memory_seq_cp; a per-sequence KV copies only whole ones)."""
-    memory = llama._ctx.memory
-    assert memory is not None
-    llama_cpp.llama_memory_seq_rm(memory, target.seq_id, -1, -1)
-    llama_cpp.llama_memory_seq_cp(memory, source.seq_id, target.seq_id, 0, n)
-    target.tokens[:] = source.tokens[:n]
+def copy_prefix(llama: Llama, source: Slot, target: Slot, n: int) -> int:
+    """Make `target` hold the first `n` tokens of `source`'s live sequence: the source's state
+    copied into the target's KV stream (from its first cell, where decoding puts them) and cut
+    to `n`. Returns the tokens the target holds: `n`, or 0 if llama.cpp refused the copy."""
+    ctx = llama._ctx.ctx
+    cut_live(llama, target, 0)
+    size = int(llama_cpp.llama_state_seq_get_size(ctx, source.seq_id))
+    state = (ctypes.c_uint8 * size)()
+    if llama_cpp.llama_state_seq_get_data(ctx, state, size, source.seq_id) != size:
+        return 0
+    if llama_cpp.llama_state_seq_set_data(ctx, state, size, target.seq_id) != size:
+        logger.warning("a %d-token prefix could not be copied between slots", n)
+        return cut_live(llama, target, 0)
+    target.tokens[:] = source.tokens
+    return cut_live(llama, target, n)
 
 
 def reuse_live(llama: Llama, slot: Slot, tokens: tuple[int, ...]) -> int:

@@ -76,8 +76,8 @@ def load_streaming_llama(
     preload: bool = False,
     follow_memory: bool = True,
     n_ctx: int = 4096,
-    flash_attn: str = "off",
-    repack: str = "off",
+    flash_attn: str | None = None,
+    repack: str | None = None,
     parallel: int | str = 1,
     prompt_cache: PromptCacheRam = None,
     **llama_kwargs: Any,
@@ -88,7 +88,7 @@ def load_streaming_llama(
     budget must hold them all); `follow_memory` moves the budget with memory pressure, between one
     layer's experts and the budget chosen here (server/loading/pressure.py; not when the budget
     holds every expert, which then lives in the tensors). `flash_attn`, `repack`: "on" or "off"
-    (the same as resident, whatever the memory). `parallel`: the slots, each
+    (the same as resident, whatever the memory; None: the settings' default). `parallel`: the slots, each
     an `n_ctx`-token context (context.fit_slots). The budget counts what the context holds, measured, and
     `prompt_cache`, the RAM the server keeps prompt states in (server/loading/budget.py). Raises
     ConfigError for bad options (lanes, budget below one layer's experts, a context the memory

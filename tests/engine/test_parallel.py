@@ -195,7 +195,7 @@ def test_cancelled_request_frees_its_slot_within_a_step(tiny_model: Callable[...
 
 def test_a_shared_prefix_is_copied_from_a_running_slot(tiny_model: Callable[..., Path]) -> None:
     """Sub-agents sharing a system prompt: the second request takes the prefix from the first
-    one's live KV (a unified KV shares the cells) and gives the tokens it gives alone."""
+    one's live KV (its state copied into the second's KV stream) and gives the tokens it gives alone."""
     path = tiny_model("tiny-qwen3moe")
     system = prompt(5, 64)
     first = GenerationRequest(system + prompt(1, 8), GREEDY)

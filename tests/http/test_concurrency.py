@@ -69,29 +69,39 @@ def _stream_first_chunks(client: httpx.Client, server: RunningServer, n: int) ->
 
 
 def test_eight_simultaneous_streams_complete_with_the_right_content(model_path: Path) -> None:
-    """Eight streams on four slots: decoded together, each gives its answer alone."""
+    """Eight streams on four slots: decoded together, each gives its answer alone, bit for bit
+    (every token's log-probability too: each slot's KV stream is its own)."""
     with running_server(model_path, ctx_size=1024, parallel=4, max_queue=8) as server:
         prompts = [f"question number {i}" for i in range(8)]
         with openai.OpenAI(
             base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120
         ) as client:
 
-            def ask(prompt: str, stream: bool) -> str:
+            def ask(prompt: str, stream: bool) -> tuple[str, list[tuple[str, float]]]:
                 kwargs: dict[str, Any] = {
                     "model": server.model_id,
                     "messages": [{"role": "user", "content": prompt}],
                     "max_tokens": 24,
                     "temperature": 0.0,
+                    "logprobs": True,
                 }
                 if not stream:
-                    return client.chat.completions.create(**kwargs).choices[0].message.content or ""
+                    choice = client.chat.completions.create(**kwargs).choices[0]
+                    assert choice.logprobs is not None and choice.logprobs.content is not None
+                    content = choice.logprobs.content
+                    return choice.message.content or "", [(t.token, t.logprob) for t in content]
                 chunks = list(client.chat.completions.create(stream=True, **kwargs))
                 assert chunks[-1].choices[0].finish_reason in ("stop", "length")
-                return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                choices = [c.choices[0] for c in chunks if c.choices]
+                logprobs = [
+                    (t.token, t.logprob) for c in choices if c.logprobs for t in c.logprobs.content or []
+                ]
+                return "".join(c.delta.content or "" for c in choices), logprobs
 
             expected = [ask(p, stream=False) for p in prompts]  # one at a time: the reference
             with ThreadPoolExecutor(max_workers=8) as pool:
                 got = list(pool.map(lambda p: ask(p, stream=True), prompts))
+        assert [text for text, _ in got] == [text for text, _ in expected]
         assert got == expected
         assert server.engine.slots == 4
 
