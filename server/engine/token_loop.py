@@ -390,12 +390,9 @@ class TokenLoop:
         copied into it first."""
         slots = self.llama.slots
         busy = {slot.seq_id for slot in slots if slot.busy}
-
-        def joins(slot: Slot) -> bool:
-            return not busy or slot.seq_id - 1 in busy or slot.seq_id + 1 in busy
-
         free = [slot for slot in slots if not slot.busy]
-        best = max(free, key=lambda slot: (common_prefix(slot.tokens, tokens), joins(slot), -slot.used))
+        near = {s.seq_id for s in free if not busy or busy & {s.seq_id - 1, s.seq_id + 1}}
+        best = max(free, key=lambda s: (common_prefix(s.tokens, tokens), s.seq_id in near, -s.used))
         n_best = common_prefix(best.tokens, tokens)
         donor = max(slots, key=lambda slot: common_prefix(slot.tokens, tokens))
         n_donor = min(common_prefix(donor.tokens, tokens), len(tokens) - 1)
