@@ -29,7 +29,7 @@ from server.engine.generation import GenerationStats
 from server.engine.token_loop import Sequence, TokenLoop
 from server.engine.worker import Engine
 from server.http.app import create_app
-from server.http.switching import ModelSwitch
+from server.lifecycle.switching import ModelSwitch
 from server.loading.loader import LoadedModel
 from server.settings import load_settings
 from tests.commands import REPO

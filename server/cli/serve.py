@@ -1,5 +1,5 @@
 """`moeflash serve`: the OpenAI-compatible HTTP server on one model, or on a directory of models
-(--models-dir) switching between them on request (server/http/switching.py)."""
+(--models-dir) switching between them on request (server/lifecycle/switching.py)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from server.engine.worker import Engine
-    from server.http.switching import ModelSwitch
+    from server.lifecycle.switching import ModelSwitch
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def served_engine(
     """The engine `serve` runs, loading --model; with `models_dir`, also the switch between the
     directory's models (--model, if given, is loaded first, else the first by name)."""
     from server.engine.worker import Engine
-    from server.http.switching import DirectoryModel, ModelSwitch
+    from server.lifecycle.switching import DirectoryModel, ModelSwitch
 
     def engine(loader: Callable[[], LoadedModel]) -> Engine:
         return Engine(

@@ -16,7 +16,7 @@ DESIGN
 - `close()` (lifespan shutdown, i.e. SIGTERM) cancels the running jobs, fails the waiting
   ones, joins the worker and releases the model. `release()` does the same to an idle engine
   but keeps its loader (state RELEASED: the memory is given back) and `reload()` loads it again;
-  `restart(loader)` loads another model (server/http/residency.py and switching.py decide when).
+  `restart(loader)` loads another model (server/lifecycle/residency.py and switching.py decide when).
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ class Engine:
 
     def restart(self, loader: Callable[[], LoadedModel], timeout_s: float = 30.0) -> None:
         """Release the model and load another with `loader` (serve --models-dir switching models).
-        The caller sees to it that no job runs or waits (server/http/switching.py): one that does
+        The caller sees to it that no job runs or waits (server/lifecycle/switching.py): one that does
         is cancelled or refused, as at shutdown. The state is LOADING until the other is ready."""
         if not self._stop(EngineState.RELEASING, EngineState.STOPPED, timeout_s):
             return  # shut down meanwhile

@@ -30,10 +30,10 @@ from server.http import admin, messages, ollama, openai, webui
 from server.http.errors import error_response, validation_error
 from server.http.metrics import Metrics, MetricsMiddleware
 from server.http.protocol import ErrorBody
-from server.http.residency import Residency
 from server.http.security import SecurityMiddleware
 from server.http.serving import ServeContext, serve_context
-from server.http.switching import ModelSwitch
+from server.lifecycle.residency import Residency
+from server.lifecycle.switching import ModelSwitch
 from server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)

@@ -41,10 +41,10 @@ from server.errors import ContextLengthExceeded, InvalidRequest, NotFound, Servi
 from server.http.errors import describe, is_anthropic, is_ollama
 from server.http.metrics import Metrics
 from server.http.protocol import FinishReason, OutModel
-from server.http.residency import Residency
 from server.http.sse import DONE, event, named_event, sse_response
-from server.http.switching import ModelSwitch
 from server.http.timings import timings_of, token_timings, usage_of
+from server.lifecycle.residency import Residency
+from server.lifecycle.switching import ModelSwitch
 from server.loading.loader import LoadedModel, ModelInfo
 from server.settings import ServerSettings
 

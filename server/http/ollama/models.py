@@ -40,7 +40,7 @@ from server.http.ollama.protocol import (
 )
 from server.http.ollama.route import LATEST, served_name
 from server.http.serving import NDJSON, Ctx, ServeContext, ndjson_line
-from server.http.switching import DirectoryModel
+from server.lifecycle.switching import DirectoryModel
 from server.loading.loader import LoadedModel
 
 # seconds between /api/pull's progress lines

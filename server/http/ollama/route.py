@@ -9,7 +9,7 @@ cancelled with it); an error after the 200 is one {"error": ...} line. A request
 messages (or an empty prompt) loads the model as Ollama does (with --models-dir, switching to
 it) and is answered with done_reason "load"; with keep_alive 0 it releases the model instead
 ("unload"). keep_alive (seconds or a Go duration; negative: never) is how long the model stays
-loaded once idle after the request (server/http/residency.py). `name:latest` names the model
+loaded once idle after the request (server/lifecycle/residency.py). `name:latest` names the model
 `name`.
 """
 

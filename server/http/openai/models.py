@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from server.http.protocol import ModelCard, ModelList
 from server.http.serving import Ctx, ServeContext, check_model
-from server.http.switching import DirectoryModel, ModelSwitch
+from server.lifecycle.switching import DirectoryModel, ModelSwitch
 
 
 def _card(ctx: ServeContext, name: str) -> ModelCard:

@@ -2,7 +2,7 @@
 
 `ModelSwitch.using(model_id)` is how a route gets the model it prepares a request on: the model
 is leased until the block ends (the checks, the template, the tokens and the job's submission;
-the lease and its keep_alive: server/http/residency.py). A request that names another model of
+the lease and its keep_alive: server/lifecycle/residency.py). A request that names another model of
 the directory switches: in arrival order (the residency's FIFO lock), it waits until no lease is
 held and the engine has no running or waiting job, then the engine releases its model and loads
 the other (`Engine.restart`). A job is queued on the model it was
@@ -30,7 +30,7 @@ from starlette.concurrency import run_in_threadpool
 
 from server.engine.worker import Engine, EngineState
 from server.errors import ModelLoadError, NotFound
-from server.http.residency import LOAD_WAIT_S, Residency
+from server.lifecycle.residency import LOAD_WAIT_S, Residency
 from server.loading.gguf_header import read_metadata
 from server.loading.loader import LoadedModel
 from server.loading.model_files import gguf_models, model_stem, split_files
