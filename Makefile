@@ -33,6 +33,7 @@ CTEST_BIN := tests/c/build/test_ready_hook
 CTEST_FRAMES := tests/c/build/test_frames
 CTEST_IDENTITY := tests/c/build/test_stream_identity
 CTEST_REPACK := tests/c/build/test_repack_slices
+CTEST_BATCH := tests/c/build/test_batch_invariance
 
 # aarch64 (the phones): llama.cpp (Debian's cross gcc), streaming_ext and the C tests (clang,
 # Termux's compiler; test_frames with gcc, whose UBSan runtime the cross toolchain has)
@@ -43,7 +44,7 @@ ARM_VARIANTS := armv8.2 armv8.6
 ARM_MARCH_armv8.2 := armv8.2-a+dotprod+fp16
 ARM_MARCH_armv8.6 := armv8.6-a+dotprod+fp16+i8mm
 ARM_GCC := aarch64-linux-gnu-gcc
-ARM_PROGRAMS := test_ready_hook test_frames test_stream_identity test_repack_slices
+ARM_PROGRAMS := test_ready_hook test_frames test_stream_identity test_repack_slices test_batch_invariance
 arm_llama = vendor/llama.cpp/build/aarch64-$(1)
 arm_lib = $(abspath $(call arm_llama,$(1)))/bin
 arm_stamp = $(call arm_llama,$(1))/.moeflash-stamp
@@ -147,7 +148,7 @@ $(VENV)/.install-stamp: pyproject.toml $(VENV)/.deps-stamp
 llama: $(VENV)/.deps-stamp
 	vendor/llama.cpp/build.sh $(VPY)
 
-ext: $(EXT_LIB) $(EXT_DECLARED) $(EXT_ASAN_LIB) $(CTEST_BIN) $(CTEST_FRAMES) $(CTEST_IDENTITY) $(CTEST_REPACK)
+ext: $(EXT_LIB) $(EXT_DECLARED) $(EXT_ASAN_LIB) $(CTEST_BIN) $(CTEST_FRAMES) $(CTEST_IDENTITY) $(CTEST_REPACK) $(CTEST_BATCH)
 
 # the counters and enums moeflash_stream.h declares, as Python (the typed record every figure reads)
 $(EXT_DECLARED): $(EXT_LIB) streaming_ext/declarations.py
@@ -170,6 +171,11 @@ $(CTEST_BIN): tests/c/test_ready_hook.c $(LLAMA_STAMP) Makefile
 
 # C test of the repacked layouts in other buffer types (patch 0009)
 $(CTEST_REPACK): tests/c/test_repack_slices.c $(LLAMA_STAMP) Makefile
+	@mkdir -p $(dir $@)
+	$(CC) $(CTEST_CFLAGS) $< -o $@ $(call LLAMA_LINK,$(SITE)/llama_cpp/lib)
+
+# C test of batch-invariant float matmuls (patch 0011)
+$(CTEST_BATCH): tests/c/test_batch_invariance.c $(LLAMA_STAMP) Makefile
 	@mkdir -p $(dir $@)
 	$(CC) $(CTEST_CFLAGS) $< -o $@ $(call LLAMA_LINK,$(SITE)/llama_cpp/lib)
 
@@ -220,6 +226,10 @@ $(call arm_ctest,$(1))/test_ready_hook: tests/c/test_ready_hook.c $(call arm_sta
 	$(call arm_cc,$(1)) $(CTEST_CFLAGS) $$< -o $$@ $$(call LLAMA_LINK,$(call arm_lib,$(1)))
 
 $(call arm_ctest,$(1))/test_repack_slices: tests/c/test_repack_slices.c $(call arm_stamp,$(1)) Makefile
+	@mkdir -p $$(dir $$@)
+	$(call arm_cc,$(1)) $(CTEST_CFLAGS) $$< -o $$@ $$(call LLAMA_LINK,$(call arm_lib,$(1)))
+
+$(call arm_ctest,$(1))/test_batch_invariance: tests/c/test_batch_invariance.c $(call arm_stamp,$(1)) Makefile
 	@mkdir -p $$(dir $$@)
 	$(call arm_cc,$(1)) $(CTEST_CFLAGS) $$< -o $$@ $$(call LLAMA_LINK,$(call arm_lib,$(1)))
 

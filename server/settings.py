@@ -245,11 +245,10 @@ class ModelSettings(BaseSettings):
         "by the mode or the memory, so a request gives one text resident or streamed",
     )
     repack: Literal["on", "off"] = Field(
-        "off",
+        "on",
         description="llama.cpp's repacked (interleaved) weight layouts where the CPU has them: on "
-        "(about 1.5x the prompt speed and up to 1.2x the decode speed with Q4_0 or MXFP4 experts, "
-        "but a request beside others can differ from its run alone in the last bits) or off (for "
-        "now the default: docs/performance.md); the same resident and streamed",
+        "(about 1.5x the prompt speed and up to 1.2x the decode speed with Q4_0 or MXFP4 experts: "
+        "docs/performance.md) or off; the same resident and streamed",
     )
     mode: Literal["auto", "resident", "streaming"] = Field(
         "auto",

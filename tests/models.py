@@ -1,7 +1,7 @@
 """Helpers for tests that run synthetic models through the patched llama-cpp-python.
 
 - `load_llama(path, **kw)`: a Llama with the settings every byte-identity comparison must share
-  (n_ctx 512, 2 threads, use_extra_bufts off as the product loads them by default, `--repack`:
+  (n_ctx 512, 2 threads, use_extra_bufts on as the product loads them by default, `--repack`:
   server/loading/context.py, quiet); keyword arguments override them (load_mode, cb_eval,
   tensor_buft_overrides, ...).
 - `load_llama_noting_repacks(path, **kw)`: the same, with the tensors llama.cpp repacked.
@@ -32,7 +32,7 @@ LLAMA_DEFAULTS: dict[str, Any] = {
     "n_ctx": 512,
     "n_threads": 2,
     "n_threads_batch": 2,
-    "use_extra_bufts": False,
+    "use_extra_bufts": True,
     "verbose": False,
 }
 

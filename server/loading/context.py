@@ -12,9 +12,8 @@ Flash attention and the repacked weight layouts are settings, never memory decis
 change what is computed, and a model must give the same text resident or streamed, under any
 memory limit. Flash attention is off by default: a prompt decoded whole or in two parts gives
 other logits with it (docs/memory.md), and the prompt cache and prompt chunks beside running
-requests split prompts. The repacked layouts are off by default while a request beside others
-can still differ in the last bits with them (docs/performance.md, "Repacked layouts"). Each slot
-has a KV stream of its own (`kv_unified` off): a request's cells then lie in its stream in its
+requests split prompts. The repacked layouts are on by default. Each slot has a KV stream of its
+own (`kv_unified` off): a request's cells then lie in its stream in its
 own order, so it computes the same bits alone or beside others (docs/api.md, "Concurrency and
 life cycle"). `recreate_context`
 swaps a loaded Llama's context for one with more slots (the weights stay where they are);

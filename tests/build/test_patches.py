@@ -14,6 +14,10 @@
 0009 ggml-cpu repacked MUL_MAT_ID: asks the ready hook where each slice is and computes an expert's
      tokens 4 at a time (gemm): tests/c/test_ready_hook.c with `repack`; repacked layouts in other
      buffer types: tests/c/test_repack_slices.c.
+0010 Q4_K keeps the file's layout on x86, where ggml's tiled K-quant kernel is built (the q4_K case of
+     test_0009_repacked_slices_in_a_plain_buffer).
+0011 ggml-cpu matmuls give a column the same bits whatever its batch (F32, F16, IQ4_NL; on ARM
+     Q8_0 and Q4_0 too): tests/c/test_batch_invariance.c.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from tests.models import greedy, load_llama
 REPO = Path(__file__).resolve().parents[2]
 READY_HOOK_TEST = REPO / "tests" / "c" / "build" / "test_ready_hook"
 REPACK_SLICES_TEST = REPO / "tests" / "c" / "build" / "test_repack_slices"
+BATCH_INVARIANCE_TEST = REPO / "tests" / "c" / "build" / "test_batch_invariance"
 # x86 builds carry ggml's tiled K-quant kernel, and there Q4_K keeps the file's layout (patch 0010)
 TILED_BUILD = platform.machine() == "x86_64"
 # the repacked layouts llama.cpp has on x86 and on aarch64 for MoE experts: Q4_0, Q4_K (aarch64
@@ -152,6 +157,17 @@ def test_0009_repacked_slices_in_a_plain_buffer(qtype: str) -> None:
     # the layout ggml picks on x86 with AVX2 (AVX-512 machines too): 8 rows interleaved, 8-byte blocks
     if " avx2 " in Path("/proc/cpuinfo").read_text():
         assert f"with {qtype}_8x8\n" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_0011_a_matmul_column_is_the_same_in_any_batch() -> None:
+    """Every weight type a model's matmuls use, F32 and F16 (a MoE router, some output layers)
+    and IQ4_NL included: a column computed alone and in a batch of 2 to 8 gives the same bits
+    (without the patch one column takes ggml's vec_dot and several llamafile's tinyBLAS)."""
+    assert BATCH_INVARIANCE_TEST.is_file(), "build it with `make ext`"
+    argv = [str(BATCH_INVARIANCE_TEST)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert [line.split()[0] for line in proc.stdout.splitlines()] == ["ok"] * 8, proc.stdout
 
 
 def test_0003_cb_eval_is_called_and_survives_recreation(qwen: Path) -> None:
