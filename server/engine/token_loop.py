@@ -34,7 +34,7 @@ from server.engine.generation import (
     TokenLogprob,
     TopLogprob,
 )
-from server.loading.prompt_cache import common_prefix, copy_prefix, reuse_live, sliding_window
+from server.loading.prompt_cache import common_prefix, reuse_live, sliding_window
 
 if TYPE_CHECKING:
     from llama_cpp._internals import LlamaSampler
@@ -396,10 +396,9 @@ class TokenLoop:
         n_best = common_prefix(best.tokens, tokens)
         donor = max(slots, key=lambda slot: common_prefix(slot.tokens, tokens))
         n_donor = min(common_prefix(donor.tokens, tokens), len(tokens) - 1)
-        if donor is not best and n_donor > n_best and self._shares():
-            if self.prompt_cache is not None:
-                self.prompt_cache.keep_if_dropped(self.llama, best, 0)
-            copy_prefix(self.llama, donor, best, n_donor)
+        if donor is not best and n_donor > n_best and self.prompt_cache is not None and self._shares():
+            self.prompt_cache.keep_if_dropped(self.llama, best, 0)
+            self.prompt_cache.copy_live(self.llama, donor, best, n_donor)
         return best
 
     def step(self) -> list[Sequence]:
@@ -499,9 +498,9 @@ class TokenLoop:
             self._prompt_token_ns = mix(self._prompt_token_ns, spent / prompt)
 
     def _shares(self) -> bool:
-        """Whether a slot's prefix can be copied into another: not with a sliding window (a
-        sequence's early cells may be gone from the ring)."""
-        return not sliding_window(self.llama)
+        """Whether a slot's prefix can be copied into another: through the prompt cache's RAM (in
+        the budget), not with a sliding window (early cells may be gone from the ring)."""
+        return self.prompt_cache is not None and not sliding_window(self.llama)
 
     def _share_prefixes(self) -> None:
         """A prefilling request whose prompt another running request's slot holds further takes
@@ -517,7 +516,8 @@ class TokenLoop:
                 # once the other holds all it will share: a copy copies its whole state
                 shared = min(common_prefix(other.request.prompt_tokens, prompt), len(prompt) - 1)
                 if other is not seq and n > have and (n >= shared or not other.prefilling):
-                    copied = copy_prefix(self.llama, other.slot, seq.slot, n)
+                    assert self.prompt_cache is not None  # _shares()
+                    copied = self.prompt_cache.copy_live(self.llama, other.slot, seq.slot, n)
                     seq.stats.cached_tokens += copied - have
                     have = copied
 

@@ -208,23 +208,6 @@ def cut_live(llama: Llama, slot: Slot, n: int) -> int:
     return 0
 
 
-def copy_prefix(llama: Llama, source: Slot, target: Slot, n: int) -> int:
-    """Make `target` hold the first `n` tokens of `source`'s live sequence: the source's state
-    copied into the target's KV stream (from its first cell, where decoding puts them) and cut
-    to `n`. Returns the tokens the target holds: `n`, or 0 if llama.cpp refused the copy."""
-    ctx = llama._ctx.ctx
-    cut_live(llama, target, 0)
-    size = int(llama_cpp.llama_state_seq_get_size(ctx, source.seq_id))
-    state = (ctypes.c_uint8 * size)()
-    if llama_cpp.llama_state_seq_get_data(ctx, state, size, source.seq_id) != size:
-        return 0
-    if llama_cpp.llama_state_seq_set_data(ctx, state, size, target.seq_id) != size:
-        logger.warning("a %d-token prefix could not be copied between slots", n)
-        return cut_live(llama, target, 0)
-    target.tokens[:] = source.tokens
-    return cut_live(llama, target, n)
-
-
 def reuse_live(llama: Llama, slot: Slot, tokens: tuple[int, ...]) -> int:
     """Without a prompt cache: keep the slot's share of `tokens`; returns its length."""
     return cut_live(llama, slot, live_prefix(llama, slot, tokens))
@@ -352,6 +335,18 @@ class PromptCache:
             self.restored_tokens += n_best
             return n_best
         return cut_live(llama, slot, n_live)
+
+    def copy_live(self, llama: MeasuredLlama, source: Slot, target: Slot, n: int) -> int:
+        """Make `target` hold the first `n` tokens of `source`'s live sequence through this cache's
+        RAM (so the copy stays inside the memory budget): the source kept as a state unless one
+        holds it already, restored into the target's KV stream from its first cell, where decoding
+        puts them, and cut to `n`. Returns the tokens the target holds (its own, unchanged, when
+        the state has no room)."""
+        self._keep(llama, source)
+        state, n_state = self._best(tuple(source.tokens[:n]), n)
+        if state is None or n_state < n or not self._restore(llama, target, state, n):
+            return len(target.tokens)
+        return n
 
     def keep_if_dropped(self, llama: Llama, slot: Slot, n_kept: int) -> None:
         """Keep the slot's live sequence as a state when only its first `n_kept` tokens stay and

@@ -19,6 +19,7 @@ import pytest
 from server.engine.generation import GenerationRequest, GenerationStats, SamplingParams, TextDelta
 from server.engine.token_loop import Planned, TokenLoop
 from server.loading.measured import DecodeStep, MeasuredLlama
+from server.loading.prompt_cache import PromptCache, StateKey, Window, model_identity
 from server.loading.resident import load_resident_llama
 from server.loading.streaming import load_streaming_llama
 from streaming_ext import StreamerConfig
@@ -72,11 +73,12 @@ def run_schedule(
     schedule: dict[int, list[GenerationRequest]],
     replay: list[tuple[Planned, ...]] | None = None,
     beside: int | None = None,
+    prompt_cache: PromptCache | None = None,
 ) -> tuple[list[tuple[Planned, ...]], list[Outcome]]:
     """Run `schedule` on a fresh token loop (its steps' plans those of `replay` when given, the
-    prompt tokens beside decodes `beside` when given): each step's plan and every request's
-    outcome."""
-    loop = TokenLoop(llama, beside=beside)
+    prompt tokens beside decodes `beside` when given, with `prompt_cache` when given): each
+    step's plan and every request's outcome."""
+    loop = TokenLoop(llama, prompt_cache, beside=beside)
     if replay is not None:
         loop.replay = {i: {p.index: p.n_tokens for p in plan} for i, plan in enumerate(replay)}
     plans: list[tuple[Planned, ...]] = []
@@ -94,6 +96,12 @@ def run_schedule(
     finally:
         loop.close()
     return plans, outcomes
+
+
+def ram_cache(llama: MeasuredLlama, path: Path) -> PromptCache:
+    """A prompt cache in RAM only, 64 MiB: what lets a slot take another's prefix."""
+    key = StateKey.of(llama, model_identity(path))
+    return PromptCache(key, ram_bytes=64 << 20, flash_bytes=0, directory=None, window=Window.of(llama))
 
 
 def load(path: Path, mode: str, flash: bool, **kw: Any) -> MeasuredLlama:
@@ -195,14 +203,16 @@ def test_cancelled_request_frees_its_slot_within_a_step(tiny_model: Callable[...
 
 def test_a_shared_prefix_is_copied_from_a_running_slot(tiny_model: Callable[..., Path]) -> None:
     """Sub-agents sharing a system prompt: the second request takes the prefix from the first
-    one's live KV (its state copied into the second's KV stream) and gives the tokens it gives alone."""
+    one's live KV (its state copied through the prompt cache's RAM into the second's KV stream)
+    and gives the tokens it gives alone; without a prompt cache it prefills its own."""
     path = tiny_model("tiny-qwen3moe")
     system = prompt(5, 64)
     first = GenerationRequest(system + prompt(1, 8), GREEDY)
     second = GenerationRequest(system + prompt(2, 8), GREEDY)
     llama = load(path, "resident", True)
     try:
-        plans, outcomes = run_schedule(llama, {0: [first], 3: [second]}, beside=8)
+        cache = ram_cache(llama, path)
+        plans, outcomes = run_schedule(llama, {0: [first], 3: [second]}, beside=8, prompt_cache=cache)
     finally:
         llama.close()
     assert outcomes[1].stats.cached_tokens == len(system)
@@ -210,22 +220,26 @@ def test_a_shared_prefix_is_copied_from_a_running_slot(tiny_model: Callable[...,
     llama = load(path, "resident", True)
     try:
         _, alone = run_schedule(llama, {0: [second]})
+        llama.clear()
+        _, uncached = run_schedule(llama, {0: [first], 3: [second]}, beside=8)
     finally:
         llama.close()
     assert alone[0].tokens == outcomes[1].tokens
+    assert uncached[1].stats.cached_tokens == 0 and uncached[1].tokens == alone[0].tokens
 
 
 def test_requests_sent_at_once_with_one_system_prompt_prefill_it_once(
     tiny_model: Callable[..., Path],
 ) -> None:
     """Two requests started together sharing a system prompt: the second waits for the first's
-    prefill of it and takes it from that slot; each gives its alone tokens."""
+    prefill of it and takes it from that slot (through the prompt cache's RAM); each gives its
+    alone tokens."""
     path = tiny_model("tiny-qwen3moe")
     system = prompt(6, 80)
     requests = [GenerationRequest(system + prompt(i, 8), GREEDY) for i in (1, 2)]
     llama = load(path, "resident", True)
     try:
-        plans, outcomes = run_schedule(llama, {0: requests})
+        plans, outcomes = run_schedule(llama, {0: requests}, prompt_cache=ram_cache(llama, path))
     finally:
         llama.close()
     assert [o.stats.cached_tokens for o in outcomes] == [0, len(system)]
