@@ -29,7 +29,7 @@ ENV_PREFIX = "MOEFLASH_"
 # the alias that accepts every model id as the served model (see ModelSettings.alias)
 ANY_MODEL = "*"
 
-# the most requests --parallel decodes together (llama.cpp's sequences in one unified KV)
+# the most requests --parallel decodes together (llama.cpp's sequences, a KV stream each)
 MAX_PARALLEL = 64
 # what --parallel auto chooses at most
 AUTO_PARALLEL = 4

@@ -13,11 +13,10 @@ change what is computed, and a model must give the same text resident or streame
 memory limit. Flash attention is off by default: a prompt decoded whole or in two parts gives
 other logits with it (docs/memory.md), and the prompt cache and prompt chunks beside running
 requests split prompts. The repacked layouts are on by default. Each slot has a KV stream of its
-own (`kv_unified` off): a request's cells then lie in its stream in its
-own order, so it computes the same bits alone or beside others (docs/api.md, "Concurrency and
-life cycle"). `recreate_context`
-swaps a loaded Llama's context for one with more slots (the weights stay where they are);
-`fit_slots` chooses the slots (`--parallel`).
+own (`kv_unified` off): a request's cells then lie in its stream in its own order, so it
+computes the same bits alone or beside others (docs/api.md, "Concurrency and life cycle").
+`recreate_context` swaps a loaded Llama's context for one with more slots (the weights stay
+where they are); `fit_slots` chooses the slots (`--parallel`).
 """
 
 from __future__ import annotations

@@ -4,11 +4,12 @@
 //   test_batch_invariance
 //
 // For each weight type a model's matmuls use (F32 and F16: routers, some outputs; Q8_0, Q4_0,
-// Q5_0, IQ4_NL, Q4_K, Q6_K), one MUL_MAT on the CPU backend with 1 to 8 columns of the same inputs: every
-// column's values must be the bits the same column gets alone. Without the patch ggml computes
-// one column with vec_dot and several with llamafile's tinyBLAS, which sum F32 and F16 rows in
-// another order. The K-quants are checked up to 7 columns: from 8 on, x86 runs ggml's tiled
-// K-quant kernel, which sums in another order again (docs/memory.md says what that moves).
+// Q5_0, IQ4_NL, Q4_K, Q6_K), one MUL_MAT on the CPU backend with 1 to 8 columns of the same
+// inputs: every column's values must be the bits the same column gets alone. Without the patch
+// ggml computes one column with vec_dot and several with llamafile's tinyBLAS, which sum F32, F16
+// and IQ4_NL rows (on ARM Q8_0 and Q4_0 too) in another order. The K-quants are checked up to 7
+// columns: from 8 on, x86 runs ggml's tiled K-quant kernel, which sums in another order again
+// (docs/memory.md says what that moves).
 // Prints one "ok TYPE" or "FAIL TYPE ..." line per type; exit status 0 only if all pass.
 #include <stdint.h>
 #include <stdio.h>
