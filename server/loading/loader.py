@@ -169,7 +169,8 @@ def load_model(
         "no budget (resident)" if info.budget_bytes is None else f"budget {format_size(info.budget_bytes)}"
     )
     logger.info(
-        "model ready: %s (architecture %s, file %s, %s, mode %s, context %d tokens, parallel %d)",
+        "model ready: %s (architecture %s, file %s, %s, mode %s, context %d tokens, parallel %d; "
+        "flash attention %s, repacked layouts %s)",
         info.id,
         info.architecture,
         format_size(info.file_size),
@@ -177,6 +178,8 @@ def load_model(
         info.mode,
         info.n_ctx,
         info.parallel,
+        settings.flash_attn,
+        settings.repack,
     )
     return model
 

@@ -117,6 +117,7 @@ def test_sigterm_during_a_stream_exits_cleanly(tiny_model: Any) -> None:
     assert re.search(r"engine stopped: .*, model released", stderr)
     assert "serving on http://127.0.0.1:" in stderr
     assert "model ready" in stderr and "architecture qwen3moe" in stderr
+    assert "flash attention off, repacked layouts on" in stderr
 
 
 def test_the_lan_needs_a_key_or_insecure_no_key(tiny_model: Any) -> None:
