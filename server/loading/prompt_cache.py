@@ -19,8 +19,8 @@ DESIGN (llama-server's prompt cache, server_prompt_cache, per slot)
   used state is evicted first and written to flash once, under `directory`, up to `flash_bytes`
   (least recently used files deleted first). At start the
   directory's files are indexed (headers only); a file is read back when a prompt needs it.
-- A state is valid for one StateKey: the model files' content, flash attention, KV types and the
-  context's sizes. Files (server/loading/prompt_state_file.py) live in a directory named by the
+- A state is valid for one StateKey: the model files' content, the kernels (flash attention, the
+  repacked layouts, the llama.cpp build), KV types, the context's sizes and KV streams. Files (server/loading/prompt_state_file.py) live in a directory named by the
   key's digest and carry it with a checksum of their payload: a file for another key, a
   truncated or corrupt one is ignored with a warning, never restored.
 All methods run on the engine's worker thread (they drive the context); `stats` is read anywhere.
@@ -36,6 +36,7 @@ import logging
 import mmap
 import os
 import struct
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -82,12 +83,22 @@ def model_identity(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _llama_build_stamp() -> str:
+    """What vendor/llama.cpp/build.sh wrote beside the environment it installed llama.cpp into
+    ("" when it was installed otherwise)."""
+    with contextlib.suppress(OSError):
+        return (Path(sys.prefix) / ".moeflash-llama-stamp").read_text().strip()
+    return ""
+
+
 @dataclass(frozen=True)
 class StateKey:
-    """What a saved state is valid for: the same model content and context settings."""
+    """What a saved state is valid for: the same model content, kernels and context settings."""
 
     model: str  # model_identity
     flash_attn: bool
+    repack: bool  # the repacked weight layouts: other kernels, other KV rows
+    kv_streams: int  # llama.cpp refuses a state saved with another stream count
     type_k: int
     type_v: int
     n_ctx: int
@@ -101,6 +112,8 @@ class StateKey:
         return cls(
             model=model,
             flash_attn=flash_attn_on(llama),
+            repack=bool(llama.model_params.use_extra_bufts),
+            kv_streams=1 if params.kv_unified else int(params.n_seq_max),
             type_k=int(params.type_k),
             type_v=int(params.type_v),
             n_ctx=llama.n_ctx(),
@@ -114,8 +127,9 @@ class StateKey:
             **asdict(self),
             "format": state_file.FORMAT,
             "llama_state": llama_cpp.LLAMA_STATE_SEQ_VERSION,
-            # another build may compute the same prompt's KV rows otherwise
-            "build": [__version__, llama_cpp.__version__],
+            # another build may compute the same prompt's KV rows otherwise: the patched
+            # llama.cpp's build stamp (vendor/llama.cpp/build.sh: the pin, patches, CMake options)
+            "build": [__version__, llama_cpp.__version__, _llama_build_stamp()],
         }
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest()
 

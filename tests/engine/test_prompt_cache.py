@@ -4,6 +4,7 @@ without flash attention, on a sliding-window model too; and its states outlive t
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import mmap
@@ -227,6 +228,22 @@ def test_states_outlive_the_process(models: dict[str, Path], tmp_path: Path) -> 
         assert again.hits == 2
     finally:
         llama.close()
+
+
+def test_the_kernels_and_the_kv_streams_are_in_the_key(models: dict[str, Path]) -> None:
+    """A state computed with other kernels (the repacked layouts on or off) or saved from a
+    context with another KV stream count is never restored: each is another key."""
+    path = models["qwen"]
+    digests = set()
+    for repack, parallel in (("on", 1), ("off", 1), ("on", 2)):
+        llama = load_resident_llama(path, n_ctx=256, repack=repack, parallel=parallel)
+        try:
+            key = StateKey.of(llama, model_identity(path))
+            assert key.repack is (repack == "on") and key.kv_streams == parallel
+            digests.add(StateKey(**{**dataclasses.asdict(key), "n_ctx": 256}).digest())
+        finally:
+            llama.close()
+    assert len(digests) == 3
 
 
 def test_foreign_and_corrupt_states_are_ignored(
