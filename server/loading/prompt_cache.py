@@ -114,7 +114,7 @@ class StateKey:
             model=model,
             flash_attn=flash_attn_on(llama),
             repack=bool(llama.model_params.use_extra_bufts),
-            kv_streams=1 if params.kv_unified else int(params.n_seq_max),
+            kv_streams=int(params.n_seq_max),  # a KV stream a slot (context.llama_params)
             type_k=int(params.type_k),
             type_v=int(params.type_v),
             n_ctx=llama.n_ctx(),
@@ -154,43 +154,35 @@ def sliding_window(llama: Llama) -> bool:
 
 @dataclass(frozen=True)
 class Window:
-    """A sliding-window cache cut to the window: `n_swa` positions, in a ring of `ring` cells (None
-    when the ring holds the whole context and never wraps), `shared` by several slots or not.
+    """A sliding-window cache cut to the window: `n_swa` positions, in a ring of `ring` cells per
+    KV stream (None when the ring holds the whole context and never wraps).
 
-    Decoding one sequence puts position p in cell p % ring. A saved state holds the window's
-    cells only, and llama.cpp puts them back from cell 0 in their order: the same cells as
-    decoding gave them only when the window starts at a multiple of the ring, and attention sums
-    the cells in their order, so only such a state continues bit for bit as its prefill did
-    (`restorable`). A live sequence cut back stays in place only within the ring lap it ends in
-    (`cut_in_place`). A ring shared by several slots places no position in a known cell: there a
-    state is restorable only while the window has dropped nothing, and a cut never stays."""
+    Decoding one sequence puts position p in cell p % ring of its slot's stream. A saved state
+    holds the window's cells only, and llama.cpp puts them back from cell 0 in their order: the
+    same cells as decoding gave them only when the window starts at a multiple of the ring, and
+    attention sums the cells in their order, so only such a state continues bit for bit as its
+    prefill did (`restorable`). A live sequence cut back stays in place only within the ring lap
+    it ends in (`cut_in_place`)."""
 
     n_swa: int
     ring: int | None
-    shared: bool = False
 
     @classmethod
     def of(cls, llama: MeasuredLlama) -> Window | None:
         if not sliding_window(llama):
             return None
         n_swa = int(llama_cpp.llama_model_n_swa(llama._model.model))
-        params = llama.context_params
-        shared = bool(params.kv_unified) and len(llama.slots) > 1
-        # llama_kv_cache_iswa, per KV stream: the window (of each sequence, in a unified KV) plus a
-        # micro-batch, in whole 256-cell pages, at most the stream's cells
-        window = n_swa * (len(llama.slots) if shared else 1) + int(params.n_ubatch)
+        # llama_kv_cache_iswa, per KV stream: the window plus a micro-batch, in whole 256-cell
+        # pages, at most the stream's cells
+        window = n_swa + int(llama.context_params.n_ubatch)
         cells = int(llama_cpp.llama_n_ctx_seq(llama._ctx.ctx))
         ring = -(-min(cells, window) // 256) * 256
-        return cls(n_swa, ring if ring < cells else None, shared=shared)
+        return cls(n_swa, ring if ring < cells else None)
 
     def restorable(self, n: int) -> bool:
-        if self.ring is not None and self.shared:
-            return n <= self.n_swa
         return n <= self.n_swa or self.ring is None or (n - self.n_swa) % self.ring == 0
 
     def cut_in_place(self, n: int, length: int) -> bool:
-        if self.ring is not None and self.shared:
-            return n == length
         return n == length or self.ring is None or n // self.ring == (length - 1) // self.ring
 
 
