@@ -5,6 +5,7 @@ MoeflashError
  ├── ModelGenError          the synthetic-model generator refused (unknown architecture,
  │                          impossible shape, no disk room, ...)
  ├── ModelLoadError         a model file could not be loaded (missing, truncated, unsupported)
+ │    └── HelperError       an RPC helper cannot be used (unreachable, busy, another build)
  ├── ContextLengthExceeded  a prompt does not fit the context window
  ├── ExpertReadError        reading expert weights from flash failed during a request
  ├── PullError              a model could not be pulled from the Hub (no such repository or
@@ -43,6 +44,11 @@ class ModelGenError(MoeflashError):
 
 class ModelLoadError(MoeflashError):
     """A model file could not be loaded."""
+
+
+class HelperError(ModelLoadError):
+    """An RPC helper (`moeflash worker`) cannot be used: unreachable, serving another main server,
+    or running another build."""
 
 
 class ContextLengthExceeded(MoeflashError):

@@ -12,7 +12,7 @@ import ipaddress
 import os
 import tomllib
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic.fields import FieldInfo
@@ -288,6 +288,42 @@ class ModelSettings(BaseSettings):
     chat_template_file: Path | None = Field(
         None, description="Jinja chat template overriding the one in the GGUF metadata"
     )
+    # --- other devices (server/rpc) ----------------------------------------------------
+    rpc: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="an RPC helper (`moeflash worker` on another device, or an SSH tunnel to one) as "
+        "HOST:PORT (repeatable, or comma-separated): the model's last layers run there, whole",
+    )
+    rpc_layers: Annotated[list[int] | Literal["auto"], NoDecode] = Field(
+        "auto",
+        description="layers each --rpc helper holds (comma-separated, one per helper), or auto: as many as "
+        "each helper's --memory holds, the last layers first",
+    )
+
+    @field_validator("rpc", mode="before")
+    @classmethod
+    def _split_helpers(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [item.strip() for item in value.split(",") if item.strip()]
+        if isinstance(value, list):  # a repeated flag, each maybe a comma list
+            return [item.strip() for entry in value for item in str(entry).split(",") if item.strip()]
+        return value
+
+    @field_validator("rpc_layers", mode="before")
+    @classmethod
+    def _split_layers(cls, value: Any) -> Any:
+        if isinstance(value, str) and value != "auto":
+            return [item.strip() for item in value.split(",")]
+        if isinstance(value, int) and not isinstance(value, bool):
+            return [value]
+        return value
+
+    @field_validator("rpc_layers")
+    @classmethod
+    def _check_layers(cls, value: list[int] | str) -> list[int] | str:
+        if isinstance(value, list) and any(n < 0 for n in value):
+            raise ValueError("layers cannot be negative")
+        return value
 
     @field_validator("alias", mode="before")
     @classmethod
@@ -401,15 +437,6 @@ class RouteTraceSettings(BaseSettings):
         "costs a read, never a different output)",
     )
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> RouteTraceSettings:
-        """The flags a command line gave, over the environment."""
-        given = {name: value for name in cls.model_fields if (value := getattr(args, name, None)) is not None}
-        try:
-            return cls(**given)
-        except ValidationError as exc:
-            raise _invalid(exc) from exc
-
 
 class StoreSettings(BaseSettings):
     """The directory of models: where `pull` puts them, `list` and `rm` find them (server/hub)
@@ -429,14 +456,50 @@ class StoreSettings(BaseSettings):
     def _expand_home(cls, value: Path | None) -> Path | None:
         return value.expanduser() if value is not None else None
 
+
+class WorkerSettings(BaseSettings):
+    """`moeflash worker`: an RPC helper lending this device's memory and cores to a main server
+    (server/rpc/worker.py). Its own environment prefix, MOEFLASH_WORKER_, keeps a serve's port or
+    host from reaching it."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX + "WORKER_", extra="ignore")
+
+    host: str = Field(
+        "127.0.0.1",
+        description="address to listen on; another than the loopback needs --insecure-lan (the RPC "
+        "protocol has no authentication: reach a helper across a LAN through an SSH tunnel)",
+    )
+    port: int = Field(50052, ge=1, le=65535, description="TCP port to listen on")
+    threads: int | None = Field(None, ge=1, le=1024, description="CPU threads (default: all)")
+    memory: int | None = Field(
+        None,
+        description="bytes the main server may place here (512M, 6G): the memory reported to it and "
+        "enforced (default: what this process may use, less a margin)",
+    )
+    cache_max: int = Field(
+        8 << 30,
+        ge=0,
+        description="bytes of the tensor cache under the state directory, least recently used evicted "
+        "first (0: no cache): a restarted main server does not send those weights again",
+    )
+    insecure_lan: bool = Field(
+        False, description="listen on another address than the loopback, with no authentication"
+    )
+    state_dir: Path = Field(
+        default_factory=_default_state_dir,
+        description="where the tensor cache lives, in rpc-cache/ (default: $XDG_STATE_HOME/moeflash, else "
+        "~/.local/state/moeflash)",
+    )
+
+    @field_validator("memory", "cache_max", mode="before")
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> StoreSettings:
-        """The flags a command line gave, over the environment."""
-        given = {name: value for name in cls.model_fields if (value := getattr(args, name, None)) is not None}
-        try:
-            return cls(**given)
-        except ValidationError as exc:
-            raise _invalid(exc) from exc
+    def _parse_size(cls, value: Any) -> Any:
+        return parse_size(value) if isinstance(value, str) else value
+
+    @field_validator("state_dir")
+    @classmethod
+    def _expand_home(cls, value: Path) -> Path:
+        return value.expanduser()
 
 
 S = TypeVar("S", bound=BaseSettings)
@@ -476,70 +539,6 @@ def _with_toml(cls: type[S], table: dict[str, Any]) -> type[S]:
     return _FromToml
 
 
-def _flags(name: str, field: FieldInfo) -> list[str]:
-    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-    flag = extra.get("flag")
-    short = extra.get("short")
-    long = flag if isinstance(flag, str) else "--" + name.replace("_", "-")
-    return [short, long] if isinstance(short, str) else [long]
-
-
-def add_arguments(
-    parser: argparse.ArgumentParser, classes: tuple[type[BaseSettings], ...] = SETTINGS_CLASSES
-) -> None:
-    """Add one flag per field of `classes` (serve: both; generate and bench: the model's); unset
-    flags stay None so lower sources (env, TOML, defaults) still apply."""
-    tables = " and ".join(
-        f"[{cls.__name__.removesuffix('Settings').lower()}]" for cls in classes if cls in SETTINGS_CLASSES
-    )
-    if tables:  # only the server's and the model's settings are read from a TOML file
-        parser.add_argument("--config", type=Path, default=None, help=f"TOML file with {tables}")
-    for cls in classes:
-        group = parser.add_argument_group(cls.__name__.removesuffix("Settings").lower())
-        for name, field in cls.model_fields.items():
-            default = field.get_default(call_default_factory=True)
-            shown = "unset" if default in (None, []) else default
-            help_text = f"{field.description} (default: {shown}; env {ENV_PREFIX}{name.upper()})"
-            flags = _flags(name, field)
-            if field.annotation == list[str]:
-                group.add_argument(*flags, dest=name, action="append", help=help_text)
-            elif field.annotation is bool:
-                group.add_argument(
-                    *flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
-                )
-            else:
-                choices = get_args(field.annotation) if get_origin(field.annotation) is Literal else ()
-                metavar = "{" + ",".join(str(c) for c in choices) + "}" if choices else None
-                group.add_argument(*flags, dest=name, default=None, metavar=metavar, help=help_text)
-
-
-def given_flags(args: argparse.Namespace, cls: type[BaseSettings], skip: tuple[str, ...] = ()) -> list[str]:
-    """The flags of `cls` that a command line gave, as argv again (the bench passes them on to
-    every `generate` it runs); fields in `skip` left out."""
-    argv: list[str] = []
-    for name, field in cls.model_fields.items():
-        value = getattr(args, name, None)
-        if value is None or name in skip:
-            continue
-        flag = _flags(name, field)[-1]
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + flag.removeprefix("--"))
-        elif isinstance(value, list):
-            for item in value:
-                argv += [flag, str(item)]
-        else:
-            argv += [flag, str(value)]
-    return argv
-
-
-def settings_from_args(
-    args: argparse.Namespace, classes: tuple[type[BaseSettings], ...] = SETTINGS_CLASSES
-) -> tuple[ServerSettings, ModelSettings]:
-    """The settings a command line gave (flags over env over its --config TOML over defaults)."""
-    cli = {name: getattr(args, name, None) for cls in classes for name in cls.model_fields}
-    return load_settings(cli, getattr(args, "config", None))
-
-
 def _toml_tables(path: Path | None) -> dict[str, dict[str, Any]]:
     if path is None:
         return {}
@@ -570,6 +569,16 @@ def load_settings(
     except ValidationError as exc:
         raise _invalid(exc) from exc
     return server, model
+
+
+def settings_of(cls: type[S], args: argparse.Namespace) -> S:
+    """The settings `cls` from the flags a command line gave, over the environment (the commands'
+    settings not read from a TOML file)."""
+    given = {name: value for name in cls.model_fields if (value := getattr(args, name, None)) is not None}
+    try:
+        return cls(**given)
+    except ValidationError as exc:
+        raise _invalid(exc) from exc
 
 
 def _invalid(exc: ValidationError) -> ConfigError:

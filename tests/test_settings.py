@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from server.cli.arguments import add_arguments, settings_from_args
 from server.errors import ConfigError
-from server.settings import ModelSettings, add_arguments, load_settings, settings_from_args
+from server.settings import ModelSettings, load_settings
 from server.units import parse_size
 
 

@@ -37,7 +37,7 @@ def tame_openmp_spin(environ: MutableMapping[str, str]) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full parser; each subcommand module adds itself through `register(subparsers)`."""
-    from server.cli import bench, generate, make_model, models, serve
+    from server.cli import bench, generate, make_model, models, serve, worker
 
     parser = argparse.ArgumentParser(
         prog="moeflash",
@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.register(subparsers)
     bench.register(subparsers)
     models.register(subparsers)
+    worker.register(subparsers)
     return parser
 
 

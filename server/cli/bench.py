@@ -30,8 +30,9 @@ from typing import Any
 from pydantic import create_model
 from pydantic_settings import BaseSettings
 
+from server.cli.arguments import add_arguments, given_flags
 from server.errors import ConfigError, MoeflashError
-from server.settings import ModelSettings, RouteTraceSettings, add_arguments, given_flags
+from server.settings import ModelSettings, RouteTraceSettings, settings_of
 
 logger = logging.getLogger(__name__)
 
@@ -429,7 +430,7 @@ def run_suite(args: argparse.Namespace) -> int:
 
     if (args.tokens is not None and args.tokens < 4) or args.mmap_tokens < 1:
         raise ConfigError("--tokens must be >= 4 and --mmap-tokens >= 1")
-    trace = RouteTraceSettings.from_args(args).route_trace
+    trace = settings_of(RouteTraceSettings, args).route_trace
     with _bench_model(args) as (path, info, flags):
         tokens = args.tokens or 32
         if trace is not None:

@@ -6,8 +6,9 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
+from server.cli.arguments import add_arguments
 from server.errors import PullError
-from server.settings import StoreSettings, add_arguments
+from server.settings import StoreSettings, settings_of
 from server.units import format_size
 
 if TYPE_CHECKING:
@@ -18,7 +19,7 @@ def _storage(args: argparse.Namespace) -> Storage:
     """--models-dir, else the Hugging Face cache."""
     from server.hub import default_storage
 
-    return default_storage(StoreSettings.from_args(args).models_dir)
+    return default_storage(settings_of(StoreSettings, args).models_dir)
 
 
 def run_pull(args: argparse.Namespace) -> int:

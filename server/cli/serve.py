@@ -10,17 +10,12 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from server.cli.arguments import add_arguments, settings_from_args
 from server.errors import ConfigError, ModelLoadError, MoeflashError
 from server.loading.budget import return_freed_buffers
 from server.loading.loader import LoadedModel, load_model
 from server.loading.model_files import gguf_models, model_stem, split_files
-from server.settings import (
-    ModelSettings,
-    ServerSettings,
-    StoreSettings,
-    add_arguments,
-    settings_from_args,
-)
+from server.settings import ModelSettings, ServerSettings, StoreSettings, settings_of
 from server.units import format_size
 
 if TYPE_CHECKING:
@@ -106,7 +101,9 @@ def run(args: argparse.Namespace) -> int:
 
     server_settings, model_settings = settings_from_args(args)
     return_freed_buffers()  # before any model: it loads and frees large buffers
-    engine, switch = served_engine(server_settings, model_settings, StoreSettings.from_args(args).models_dir)
+    engine, switch = served_engine(
+        server_settings, model_settings, settings_of(StoreSettings, args).models_dir
+    )
     key = server_settings.resolved_api_key()
     lan = not server_settings.is_loopback()
     if lan and key is None:

@@ -255,7 +255,18 @@ def _load_model(
     if traced is not None:
         kwargs["tracer"] = traced[0]
     try:
+        kwargs.update(_devices(settings, path, mode))
         llama = _load(settings, path, mode, {**kwargs, "prompt_cache": prompt_cache})
+    except ModelLoadError as exc:
+        if traced is not None:
+            traced[0].close()
+        if settings.rpc and kwargs.get("n_gpu_layers"):
+            # a helper refuses buffers past its --memory; llama.cpp says only that the load failed
+            raise type(exc)(
+                f"{exc}; the layers placed on the RPC helpers may not fit their --memory (--rpc-layers, "
+                "and each helper's log)"
+            ) from exc
+        raise
     except BaseException:
         if traced is not None:
             traced[0].close()
@@ -263,6 +274,24 @@ def _load_model(
     if routing is not None and routing.prefetch_from_trace and llama.tracer and llama.streamer:
         llama.tracer.predict_for(llama.streamer, routing.prefetch_trace_error)
     return _described(settings, llama, path, file_size, mode, traced[1] if traced else None)
+
+
+def _devices(settings: ModelSettings, path: Path, mode: str) -> dict[str, Any]:
+    """The Llama arguments that name the devices besides the CPU: none, or the RPC helpers of
+    --rpc and the last layers they hold (server/rpc/devices.py; HelperError for one that cannot
+    be used). A streamed model streams the experts of the layers it keeps."""
+    if not settings.rpc:
+        return {"devices": []}
+    from server.rpc.devices import connect, plan
+    from server.settings import AUTO_PARALLEL
+
+    slots = settings.parallel if isinstance(settings.parallel, int) else AUTO_PARALLEL
+    split = plan(connect(settings.rpc), settings.rpc_layers, path, settings.ctx_size * slots)
+    logger.info("devices: %s", split.describe())
+    kwargs = split.llama_kwargs()
+    if mode == "streaming" and split.remote:
+        kwargs["local_layers"] = split.local
+    return kwargs
 
 
 def _load(settings: ModelSettings, path: Path, mode: str, kwargs: dict[str, Any]) -> MeasuredLlama:

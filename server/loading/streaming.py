@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,7 @@ def load_streaming_llama(
     repack: str | None = None,
     parallel: int | str = 1,
     prompt_cache: PromptCacheRam = None,
+    local_layers: int = 0,
     **llama_kwargs: Any,
 ) -> StreamingLlama:
     """Load `model_path` (a GGUF or the first file of a split set) with its experts streamed.
@@ -90,7 +91,9 @@ def load_streaming_llama(
     holds every expert, which then lives in the tensors). `flash_attn`, `repack`: "on" or "off"
     (the same as resident, whatever the memory; None: the settings' default). `parallel`: the slots, each
     an `n_ctx`-token context (context.fit_slots). The budget counts what the context holds, measured, and
-    `prompt_cache`, the RAM the server keeps prompt states in (server/loading/budget.py). Raises
+    `prompt_cache`, the RAM the server keeps prompt states in (server/loading/budget.py).
+    `local_layers`: the layers computed here when the rest are on RPC helpers (server/rpc; their
+    tensors are left to llama.cpp's placement, their experts are not streamed), 0: all. Raises
     ConfigError for bad options (lanes, budget below one layer's experts, a context the memory
     cannot hold, ...) and ModelLoadError for a file that cannot be streamed (missing, truncated,
     not MoE, ...), in both cases before any generation.
@@ -103,13 +106,15 @@ def load_streaming_llama(
     params = llama_params(n_ctx, parallel, flash_attn, repack, **llama_kwargs)
     limit = memory_limit()  # before the load: what the process holds now is `in_use`
     # the streamer indexes the file first: a bad file is refused before llama.cpp sees it
+    if local_layers:
+        config = replace(config, layers=local_layers)
     try:
         streamer = Streamer(path, config)
     except StreamerError as exc:
         raise ModelLoadError(str(exc)) from exc
     try:
         streamer.set_repack(params["use_extra_bufts"])
-        placement = _place(path, streamer, budget)
+        placement = _place(path, streamer, budget, local_layers)
         llm = _load_llama(path, streamer, placement.overrides, params)
         try:
             choice, terms = _fit_memory(
@@ -146,19 +151,35 @@ class _Placement:
     requested: int | None  # the expert budget asked for; None: auto
 
 
-def _place(path: Path, streamer: Streamer, budget: Budget) -> _Placement:
+def _layers_pattern(layers: range) -> str:
+    return r"blk\.(?:" + "|".join(str(il) for il in layers) + r")\."
+
+
+def _place(path: Path, streamer: Streamer, budget: Budget, local_layers: int = 0) -> _Placement:
     """The tensors' buffers: experts the streamer's, the embeddings mapped where a separate output
-    matrix lets them be, the rest dense. An explicit budget is checked here, before anything is
+    matrix lets them be, the rest dense; with `local_layers`, the tensors of the layers above are
+    left to llama.cpp (an RPC helper's). An explicit budget is checked here, before anything is
     loaded (ConfigError below one layer's experts)."""
-    overrides = [(EXPERT_PATTERN, streamer.expert_buft)]
+    tensors = model_tensors(path)
+    remote = range(0)
+    expert_pattern, dense_pattern, remote_bytes = EXPERT_PATTERN, DENSE_PATTERN, 0
+    if local_layers:
+        n_layer = 1 + max(int(name.split(".")[1]) for name in tensors if name.startswith("blk."))
+        remote = range(local_layers, n_layer)
+        expert_pattern = EXPERT_PATTERN.replace(r"blk\.\d+\.", _layers_pattern(range(local_layers)))
+        dense_pattern = "^(?!" + _layers_pattern(remote) + ").*"
+        remote_bytes = sum(
+            streamer.tensor_bytes(name)
+            for name in tensors
+            if name.startswith("blk.") and int(name.split(".")[1]) in remote
+        )
+    overrides = [(expert_pattern, streamer.expert_buft)]
     embeddings = "^" + re.escape(EMBEDDINGS) + "$"
     mapped = streamer.tensor_bytes(EMBEDDINGS)
     untied = streamer.tensor_bytes(UNTIED_OUTPUT) > 0
     # a tied output matrix's repacked copy of the embeddings (anonymous memory, as resident)
     tied_copy = (
-        0
-        if untied or not streamer.repack
-        else tied_output_bytes(model_tensors(path), streamer.lib.repacked_bytes)
+        0 if untied or not streamer.repack else tied_output_bytes(tensors, streamer.lib.repacked_bytes)
     )
     if untied:
         overrides.append((embeddings, streamer.rows_buft))
@@ -168,8 +189,8 @@ def _place(path: Path, streamer: Streamer, budget: Budget) -> _Placement:
         overrides.append((embeddings, streamer.cpu_buft))
     else:
         mapped = 0
-    overrides.append((DENSE_PATTERN, streamer.dense_buft))
-    dense = streamer_dense_bytes(path, streamer.expert_bytes) + tied_copy - mapped
+    overrides.append((dense_pattern, streamer.dense_buft))
+    dense = streamer_dense_bytes(path, streamer.expert_bytes) - remote_bytes + tied_copy - mapped
     requested = streamer.expert_bytes if budget == "all" else None if budget == "auto" else budget
     if requested is not None:
         check_budget_floor(requested, streamer.layer_bytes)

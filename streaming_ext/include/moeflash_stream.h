@@ -102,6 +102,8 @@ enum mf_rate_class { MF_RATE_CLASS_MEMBERS(MF_RATE_CLASS_MEMBER) };
     X(fault_errno, int32_t, INT, 0,                                                                              \
       "fault injection for tests: once fault_after_bytes expert bytes are read, reads fail with this (0: off)") \
     X(fault_after_bytes, uint64_t, INT, 0, "fault injection for tests: expert bytes read before reads fail")    \
+    X(layers, int64_t, INT, 0,                                                                                   \
+      "the layers whose experts are streamed: those below this index (the rest run on an RPC helper); 0: all") \
     X(skip_expert, int32_t, INT, 0,                                                                              \
       "negative control for tests: when > 0, expert (skip_expert - 1) is never read (a gate must then fail)")  \
     X(skip_below, float, FLOAT, 0,                                                                               \

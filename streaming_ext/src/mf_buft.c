@@ -112,7 +112,7 @@ static enum ggml_status xbuf_init_tensor(ggml_backend_buffer_t buffer, struct gg
     }
     int32_t  layer = -1;
     mf_loc * loc   = mf_index_find(&s->ix, t->name);
-    if (b->xt || !loc || !mf_is_expert_name(t->name, &layer) || t->ne[2] < 1 || loc->size != ggml_nbytes(t) ||
+    if (b->xt || !loc || !mf_streamed_expert(s, t->name, &layer) || t->ne[2] < 1 || loc->size != ggml_nbytes(t) ||
         (size_t) t->nb[2] * (size_t) t->ne[2] != ggml_nbytes(t) || (char *) t->data != b->base) {
         mf_streamer_fail(s, -EINVAL, "tensor %s cannot be streamed (not an expert tensor of %s, or shared buffer)",
                          t->name, s->model_path);

@@ -42,7 +42,7 @@ static int check_experts_streamed(mf_streamer * s, int32_t * n_layers) {
     *n_layers = 0;
     for (int64_t i = 0; i < s->ix.n_locs; i++) {
         int32_t l = -1;
-        if (mf_is_expert_name(s->ix.locs[i].name, &l)) {
+        if (mf_streamed_expert(s, s->ix.locs[i].name, &l)) {
             *n_layers     = l + 1 > *n_layers ? l + 1 : *n_layers;
             bool streamed = false;
             for (int32_t j = 0; j < s->n_xt && !streamed; j++) {

@@ -173,6 +173,11 @@ bool mf_streamer_eval_cb(struct ggml_tensor * t, bool ask, void * user_data) {
             check_expert_matmul(s, t);
             return false;
         }
+        // a layer on an RPC helper: its nodes' data is not here, and nothing of it is streamed
+        const char * dash = strrchr(t->name, '-');
+        if (s->cfg.layers > 0 && dash && strtol(dash + 1, NULL, 10) >= s->cfg.layers) {
+            return false;
+        }
         return strncmp(t->name, MF_TOPK_PREFIX, MF_TOPK_PREFIX_LEN) == 0 ||
                (skipping && (strncmp(t->name, MF_WEIGHTS_PREFIX, MF_WEIGHTS_PREFIX_LEN) == 0 ||
                              strncmp(t->name, MF_WEIGHTS_SOFTMAX, strlen(MF_WEIGHTS_SOFTMAX)) == 0));

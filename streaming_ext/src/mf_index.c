@@ -40,6 +40,17 @@ bool mf_is_expert_name(const char * name, int32_t * layer) {
     return false;
 }
 
+bool mf_streamed_expert(const mf_streamer * s, const char * name, int32_t * layer) {
+    int32_t il = -1;
+    if (!mf_is_expert_name(name, &il) || (s->cfg.layers > 0 && il >= s->cfg.layers)) {
+        return false;
+    }
+    if (layer) {
+        *layer = il;
+    }
+    return true;
+}
+
 static int open_file(mf_file * f, const char * path, bool direct, char * err, size_t err_size) {
     f->fd        = -1;
     f->fd_direct = -1;

@@ -80,6 +80,8 @@ int            mf_index_open(mf_index * ix, const char * path, bool direct, char
 void           mf_index_close(mf_index * ix);
 mf_loc *       mf_index_find(const mf_index * ix, const char * name);
 bool           mf_is_expert_name(const char * name, int32_t * layer);
+// an expert tensor of a layer this streamer streams (below cfg.layers when it is set)
+bool           mf_streamed_expert(const mf_streamer * s, const char * name, int32_t * layer);
 
 // ---------------------------------------------------------------- reads and time (mf_io.c)
 uint64_t mf_now_ns(void);  // CLOCK_MONOTONIC, nanoseconds

@@ -45,7 +45,7 @@ static int measure_experts(mf_streamer * s) {
     int32_t n_layers = 0;
     for (int64_t i = 0; i < s->ix.n_locs; i++) {
         int32_t l = -1;
-        if (mf_is_expert_name(s->ix.locs[i].name, &l)) {
+        if (mf_streamed_expert(s, s->ix.locs[i].name, &l)) {
             n_layers = l + 1 > n_layers ? l + 1 : n_layers;
         }
     }
@@ -55,7 +55,7 @@ static int measure_experts(mf_streamer * s) {
     }
     for (int64_t i = 0; i < s->ix.n_locs; i++) {
         int32_t l = -1;
-        if (mf_is_expert_name(s->ix.locs[i].name, &l)) {
+        if (mf_streamed_expert(s, s->ix.locs[i].name, &l)) {
             per_layer[l] += s->ix.locs[i].size;
             s->expert_bytes += s->ix.locs[i].size;
         }
@@ -82,9 +82,9 @@ int mf_streamer_new(const mf_config * cfg, mf_streamer ** out, char * last_error
     if (!cfg->model_path || cfg->lanes < 1 || cfg->lanes > MF_MAX_LANES || cfg->reader < MF_READER_DIRECT ||
         cfg->reader > MF_READER_BUFFERED || cfg->policy < MF_POLICY_LRU || cfg->policy > MF_POLICY_NONE ||
         cfg->prefetch < MF_PREFETCH_OFF || cfg->prefetch > MF_PREFETCH_HISTORY || cfg->fault_errno < 0 ||
-        !(cfg->skip_below >= 0.0f && cfg->skip_below < 1.0f)) {
+        cfg->layers < 0 || !(cfg->skip_below >= 0.0f && cfg->skip_below < 1.0f)) {
         snprintf(s->last_error, sizeof s->last_error,
-                 "invalid streamer configuration (lanes 1..%d, reader, policy, prefetch, skip_below 0..1, model path)",
+                 "invalid streamer configuration (lanes 1..%d, reader, policy, prefetch, layers, skip_below 0..1, model path)",
                  MF_MAX_LANES);
         return fail_new(s, -EINVAL, last_error, last_error_size);
     }

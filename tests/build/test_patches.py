@@ -18,6 +18,11 @@
      test_0009_repacked_slices_in_a_plain_buffer).
 0011 ggml-cpu matmuls give a column the same bits whatever its batch (F32, F16, IQ4_NL; on ARM
      Q8_0 and Q4_0 too): tests/c/test_batch_invariance.c.
+0012 ggml-rpc's server within limits (memory reported and enforced, a bounded tensor cache, one
+     client at a time, its build in HELLO): tests/rpc/test_worker.py.
+0013 llama-cpp-python's `devices`: a load names its devices, so a helper registered for an earlier
+     load and gone since is not used (tests/rpc/test_worker.py); a split's layers go to the
+     helper named (tests/rpc/test_split.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ import argparse
 import pytest
 
 from server.cli import build_parser
-from server.settings import ModelSettings, ServerSettings, given_flags, settings_from_args
+from server.cli.arguments import given_flags, settings_from_args
+from server.settings import ModelSettings, ServerSettings
 
 
 def _subcommand(path: str) -> argparse.ArgumentParser:

@@ -25,6 +25,8 @@ cmake_args=$(llama_cmake_args "$cpu" 2>&1) || { echo "build.sh: $cmake_args" >&2
 
 src="$here/llama-cpp-python"
 stamp_file="$($py -c 'import sys; print(sys.prefix)')/.moeflash-llama-stamp"
+# the patch set, whatever the CPU: an RPC helper and its main server must run the same one
+patchset=$(cd "$here" && { cat pin.env patches/series; while read -r p; do cat "patches/$p"; done < patches/series; } | sha256sum | cut -c1-16)
 stamp=$(cd "$here" && { cat pin.env build.sh cmake-args.sh patches/series; while read -r p; do cat "patches/$p"; done < patches/series; echo "$cmake_args"; } | sha256sum | cut -d' ' -f1)
 
 if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ] && [ -d "$src" ] \
@@ -77,4 +79,5 @@ rm -f "$stamp_file"
 CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$py" -m pip install --quiet \
   --force-reinstall --no-deps --config-settings=build-dir="$here/build/$cpu" "$src"
 "$py" -c 'import llama_cpp; print("installed llama_cpp", llama_cpp.__version__)'
+echo "llama-cpp-python $LLAMA_CPP_PYTHON_VERSION+$patchset" > "${stamp_file%-stamp}-patchset"
 echo "$stamp" > "$stamp_file"

@@ -20,7 +20,8 @@ llama_cmake_args() {
     armv8.6)  cpu="-DGGML_NATIVE=OFF -DGGML_CPU_ARM_ARCH=armv8.6-a+dotprod+fp16+i8mm" ;;
     *) echo "MOEFLASH_CPU must be native, portable, armv8.2 or armv8.6 (got '$1')" >&2; return 2 ;;
   esac
-  # only the shared libraries llama-cpp-python loads: no tests, tools, examples or mtmd
+  # only the shared libraries llama-cpp-python loads: no tests, tools, examples or mtmd; the RPC
+  # backend (TCP only) for `moeflash worker` and `--rpc`
   echo "$cpu -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
--DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=ON"
+-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=ON -DGGML_RPC=ON -DGGML_RPC_RDMA=OFF"
 }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Cross-build the patched llama.cpp's shared libraries (libllama, libggml*) for aarch64 Linux.
+# Cross-build the patched llama.cpp's shared libraries (libllama, libggml*, libggml-rpc) for aarch64 Linux.
 #
 #   vendor/llama.cpp/cross-build.sh OUT_DIR
 #
@@ -35,4 +35,4 @@ echo "cross-building llama.cpp for aarch64 (MOEFLASH_CPU=$cpu) in $out"
 cmake -S "$src" -B "$out" -G Ninja -DCMAKE_TOOLCHAIN_FILE="$here/aarch64-linux-gnu.cmake" \
   -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF $cmake_args > "$out/configure.log" 2>&1 \
   || { cat "$out/configure.log" >&2; exit 1; }
-cmake --build "$out" --target llama ggml-cpu -j "$(nproc)"
+cmake --build "$out" --target llama ggml-cpu ggml-rpc -j "$(nproc)"

@@ -1,0 +1,79 @@
+"""An RPC helper (`moeflash worker`) for the tests: started on a free loopback port and killed after,
+and a model loaded as `serve` loads it in a process of its own (tests/split_run.py)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from server.bench.cgroup import MemoryCgroup
+from server.errors import HelperError
+from server.rpc.hello import hello
+
+PROMPT = [(7 * i + 40) % 300 for i in range(24)]
+N_TOKENS = 10
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextmanager
+def helper(
+    state_dir: Path, *, memory: str = "256M", cgroup: MemoryCgroup | None = None, extra: tuple[str, ...] = ()
+) -> Iterator[tuple[str, Path]]:
+    """A `moeflash worker` on a free loopback port, up and answering: (its endpoint, its log)."""
+    port = free_port()
+    log = state_dir / f"worker-{port}.log"
+    argv = [sys.executable, "-m", "server.cli", "worker", "--port", str(port), "--memory", memory]
+    argv += ["--state-dir", str(state_dir), *extra]
+    with log.open("w") as out:
+        start = cgroup.popen if cgroup is not None else _popen
+        proc = start(argv, stdout=out, stderr=subprocess.STDOUT)
+    endpoint = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                hello(endpoint, timeout_s=2)
+                break
+            except HelperError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"the worker did not come up: {log.read_text()[-2000:]}") from None
+                time.sleep(0.2)
+        yield endpoint, log
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def _popen(argv: list[str], **kwargs: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen(argv, text=True, **kwargs)
+
+
+def run_split(
+    settings: dict[str, Any], cgroup: MemoryCgroup | None = None, *, check: bool = True
+) -> dict[str, Any]:
+    """tests/split_run.py's report for `settings` (a process of its own, in `cgroup` if given); with
+    check off, a run that failed gives {"returncode", "log"}."""
+    argv = [sys.executable, "-m", "tests.split_run", json.dumps(settings), json.dumps(PROMPT), str(N_TOKENS)]
+    if cgroup is not None:
+        done = cgroup.run(argv, timeout=600)
+    else:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
+    if not check and done.returncode != 0:
+        return {"returncode": done.returncode, "log": done.stderr}
+    assert done.returncode == 0, done.stderr[-3000:]
+    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    report["log"] = done.stderr
+    return report

@@ -1,0 +1,60 @@
+"""The byte-identity gate of pooled devices: a model whose last layers run on an RPC helper
+(`moeflash worker`, another process in its own memory cgroup) gives the tokens and every logits
+row of the model run in one process, both streamed under a budget that evicts, for every
+architecture of the other gates. The helper's layers run llama.cpp's plain kernels (the RPC
+server takes no repacked layouts), so both sides run with the repacked layouts off
+(docs/devices.md)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from server.bench.cgroup import MemoryCgroup, probe
+from server.loading.budget import model_tensors
+from server.rpc.devices import layer_bytes
+from tests.models import expert_layer_bytes
+from tests.rpc.helpers import helper, run_split
+
+MIB = 2**20
+HELPER_CAP = 512 * MIB
+MAIN_CAP = 768 * MIB
+
+
+@pytest.mark.parametrize(
+    "preset", ["tiny-qwen3moe", "tiny-gptoss", "tiny-mixtral", "tiny-qwen2moe", "tiny-hyv3", "tiny-gemma4"]
+)
+def test_a_helper_holding_the_last_layers_changes_no_bit(
+    tiny_model: Callable[..., Path], preset: str, tmp_path: Path
+) -> None:
+    support = probe()
+    if support.version is None:
+        pytest.skip(f"memory cgroups unavailable: {support.reason}")
+    path = tiny_model(preset)
+    n_layer = 1 + max(layer_bytes(model_tensors(path)))
+    remote = max(1, n_layer // 2)  # at least a third of the layers
+    settings: dict[str, Any] = {
+        "model": str(path),
+        "mode": "streaming",
+        "budget": expert_layer_bytes(path),
+        "repack": "off",
+        "ctx_size": 512,
+        "parallel": 1,
+        "threads": 2,
+    }
+    alone = run_split(settings)
+    with MemoryCgroup(HELPER_CAP, support) as helper_group, MemoryCgroup(MAIN_CAP, support) as main_group:
+        with helper(tmp_path, cgroup=helper_group) as (endpoint, log):
+            split = run_split({**settings, "rpc": endpoint, "rpc_layers": str(remote)}, main_group)
+            held = sum(int(n) for n in re.findall(r"Allocated (\d+) bytes", log.read_text()))
+        assert helper_group.oom_kills() == 0 and main_group.oom_kills() == 0
+    assert (split["tokens"], split["digest"]) == (alone["tokens"], alone["digest"])
+    assert split["moe_layers_streamed"] == n_layer - remote, split["log"][-2000:]
+    assert split["stats"]["evictions"] > 0, "the budget let the cache hold every local expert"
+    # the helper held the weights of its layers (and their KV and compute buffers besides)
+    per_layer = layer_bytes(model_tensors(path))
+    assert held >= sum(per_layer[il] for il in range(n_layer - remote, n_layer)), log.read_text()[-2000:]
