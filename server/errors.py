@@ -6,6 +6,7 @@ MoeflashError
  │                          impossible shape, no disk room, ...)
  ├── ModelLoadError         a model file could not be loaded (missing, truncated, unsupported)
  │    └── HelperError       an RPC helper cannot be used (unreachable, busy, another build)
+ │         └── HelperLost   an RPC helper was lost mid-request (the model is loaded again)
  ├── ContextLengthExceeded  a prompt does not fit the context window
  ├── ExpertReadError        reading expert weights from flash failed during a request
  ├── PullError              a model could not be pulled from the Hub (no such repository or
@@ -49,6 +50,11 @@ class ModelLoadError(MoeflashError):
 class HelperError(ModelLoadError):
     """An RPC helper (`moeflash worker`) cannot be used: unreachable, serving another main server,
     or running another build."""
+
+
+class HelperLost(HelperError):
+    """An RPC helper was lost during a decode step (gone, or the link cut): the step's output is
+    discarded, its requests fail, and the model is loaded again."""
 
 
 class ContextLengthExceeded(MoeflashError):

@@ -294,6 +294,11 @@ class ModelSettings(BaseSettings):
         description="an RPC helper (`moeflash worker` on another device, or an SSH tunnel to one) as "
         "HOST:PORT (repeatable, or comma-separated): the model's last layers run there, whole",
     )
+    rpc_optional: bool = Field(
+        False,
+        description="a --rpc helper that does not answer at a load is left out (its layers run here) "
+        "rather than failing the load",
+    )
     rpc_layers: Annotated[list[int] | Literal["auto"], NoDecode] = Field(
         "auto",
         description="layers each --rpc helper holds (comma-separated, one per helper), or auto: as many as "

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 from server.engine.generation import GenerationRequest, GenerationStats, TextDelta
 from server.engine.token_loop import JournalEntry, Sequence, TokenLoop
-from server.errors import QueueFull, ServiceUnavailable
+from server.errors import HelperLost, QueueFull, ServiceUnavailable
 from server.loading.loader import LoadedModel, ModelInfo
 from server.loading.measured import DecodeStep
 
@@ -333,18 +333,25 @@ class Engine:
     # -- worker ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        while self._serve():
+            pass
+
+    def _serve(self) -> bool:
+        """Load the model and serve it until stopped. True when it must be loaded again: an RPC
+        helper was lost mid-step (its requests failed; the waiting ones stay queued)."""
         try:
             model = self._loader()
         except BaseException as exc:  # noqa: BLE001 - reported through state and /health
             self._load_failed(exc)
-            return
+            return False
         loop = TokenLoop(model.llama, model.prompt_cache)
         loop.journal = self.journal
         self._ready(model)
         sequences: dict[int, tuple[Job, Sequence]] = {}  # by id(job)
+        lost: HelperLost | None = None
         try:
             idle_work = True  # warm start begins reading back at once
-            while True:
+            while lost is None:
                 taken = self._take_waiting(idle_work)
                 if taken is None:
                     break
@@ -353,7 +360,7 @@ class Engine:
                 if not running:
                     idle_work = model.idle()
                     continue
-                self._step(model, loop, sequences)
+                lost = self._step(model, loop, sequences)
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -365,6 +372,18 @@ class Engine:
             self._end(model, sequences, loop.running, None)
             loop.close()
             model.close()
+        return lost is not None and self._loading_again(lost)
+
+    def _loading_again(self, lost: HelperLost) -> bool:
+        """LOADING again after a helper was lost, unless the engine is stopping meanwhile."""
+        with self._cond:
+            if self._state is not EngineState.READY:
+                return False
+            self._state = EngineState.LOADING
+            self._load_error = lost
+            self._cond.notify_all()
+        logger.warning("%s: loading the model again", lost)
+        return True
 
     def _load_failed(self, exc: BaseException) -> None:
         """The load raised: FAILED, unless the engine was stopped meanwhile."""
@@ -383,6 +402,7 @@ class Engine:
             self._slots = len(model.llama.slots)
             self._idle_since = time.monotonic()
             self.loads += 1
+            self._load_error = None  # a helper lost before: the model is served again
             if self._state is EngineState.LOADING:
                 self._state = EngineState.READY
             self._cond.notify_all()
@@ -421,9 +441,12 @@ class Engine:
                 continue
             sequences[id(job)] = (job, seq)
 
-    def _step(self, model: LoadedModel, loop: TokenLoop, sequences: dict[int, tuple[Job, Sequence]]) -> None:
+    def _step(
+        self, model: LoadedModel, loop: TokenLoop, sequences: dict[int, tuple[Job, Sequence]]
+    ) -> HelperLost | None:
         """One decode step of every running job; the jobs it ended are reported. A step that
-        raises fails the requests it decoded, not the engine."""
+        raises fails the requests it decoded, not the engine; the loss of an RPC helper is
+        returned (the model must be loaded again)."""
         failure: BaseException | None = None
         try:
             ended = loop.step()
@@ -437,6 +460,7 @@ class Engine:
             self.shared_steps += len(plan) > 1
         if ended:
             self._end(model, sequences, ended, failure)
+        return failure if isinstance(failure, HelperLost) else None
 
     def _fail(self, exc: BaseException) -> None:
         """The worker itself failed (a bug, not a request's failure): FAILED, and no request may

@@ -26,6 +26,12 @@ async def health(ctx: Ctx) -> JSONResponse:
         body["model"] = state.value  # "releasing", "released" or "loading"
     if engine.load_error is not None:
         body["error"] = str(engine.load_error)
+    info = engine.info
+    if info is not None and (info.helpers or info.helpers_left_out):
+        # the --rpc helpers of the loaded model (docs/devices.md)
+        body["helpers"] = {endpoint: {"layers": layers} for endpoint, layers in info.helpers} | {
+            endpoint: {"left_out": True} for endpoint in info.helpers_left_out
+        }
     return JSONResponse(body, status_code=status)
 
 

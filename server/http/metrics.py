@@ -21,6 +21,20 @@ class _EngineCollector(Collector):
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
 
+    def _helpers(self) -> GaugeMetricFamily:
+        """The --rpc helpers: the layers each holds, -1 for one left out (not answering)."""
+        family = GaugeMetricFamily(
+            "moeflash_rpc_helper_layers",
+            "layers an RPC helper holds (-1: left out, it did not answer at the load)",
+            labels=["endpoint"],
+        )
+        info = self._engine.info
+        for endpoint, layers in info.helpers if info is not None else ():
+            family.add_metric([endpoint], layers)
+        for endpoint in info.helpers_left_out if info is not None else ():
+            family.add_metric([endpoint], -1)
+        return family
+
     def collect(self):  # type: ignore[no-untyped-def]  # prometheus_client's signature
         yield GaugeMetricFamily(
             "moeflash_queue_depth", "requests waiting for the model (now)", value=self._engine.queue_depth
@@ -51,6 +65,7 @@ class _EngineCollector(Collector):
             "1 once the model is loaded (now)",
             value=int(self._engine.state.value == "ready"),
         )
+        yield self._helpers()
         # every counter the streamer declares (moeflash_stream.h), under its C name; nanoseconds
         # become seconds (Prometheus's base unit). Resident models stream nothing: their values
         # are 0, so that dashboards still work.

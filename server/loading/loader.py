@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +61,10 @@ class ModelInfo:
     fingerprint: str  # system_fingerprint: build + model hash
     created: int  # file mtime, seconds since the epoch (the /v1/models `created`)
     any_model: bool = False  # --alias '*': a request naming any other id is served too
+    # the --rpc helpers: each one's layers here (0: it answered but holds none), and those left
+    # out because they did not answer (--rpc-optional)
+    helpers: tuple[tuple[str, int], ...] = ()
+    helpers_left_out: tuple[str, ...] = ()
 
 
 @dataclass
@@ -255,17 +259,15 @@ def _load_model(
     if traced is not None:
         kwargs["tracer"] = traced[0]
     try:
-        kwargs.update(_devices(settings, path, mode))
+        devices, helpers = _devices(settings, path, mode)
+        kwargs.update(devices)
         llama = _load(settings, path, mode, {**kwargs, "prompt_cache": prompt_cache})
+        llama.helpers = tuple(endpoint for endpoint, n in helpers if n)
     except ModelLoadError as exc:
         if traced is not None:
             traced[0].close()
         if settings.rpc and kwargs.get("n_gpu_layers"):
-            # a helper refuses buffers past its --memory; llama.cpp says only that the load failed
-            raise type(exc)(
-                f"{exc}; the layers placed on the RPC helpers may not fit their --memory (--rpc-layers, "
-                "and each helper's log)"
-            ) from exc
+            raise _helpers_failed(exc, settings.rpc) from exc
         raise
     except BaseException:
         if traced is not None:
@@ -273,25 +275,63 @@ def _load_model(
         raise
     if routing is not None and routing.prefetch_from_trace and llama.tracer and llama.streamer:
         llama.tracer.predict_for(llama.streamer, routing.prefetch_trace_error)
-    return _described(settings, llama, path, file_size, mode, traced[1] if traced else None)
+    model = _described(settings, llama, path, file_size, mode, traced[1] if traced else None)
+    answered = {endpoint for endpoint, _ in helpers}
+    model.info = replace(
+        model.info,
+        helpers=helpers,
+        helpers_left_out=tuple(endpoint for endpoint in settings.rpc if endpoint not in answered),
+    )
+    return model
 
 
-def _devices(settings: ModelSettings, path: Path, mode: str) -> dict[str, Any]:
+def _helpers_failed(exc: ModelLoadError, endpoints: list[str]) -> ModelLoadError:
+    """What a load that placed layers on RPC helpers failed of: a helper lost meanwhile, or (a
+    helper refuses buffers past its --memory, and llama.cpp says only that the load failed) the
+    layers not fitting."""
+    from server.errors import HelperError
+    from server.rpc.ggml import Ggml
+
+    ggml = Ggml.load()
+    lost = [endpoint for endpoint in endpoints if ggml.lost(endpoint)]
+    if lost:
+        return HelperError(f"RPC helper {', '.join(lost)} was lost while the model loaded ({exc})")
+    return ModelLoadError(
+        f"{exc}; the layers placed on the RPC helpers may not fit their --memory (--rpc-layers, and each "
+        "helper's log)"
+    )
+
+
+def _devices(
+    settings: ModelSettings, path: Path, mode: str
+) -> tuple[dict[str, Any], tuple[tuple[str, int], ...]]:
     """The Llama arguments that name the devices besides the CPU: none, or the RPC helpers of
     --rpc and the last layers they hold (server/rpc/devices.py; HelperError for one that cannot
-    be used). A streamed model streams the experts of the layers it keeps."""
+    be used, unless --rpc-optional leaves it out), and each helper's endpoint and layers. A
+    streamed model streams the experts of the layers it keeps."""
     if not settings.rpc:
-        return {"devices": []}
+        return {"devices": []}, ()
     from server.rpc.devices import connect, plan
     from server.settings import AUTO_PARALLEL
 
     slots = settings.parallel if isinstance(settings.parallel, int) else AUTO_PARALLEL
-    split = plan(connect(settings.rpc), settings.rpc_layers, path, settings.ctx_size * slots)
+    helpers = connect(settings.rpc, optional=settings.rpc_optional)
+    if not helpers:
+        logger.warning("no RPC helper answers: every layer runs here (--rpc-optional)")
+        return {"devices": []}, ()
+    asked = settings.rpc_layers
+    if isinstance(asked, list) and len(helpers) < len(settings.rpc):  # counts of the helpers left
+        asked = [
+            n
+            for endpoint, n in zip(settings.rpc, asked, strict=False)
+            if endpoint in {h.endpoint for h in helpers}
+        ]
+    split = plan(helpers, asked, path, settings.ctx_size * slots)
     logger.info("devices: %s", split.describe())
     kwargs = split.llama_kwargs()
     if mode == "streaming" and split.remote:
         kwargs["local_layers"] = split.local
-    return kwargs
+    return kwargs, tuple((h.endpoint, n) for h, n in zip(split.helpers, split.layers, strict=True))
 
 
 def _load(settings: ModelSettings, path: Path, mode: str, kwargs: dict[str, Any]) -> MeasuredLlama:

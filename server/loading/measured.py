@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import llama_cpp
 
-from server.errors import ConfigError, ExpertReadError
+from server.errors import ConfigError, ExpertReadError, HelperLost
 from streaming_ext import StreamerStats
 
 if TYPE_CHECKING:
     from server.loading.budget import MemoryTerms
     from server.loading.pressure import MemoryWatch
+    from server.rpc.ggml import Ggml
     from streaming_ext import RouteTracer, Streamer
 
 # decode steps kept: the server reads the latest, `generate` one per token of a run
@@ -167,6 +168,7 @@ class MeasuredLlama(llama_cpp.Llama):
 
     streamer: Streamer | None
     tracer: RouteTracer | None
+    helpers: tuple[str, ...]  # the RPC helpers holding layers (server/rpc), set by the loader
     memory: MemoryTerms | None
     memory_watch: MemoryWatch | None
     steps: deque[DecodeStep]
@@ -188,6 +190,8 @@ class MeasuredLlama(llama_cpp.Llama):
             kwargs = {**kwargs, "cb_eval": tracer.eval_callback, "cb_eval_user_data": tracer.handle}
         self.memory = None
         self.memory_watch = None
+        self.helpers = ()
+        self._ggml: Ggml | None = None
         self.steps = deque(maxlen=_STEPS_KEPT)
         self._tokens_total = 0
         self._wall_total_ns = 0
@@ -225,6 +229,7 @@ class MeasuredLlama(llama_cpp.Llama):
             try:
                 original(batch)
             except RuntimeError as exc:
+                self._check_helpers()
                 misfit = self.tracer.take_error() if self.tracer is not None else None
                 if misfit is not None:
                     raise ConfigError(f"the route trace does not fit: {misfit}") from exc
@@ -232,6 +237,7 @@ class MeasuredLlama(llama_cpp.Llama):
                 if failure is not None:
                     raise ExpertReadError(str(failure)) from exc
                 raise
+            self._check_helpers()
             wall = time.monotonic_ns() - start
             delta = None
             if streamer is not None and before is not None:
@@ -245,6 +251,22 @@ class MeasuredLlama(llama_cpp.Llama):
             self.steps.append(DecodeStep(n_tokens, wall, delta))
 
         ctx.decode = decode  # type: ignore[method-assign]
+
+    def _check_helpers(self) -> None:
+        """HelperLost when ggml's connection to a helper failed: the step just decoded computed
+        garbage from then on (ggml's RPC calls return zeros once lost, patch 0014)."""
+        if self.helpers:
+            if self._ggml is None:
+                from server.rpc.ggml import Ggml
+
+                self._ggml = Ggml.load()
+            ggml = self._ggml
+            gone = [endpoint for endpoint in self.helpers if ggml.lost(endpoint)]
+            if gone:
+                raise HelperLost(
+                    f"RPC helper {', '.join(gone)} was lost during a decode step (gone, or the link cut): "
+                    "the step's output is discarded and the model is loaded again"
+                )
 
     def follow_memory(self) -> None:
         """Move the expert budget as the memory watch proposes (nothing without one). The decode

@@ -81,13 +81,19 @@ class Split:
         return f"layers 0-{self.local - 1} here; " + "; ".join(parts)
 
 
-def connect(endpoints: Sequence[str]) -> tuple[Helper, ...]:
-    """Probe each helper (HelperError naming one that is gone, busy or of another build), then
-    register it with ggml."""
+def connect(endpoints: Sequence[str], *, optional: bool = False) -> tuple[Helper, ...]:
+    """Probe each helper (HelperError naming one that is gone, busy or of another build; left out
+    with a warning when `optional`), then register it with ggml."""
     ggml = Ggml.load()
     helpers = []
     for endpoint in endpoints:
-        check_helper(endpoint)
+        try:
+            check_helper(endpoint)
+        except HelperError as exc:
+            if not optional:
+                raise
+            logger.warning("%s: left out, its layers run here (--rpc-optional)", exc)
+            continue
         devices = ggml.add_rpc_server(endpoint)
         if not devices:
             raise HelperError(f"RPC helper {endpoint} offers no device")

@@ -42,6 +42,8 @@ class Ggml:
         base.ggml_backend_reg_dev_get.argtypes = [p, size]
         rpc.ggml_backend_rpc_add_server.restype = p
         rpc.ggml_backend_rpc_add_server.argtypes = [text]
+        rpc.ggml_backend_rpc_lost.restype = ctypes.c_bool
+        rpc.ggml_backend_rpc_lost.argtypes = [text]
         rpc.ggml_backend_rpc_start_server_limited.restype = None
         rpc.ggml_backend_rpc_start_server_limited.argtypes = [text, text, size, size, p, size, size, text]
         return cls(base, rpc)
@@ -59,6 +61,11 @@ class Ggml:
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
         self.base.ggml_backend_dev_memory(device, ctypes.byref(free), ctypes.byref(total))
         return free.value, total.value
+
+    def lost(self, endpoint: str) -> bool:
+        """Whether ggml's connection to the helper at `endpoint` failed (patch 0014): a decode that
+        ran meanwhile computed garbage."""
+        return bool(self.rpc.ggml_backend_rpc_lost(endpoint.encode()))
 
     def add_rpc_server(self, endpoint: str) -> list[int]:
         """Register the helper at `endpoint` (ggml connects to it: probe it first) and return its

@@ -23,6 +23,9 @@
 0013 llama-cpp-python's `devices`: a load names its devices, so a helper registered for an earlier
      load and gone since is not used (tests/rpc/test_worker.py); a split's layers go to the
      helper named (tests/rpc/test_split.py).
+0014 ggml-rpc's client reports a lost helper instead of aborting (keep-alive, timeouts): a helper
+     killed or cut off mid-stream fails that request, and the server stays up
+     (tests/rpc/test_faults.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from server.bench.cgroup import MemoryCgroup
 from server.errors import HelperError
@@ -28,13 +28,26 @@ def free_port() -> int:
         return port
 
 
+class RunningHelper(NamedTuple):
+    """A started `moeflash worker`: its endpoint, its log and its process."""
+
+    endpoint: str
+    log: Path
+    proc: subprocess.Popen[str]
+
+
 @contextmanager
 def helper(
-    state_dir: Path, *, memory: str = "256M", cgroup: MemoryCgroup | None = None, extra: tuple[str, ...] = ()
-) -> Iterator[tuple[str, Path]]:
-    """A `moeflash worker` on a free loopback port, up and answering: (its endpoint, its log)."""
-    port = free_port()
-    log = state_dir / f"worker-{port}.log"
+    state_dir: Path,
+    *,
+    memory: str = "256M",
+    cgroup: MemoryCgroup | None = None,
+    extra: tuple[str, ...] = (),
+    port: int | None = None,
+) -> Iterator[RunningHelper]:
+    """A `moeflash worker` on a loopback port (a free one unless given), up and answering."""
+    port = port or free_port()
+    log = state_dir / f"worker-{port}-{time.monotonic_ns()}.log"
     argv = [sys.executable, "-m", "server.cli", "worker", "--port", str(port), "--memory", memory]
     argv += ["--state-dir", str(state_dir), *extra]
     with log.open("w") as out:
@@ -51,7 +64,7 @@ def helper(
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise AssertionError(f"the worker did not come up: {log.read_text()[-2000:]}") from None
                 time.sleep(0.2)
-        yield endpoint, log
+        yield RunningHelper(endpoint, log, proc)
     finally:
         proc.kill()
         proc.wait(timeout=30)

@@ -48,7 +48,7 @@ def test_a_helper_holding_the_last_layers_changes_no_bit(
     }
     alone = run_split(settings)
     with MemoryCgroup(HELPER_CAP, support) as helper_group, MemoryCgroup(MAIN_CAP, support) as main_group:
-        with helper(tmp_path, cgroup=helper_group) as (endpoint, log):
+        with helper(tmp_path, cgroup=helper_group) as (endpoint, log, _):
             split = run_split({**settings, "rpc": endpoint, "rpc_layers": str(remote)}, main_group)
             held = sum(int(n) for n in re.findall(r"Allocated (\d+) bytes", log.read_text()))
         assert helper_group.oom_kills() == 0 and main_group.oom_kills() == 0

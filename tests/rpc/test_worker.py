@@ -24,13 +24,13 @@ MIB = 2**20
 
 
 def test_the_helper_reports_its_memory_limit(tmp_path: Path) -> None:
-    with helper(tmp_path, memory="300M") as (endpoint, _):
+    with helper(tmp_path, memory="300M") as (endpoint, _, _):
         (found,) = connect([endpoint])
     assert (found.free, found.total) == (300 * MIB, 300 * MIB)
 
 
 def test_a_second_main_server_is_refused_at_once(tmp_path: Path) -> None:
-    with helper(tmp_path) as (endpoint, log):
+    with helper(tmp_path) as (endpoint, log, _):
         host, port = endpoint.rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as first:
             first.sendall(struct.pack("<BQ", RPC_CMD_HELLO, CONN_CAPS_BYTES) + bytes(CONN_CAPS_BYTES))
@@ -57,7 +57,7 @@ def test_layers_past_the_memory_limit_are_refused_not_crashed(
     tiny_model: Callable[..., Path], tmp_path: Path
 ) -> None:
     path = tiny_model("tiny-qwen3moe")
-    with helper(tmp_path, memory="1M") as (endpoint, log):
+    with helper(tmp_path, memory="1M") as (endpoint, log, _):
         settings = {"model": str(path), "mode": "streaming", "rpc": endpoint, "rpc_layers": "2", "threads": 2}
         failed = run_split({**settings, "ctx_size": 512, "parallel": 1}, check=False)
         assert failed["returncode"] == 2, failed["log"][-3000:]  # a clear error, not an abort
@@ -80,11 +80,11 @@ def test_the_tensor_cache_stays_within_its_bound_and_serves_a_restart(
     path = tiny_model("tiny-qwen3moe", n_embd=1024, n_ff_exp=768, n_expert=32)
     cache = tmp_path / "rpc-cache"
     settings = {"model": str(path), "mode": "streaming", "rpc_layers": "2", "ctx_size": 512, "parallel": 1}
-    with helper(tmp_path, memory="1G", extra=("--cache-max", "40M")) as (endpoint, _):
+    with helper(tmp_path, memory="1G", extra=("--cache-max", "40M")) as (endpoint, _, _):
         first = run_split({**settings, "rpc": endpoint})
         files = {f.name: f.stat().st_mtime_ns for f in cache.iterdir()}
         assert files and sum(f.stat().st_size for f in cache.iterdir()) <= 40 * MIB
-    with helper(tmp_path, memory="1G", extra=("--cache-max", "40M")) as (endpoint, log):
+    with helper(tmp_path, memory="1G", extra=("--cache-max", "40M")) as (endpoint, log, _):
         assert "local cache" in log.read_text()
         again = run_split({**settings, "rpc": endpoint})
         used = {f.name for f in cache.iterdir() if f.stat().st_mtime_ns != files.get(f.name)}
@@ -111,7 +111,7 @@ print(model.llama.tokenize(b"ok"))
 model.close()
 """
     base = {"model": str(path), "mode": "streaming", "ctx_size": 512, "parallel": 1}
-    with helper(tmp_path) as (endpoint, _):
+    with helper(tmp_path) as (endpoint, _, _):
         proc = subprocess.Popen(
             [sys.executable, "-c", script, json.dumps(base), endpoint],
             stdin=subprocess.PIPE,
