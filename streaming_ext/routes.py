@@ -70,6 +70,10 @@ class RouteTracer:
         self._chained = callback
         self.lib.cdll.mf_route_trace_chain(self.handle, ctypes.cast(callback, ctypes.c_void_p), user_data)
 
+    def keep_layers(self, n: int) -> None:
+        """Route only the layers below n (0: all): the others run on an RPC helper (server/rpc)."""
+        self.lib.cdll.mf_route_trace_keep_layers(self.handle, n)
+
     def begin_phase(self, phase: int) -> None:
         """The tokens decoded from now on are the prompt (0) or decode steps (1), from step 0."""
         self.lib.cdll.mf_route_trace_begin_phase(self.handle, phase)

@@ -228,6 +228,23 @@ def _register_served(benches: Any) -> None:
     )
     parallel.add_argument("--rounds", type=int, default=2, help="rounds, the stream counts alternated")
     parallel.add_argument("--ctx-size", type=int, default=4096, help="each request's context")
+    rpc = _model_bench(
+        benches,
+        "rpc",
+        run_rpc,
+        (32, "decode tokens per run"),
+        caps="0.25",
+        help="the main server alone and with an RPC helper holding its last layers, over shaped links",
+        description="The main server (`generate`) under a memory cap alone, and with a `moeflash worker` "
+        "holding its last layers over the loopback and shaped links, each process in a memory cgroup, "
+        "alternated (server/bench/rpc.py). One cap.",
+    )
+    rpc.add_argument("--helper-layers", type=int, help="layers the helper holds (default: half the model's)")
+    rpc.add_argument(
+        "--links", default="loopback,1gbit-1ms,300mbit-3ms", help="links to the helper (default: all three)"
+    )
+    rpc.add_argument("--rounds", type=int, default=2, help="rounds, the systems alternated")
+    _add_model_settings(rpc, _only(RouteTraceSettings, ["route_trace"]))
 
 
 def _add_model_choice(p: argparse.ArgumentParser) -> None:
@@ -420,6 +437,46 @@ def run_parallel(args: argparse.Namespace) -> int:
         progress=_progress,
     )
     return _write(data, info, args.out, f"parallel-{info['name']}", write_parallel_report)
+
+
+def run_rpc(args: argparse.Namespace) -> int:
+    """`moeflash bench rpc`."""
+    from server.bench.rpc import markdown, parse_links, summary
+    from server.bench.rpc import run_rpc as measure
+    from server.bench.served import write_report
+
+    if args.tokens < 4 or args.rounds < 1:
+        raise ConfigError("--tokens must be >= 4 and --rounds >= 1")
+    shapes = parse_links(args.links)
+    with _bench_model(args) as (path, info, flags):
+        caps = _parse_caps(args.caps, info["file_bytes"])
+        if len(caps) != 1:
+            raise ConfigError("bench rpc takes one cap")
+        trace = settings_of(RouteTraceSettings, args).route_trace
+        if trace is not None:
+            flags += _trace_flags(trace, path, info)
+        if args.helper_layers is None:
+            from server.loading.gguf_header import read_metadata
+
+            meta = read_metadata(path)
+            args.helper_layers = int(meta.get(f"{meta.get('general.architecture')}.block_count", 2)) // 2
+        layers = args.helper_layers
+        data = measure(
+            path,
+            caps[0],
+            helper_layers=layers,
+            shapes=shapes,
+            rounds=args.rounds,
+            tokens=args.tokens,
+            settings_flags=tuple(flags),
+            progress=_progress,
+        )
+        routing = "-trace" if trace is not None else ""
+
+        def write(data: dict[str, Any], out: Path, command: str) -> list[Path]:
+            return write_report(data, summary(data), out, command, markdown)
+
+        return _write(data, info, args.out, f"rpc-{info['name']}{routing}", write)
 
 
 def run_suite(args: argparse.Namespace) -> int:

@@ -80,6 +80,9 @@ class GenerateReport:
     per_token: list[TokenRecord] = field(default_factory=list)
     # the trace every token was routed by (lossy: not the model's own output), None for its own
     route_trace: str | None = None
+    # the decode steps' span on CLOCK_MONOTONIC (seconds), which other processes read too: the
+    # RPC benchmark counts what crossed the link meanwhile (server/bench/rpc.py)
+    decode_window: tuple[float, float] = (0.0, 0.0)
 
     def to_json(self) -> dict[str, Any]:
         """The --json report: its fields, the records in their JSON form (DecodeStep.to_json)."""
@@ -208,6 +211,7 @@ def run_generation(
         storage = _storage_read_bytes()
         if step is None:  # the first token: its step was the prompt
             first["ttft_s"] = time.perf_counter() - t0
+            first["decode_start"] = time.monotonic()
             prompt_work = llama.totals() - totals0
             first["prompt_read"] = (
                 prompt_work.streamer.bytes_read if prompt_work.streamer is not None else storage - storage0
@@ -229,6 +233,7 @@ def run_generation(
     )
     stats = GenerationStats()
     generate(llama, GenerationRequest(prompt, params), stats, emit, lambda: False, on_token)
+    decode_end = time.monotonic()
     decode_s = sum(r.step.wall_ns for r in records) / 1e9
     per_tok = sorted(r.step.wall_ns for r in records)
     median_s = per_tok[len(per_tok) // 2] / 1e9 if per_tok else 0.0
@@ -253,6 +258,7 @@ def run_generation(
         prompt_bytes_read=int(first.get("prompt_read", 0)),
         load_bytes_read=storage0 - storage_before_load,
         per_token=records,
+        decode_window=(float(first.get("decode_start", decode_end)), decode_end),
     )
     if llama.memory is not None:
         report.memory = asdict(llama.memory)

@@ -259,8 +259,10 @@ def _load_model(
     if traced is not None:
         kwargs["tracer"] = traced[0]
     try:
-        devices, helpers = _devices(settings, path, mode)
+        devices, helpers, local = _devices(settings, path, mode)
         kwargs.update(devices)
+        if traced is not None and local:
+            traced[0].keep_layers(local)
         llama = _load(settings, path, mode, {**kwargs, "prompt_cache": prompt_cache})
         llama.helpers = tuple(endpoint for endpoint, n in helpers if n)
     except ModelLoadError as exc:
@@ -304,13 +306,14 @@ def _helpers_failed(exc: ModelLoadError, endpoints: list[str]) -> ModelLoadError
 
 def _devices(
     settings: ModelSettings, path: Path, mode: str
-) -> tuple[dict[str, Any], tuple[tuple[str, int], ...]]:
+) -> tuple[dict[str, Any], tuple[tuple[str, int], ...], int]:
     """The Llama arguments that name the devices besides the CPU: none, or the RPC helpers of
     --rpc and the last layers they hold (server/rpc/devices.py; HelperError for one that cannot
-    be used, unless --rpc-optional leaves it out), and each helper's endpoint and layers. A
-    streamed model streams the experts of the layers it keeps."""
+    be used, unless --rpc-optional leaves it out), each helper's endpoint and layers, and the
+    layers kept here when helpers hold some (0: all). A streamed model streams the experts of the
+    layers it keeps."""
     if not settings.rpc:
-        return {"devices": []}, ()
+        return {"devices": []}, (), 0
     from server.rpc.devices import connect, plan
     from server.settings import AUTO_PARALLEL
 
@@ -318,7 +321,7 @@ def _devices(
     helpers = connect(settings.rpc, optional=settings.rpc_optional)
     if not helpers:
         logger.warning("no RPC helper answers: every layer runs here (--rpc-optional)")
-        return {"devices": []}, ()
+        return {"devices": []}, (), 0
     asked = settings.rpc_layers
     if isinstance(asked, list) and len(helpers) < len(settings.rpc):  # counts of the helpers left
         asked = [
@@ -331,7 +334,8 @@ def _devices(
     kwargs = split.llama_kwargs()
     if mode == "streaming" and split.remote:
         kwargs["local_layers"] = split.local
-    return kwargs, tuple((h.endpoint, n) for h, n in zip(split.helpers, split.layers, strict=True))
+    helpers_layers = tuple((h.endpoint, n) for h, n in zip(split.helpers, split.layers, strict=True))
+    return kwargs, helpers_layers, split.local if split.remote else 0
 
 
 def _load(settings: ModelSettings, path: Path, mode: str, kwargs: dict[str, Any]) -> MeasuredLlama:

@@ -232,6 +232,9 @@ MF_FUNCTION(void, mf_route_trace_set_recording, (mf_route_trace * rt, int32_t on
 // The callback to run after this one on every node (the streamer's), or NULL.
 MF_FUNCTION(void, mf_route_trace_chain,
             (mf_route_trace * rt, ggml_backend_sched_eval_callback next, void * next_user_data))
+// Only layers below n are routed here (0: all): the others run on an RPC helper, and the trace
+// leaves their nodes, whose data is not in this process, alone.
+MF_FUNCTION(void, mf_route_trace_keep_layers, (mf_route_trace * rt, int32_t n))
 // The tokens decoded from now on belong to `phase` (0 prompt, 1 decode), from step 0 on.
 MF_FUNCTION(void, mf_route_trace_begin_phase, (mf_route_trace * rt, int32_t phase))
 // The next llama_decode call holds n_tokens tokens (the steps after the previous call's).

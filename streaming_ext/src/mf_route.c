@@ -21,6 +21,7 @@
 
 struct mf_route_trace {
     int32_t n_layer, n_expert, k;
+    int32_t local_layers;  // layers routed here; 0: all (mf_route_trace_keep_layers)
     int32_t * replay[2];   // per phase: [n_steps][n_layer][k] expert ids (-1: the model's own), or NULL
     int64_t   n_steps[2];
     int32_t   turn, phase;
@@ -267,9 +268,14 @@ int32_t mf_route_trace_predict(void * user_data, int32_t il, uint8_t * want) {
     return n;
 }
 
+void mf_route_trace_keep_layers(mf_route_trace * rt, int32_t n) {
+    rt->local_layers = n > 0 ? n : 0;
+}
+
 bool mf_route_trace_eval_cb(struct ggml_tensor * t, bool ask, void * user_data) {
     mf_route_trace * rt   = user_data;
-    const bool       topk = strncmp(t->name, MF_TOPK_PREFIX, MF_TOPK_PREFIX_LEN) == 0;
+    const bool       topk = strncmp(t->name, MF_TOPK_PREFIX, MF_TOPK_PREFIX_LEN) == 0 &&
+                      (rt->local_layers == 0 || strtol(t->name + MF_TOPK_PREFIX_LEN, NULL, 10) < rt->local_layers);
     if (ask) {
         // the chained callback is asked about every node (it checks expert matmuls at ask time)
         const bool next_wants = rt->next && rt->next(t, true, rt->next_user_data);

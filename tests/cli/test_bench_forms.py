@@ -107,7 +107,7 @@ def test_an_old_form_names_the_new_command(old: str, new: str, capsys: pytest.Ca
 
 def test_bench_alone_lists_the_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
     err = _refusal(["bench"], capsys)
-    assert "name a benchmark: moeflash bench {suite,replay,warm-start,prompt-cache,parallel}" in err
+    assert "name a benchmark: moeflash bench {suite,replay,warm-start,prompt-cache,parallel,rpc}" in err
 
 
 @pytest.mark.parametrize("name", ["suite", "warm-start", "prompt-cache", "parallel"])
