@@ -52,12 +52,12 @@ arm_ext = streaming_ext/lib/aarch64-$(1)/libmoeflash_stream.so
 arm_ctest = tests/c/build/aarch64-$(1)
 arm_cc = clang --target=aarch64-linux-gnu -march=$(ARM_MARCH_$(1))
 
-.PHONY: setup setup-dev chromium corpus-packages train arm-toolchain arm llama ext serve serve-container require-api-key demo-model test codex-loop agent-sequences house lint bench-small bench bench-warm-start replay clean distclean
+.PHONY: setup setup-dev chromium sshd corpus-packages train arm-toolchain arm llama ext serve serve-container require-api-key demo-model test codex-loop agent-sequences house lint bench-small bench bench-warm-start replay clean distclean
 
 setup: $(VENV)/.deps-stamp llama ext $(VENV)/.install-stamp
 
 setup-dev: setup $(VENV)/.dev-stamp $(VENV)/.instructor-stamp $(VENV)/.aider-stamp tests/js/node_modules/.package-lock.json \
-	tests/agents/node_modules/.package-lock.json chromium $(VENV)/.training-stamp corpus-packages
+	tests/agents/node_modules/.package-lock.json chromium sshd $(VENV)/.training-stamp corpus-packages
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -101,6 +101,17 @@ tests/js/node_modules/.package-lock.json: tests/js/package.json tests/js/package
 	npm ci --prefix tests/js --no-audit --no-fund --loglevel=error
 
 # Debian's chromium for the browser tests (Playwright drives it); installed when run as root
+# the SSH tunnel to an RPC helper is tested through a real sshd on the loopback (tests/rpc)
+sshd:
+	@if [ ! -x /usr/sbin/sshd ] || ! command -v ssh > /dev/null; then \
+		if [ "$$(id -u)" = 0 ]; then \
+			apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+				openssh-server openssh-client; \
+		else \
+			echo "setup-dev: sshd is missing: 'sudo apt-get install openssh-server' for the tunnel test" >&2; \
+		fi; \
+	fi
+
 chromium:
 	@if [ ! -x /usr/bin/chromium ]; then \
 		if [ "$$(id -u)" = 0 ]; then \
