@@ -29,6 +29,7 @@ import llama_cpp
 import numpy as np
 
 LLAMA_DEFAULTS: dict[str, Any] = {
+    "devices": [],  # the CPU alone, as moeflash's loaders name it (no RPC helper of another test)
     "n_ctx": 512,
     "n_threads": 2,
     "n_threads_batch": 2,

@@ -185,6 +185,8 @@ def _telemetry_line(i: int, r: TokenRecord) -> str:
             )
             + f" | budget {s.budget_bytes / _MB:7.1f} MB"
         )
+    if step.helper_wait_ns:
+        line += f" | helpers {step.helper_wait_ns / 1e6:7.1f} ms"
     return line
 
 

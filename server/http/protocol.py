@@ -412,6 +412,8 @@ class Timings(BaseModel):
     flash_wait_ms: float | None
     compute_ms: float | None
     cache_ms: float | None
+    # waiting on RPC helpers (the link and their layers' compute); null without helpers
+    helper_wait_ms: float | None = None
     # routed experts found resident, cached or read ahead (null when routing was not watched)
     hit_rate: float | None
     bytes_read: int | None

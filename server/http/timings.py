@@ -36,6 +36,7 @@ def _timings(step: DecodeStep | None, **scoped: Any) -> dict[str, Any]:
         flash_wait_ms=_ms(s.flash_wait_ns) if s is not None else None,
         compute_ms=_ms(step.compute_ns) if step is not None else None,
         cache_ms=_ms(s.cache_ns) if s is not None else None,
+        helper_wait_ms=_ms(step.helper_wait_ns) if step is not None and step.helper_wait_ns else None,
         hit_rate=step.hit_rate if step is not None else None,
         bytes_read=s.bytes_read if s is not None else None,
         prefetch_hits=s.prefetch_hits if s is not None and step is not None and step.routed else None,

@@ -53,19 +53,23 @@ Entry = tuple[int, int, int]
 
 @dataclass(frozen=True)
 class ModelFiles:
-    """The model a hot set belongs to: its files' names, sizes and modification times."""
+    """The model a hot set belongs to: its files' names, sizes and modification times, and the
+    layers streamed here when RPC helpers hold the rest (0: every layer; server/rpc)."""
 
     path: Path
     files: tuple[tuple[str, int, int], ...]
+    layers: int = 0
 
     @classmethod
-    def of(cls, path: Path) -> ModelFiles:
+    def of(cls, path: Path, layers: int = 0) -> ModelFiles:
         stats = [(part, part.stat()) for part in split_files(path)]
-        return cls(path, tuple((part.name, st.st_size, st.st_mtime_ns) for part, st in stats))
+        return cls(path, tuple((part.name, st.st_size, st.st_mtime_ns) for part, st in stats), layers)
 
     def state_file(self, state_dir: Path) -> Path:
-        """Where this model's hot set lives: its stem and a hash of its files."""
-        digest = hashlib.sha256(json.dumps([str(self.path), self.files]).encode()).hexdigest()[:16]
+        """Where this model's hot set lives: its stem and a hash of its files (and of the layers
+        streamed, when helpers hold some: another split keeps another hot set)."""
+        key: list[object] = [str(self.path), self.files, *([self.layers] if self.layers else [])]
+        digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
         stem = self.path.name.removesuffix(".gguf")
         return state_dir / "hot-sets" / f"{stem}-{digest}.json"
 
@@ -94,6 +98,8 @@ def _check(data: Any, model: ModelFiles, n_expert: int) -> str | None:
         return "it belongs to other model files (names, sizes or times differ)"
     if data.get("n_expert") != n_expert:
         return f"it is for {data.get('n_expert')} experts per layer, the model has {n_expert}"
+    if data.get("layers", 0) != model.layers:
+        return f"it is for {data.get('layers', 0) or 'all'} layers streamed here, not {model.layers or 'all'}"
     experts = data.get("experts")
     if not isinstance(experts, list):
         return "no expert list"
@@ -117,6 +123,7 @@ def write_hot_set(path: Path, model: ModelFiles, n_expert: int, entries: list[En
         "model": str(model.path),
         "files": [list(f) for f in model.files],
         "n_expert": n_expert,
+        "layers": model.layers,
         "saved": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "experts": [list(e) for e in entries],
     }
@@ -147,7 +154,7 @@ class WarmStart:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._streamer = streamer
-        self._model = ModelFiles.of(model_path)
+        self._model = ModelFiles.of(model_path, streamer.config.layers)
         self.path = self._model.state_file(state_dir)
         self._n_expert = streamer.n_expert
         self._save_every_s = save_every_s

@@ -45,12 +45,17 @@ class DecodeStep:
     wall_ns: int
     # the streamer's counters over the span; None for a resident model
     streamer: StreamerStats | None = None
+    # time spent waiting on RPC helpers (the link and their layers' compute; server/rpc)
+    helper_wait_ns: int = 0
 
     @property
     def compute_ns(self) -> int | None:
-        """Wall time less waiting for flash and cache management; None when nothing is streamed."""
+        """Wall time less waiting for flash, cache management and RPC helpers; None when nothing
+        is streamed."""
         s = self.streamer
-        return None if s is None else max(0, self.wall_ns - s.flash_wait_ns - s.cache_ns)
+        if s is None:
+            return None
+        return max(0, self.wall_ns - s.flash_wait_ns - s.cache_ns - self.helper_wait_ns)
 
     @property
     def routed(self) -> bool:
@@ -109,6 +114,7 @@ class DecodeStep:
         return {
             "n_tokens": self.n_tokens,
             "wall_ns": self.wall_ns,
+            "helper_wait_ns": self.helper_wait_ns,
             **counters,
             **{name: getattr(self, name) for name in self.FIGURES},
         }
@@ -121,13 +127,19 @@ class DecodeStep:
             int(record.get("n_tokens") or 0),
             int(record["wall_ns"]),
             StreamerStats.from_dict(record) if streamed else None,
+            int(record.get("helper_wait_ns") or 0),
         )
 
     def __sub__(self, before: DecodeStep) -> DecodeStep:
         streamer = None
         if self.streamer is not None and before.streamer is not None:
             streamer = self.streamer - before.streamer
-        return DecodeStep(self.n_tokens - before.n_tokens, self.wall_ns - before.wall_ns, streamer)
+        return DecodeStep(
+            self.n_tokens - before.n_tokens,
+            self.wall_ns - before.wall_ns,
+            streamer,
+            self.helper_wait_ns - before.helper_wait_ns,
+        )
 
     def share(self, part: int) -> DecodeStep:
         """The share of `part` of this step's tokens (a request's, when a step decodes several):
@@ -135,13 +147,20 @@ class DecodeStep:
         if part >= self.n_tokens:
             return self
         streamer = self.streamer.share(part, self.n_tokens) if self.streamer is not None else None
-        return DecodeStep(part, self.wall_ns * part // self.n_tokens, streamer)
+        return DecodeStep(
+            part, self.wall_ns * part // self.n_tokens, streamer, self.helper_wait_ns * part // self.n_tokens
+        )
 
     def __add__(self, later: DecodeStep) -> DecodeStep:
         streamer = None
         if self.streamer is not None and later.streamer is not None:
             streamer = self.streamer + later.streamer
-        return DecodeStep(self.n_tokens + later.n_tokens, self.wall_ns + later.wall_ns, streamer)
+        return DecodeStep(
+            self.n_tokens + later.n_tokens,
+            self.wall_ns + later.wall_ns,
+            streamer,
+            self.helper_wait_ns + later.helper_wait_ns,
+        )
 
 
 @dataclass
@@ -195,6 +214,7 @@ class MeasuredLlama(llama_cpp.Llama):
         self.steps = deque(maxlen=_STEPS_KEPT)
         self._tokens_total = 0
         self._wall_total_ns = 0
+        self._helper_wait_total_ns = 0
         super().__init__(model_path, **kwargs)
         self.context_changed()
 
@@ -225,6 +245,7 @@ class MeasuredLlama(llama_cpp.Llama):
             before = streamer.stats() if streamer is not None else None
             if self.tracer is not None:
                 self.tracer.begin_batch(int(batch.batch.n_tokens))
+            waited = self._helper_wait_ns()
             start = time.monotonic_ns()
             try:
                 original(batch)
@@ -246,21 +267,30 @@ class MeasuredLlama(llama_cpp.Llama):
                     raise ExpertReadError(str(failure))
                 delta = streamer.stats() - before
             n_tokens = int(batch.batch.n_tokens)
+            helper_wait = max(0, self._helper_wait_ns() - waited)  # 0 across a reconnection
             self._tokens_total += n_tokens
             self._wall_total_ns += wall
-            self.steps.append(DecodeStep(n_tokens, wall, delta))
+            self._helper_wait_total_ns += helper_wait
+            self.steps.append(DecodeStep(n_tokens, wall, delta, helper_wait))
 
         ctx.decode = decode  # type: ignore[method-assign]
+
+    def _rpc(self) -> Ggml:
+        if self._ggml is None:
+            from server.rpc.ggml import Ggml
+
+            self._ggml = Ggml.load()
+        return self._ggml
+
+    def _helper_wait_ns(self) -> int:
+        """Nanoseconds waited on this model's helpers so far (0 without helpers)."""
+        return sum(self._rpc().wait_ns(endpoint) for endpoint in self.helpers) if self.helpers else 0
 
     def _check_helpers(self) -> None:
         """HelperLost when ggml's connection to a helper failed: the step just decoded computed
         garbage from then on (ggml's RPC calls return zeros once lost, patch 0014)."""
         if self.helpers:
-            if self._ggml is None:
-                from server.rpc.ggml import Ggml
-
-                self._ggml = Ggml.load()
-            ggml = self._ggml
+            ggml = self._rpc()
             gone = [endpoint for endpoint in self.helpers if ggml.lost(endpoint)]
             if gone:
                 raise HelperLost(
@@ -284,7 +314,7 @@ class MeasuredLlama(llama_cpp.Llama):
         """Every decode call since the load as one step; the streamer's counters are cumulative
         (its reads at load, e.g. a preload, included)."""
         stats = self.streamer.stats() if self.streamer is not None else None
-        return DecodeStep(self._tokens_total, self._wall_total_ns, stats)
+        return DecodeStep(self._tokens_total, self._wall_total_ns, stats, self._helper_wait_total_ns)
 
     def close(self) -> None:
         """Free the model first (its buffers belong to the streamer's buffer types, its context

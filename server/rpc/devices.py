@@ -47,6 +47,7 @@ class Split:
     helpers: tuple[Helper, ...]
     layers: tuple[int, ...]
     n_layer: int
+    layer_bytes: tuple[int, ...] = ()  # each layer's weights, for the log
 
     @property
     def remote(self) -> int:
@@ -76,7 +77,11 @@ class Split:
         parts = []
         for helper, n in zip(self.helpers, self.layers, strict=True):
             span = f"layers {first}-{first + n - 1}" if n else "no layers"
-            parts.append(f"{helper.endpoint}: {span} ({format_size(helper.free)} free)")
+            weights = sum(self.layer_bytes[first : first + n])
+            parts.append(
+                f"{helper.endpoint}: {span} ({format_size(weights)} of weights; "
+                f"{format_size(helper.free)} free)"
+            )
             first += n
         return f"layers 0-{self.local - 1} here; " + "; ".join(parts)
 
@@ -151,13 +156,14 @@ def plan(
     metadata = read_metadata(path)
     arch = metadata.get("general.architecture", "")
     n_layer = int(metadata.get(f"{arch}.block_count", 0))
+    per_layer = layer_bytes(model_tensors(path))
+    sizes = tuple(per_layer.get(il, 0) for il in range(n_layer))
     if isinstance(asked, list):
         if len(asked) != len(helpers):
             raise ConfigError(f"--rpc-layers gives {len(asked)} counts for {len(helpers)} helpers")
         if sum(asked) >= n_layer:
             raise ConfigError(f"--rpc-layers {sum(asked)} leaves none of the {n_layer} layers here")
-        return Split(helpers, tuple(asked), n_layer)
-    per_layer = layer_bytes(model_tensors(path))
+        return Split(helpers, tuple(asked), n_layer, sizes)
     kv = kv_bytes_per_layer(metadata, n_ctx_total)
     top = n_layer - 1  # the highest layer not placed yet; layer 0 stays here
     layers = []
@@ -170,4 +176,4 @@ def plan(
             top -= 1
             n += 1
         layers.append(n)
-    return Split(helpers, tuple(reversed(layers)), n_layer)
+    return Split(helpers, tuple(reversed(layers)), n_layer, sizes)

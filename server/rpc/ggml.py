@@ -44,6 +44,8 @@ class Ggml:
         rpc.ggml_backend_rpc_add_server.argtypes = [text]
         rpc.ggml_backend_rpc_lost.restype = ctypes.c_bool
         rpc.ggml_backend_rpc_lost.argtypes = [text]
+        rpc.ggml_backend_rpc_wait_ns.restype = ctypes.c_uint64
+        rpc.ggml_backend_rpc_wait_ns.argtypes = [text]
         rpc.ggml_backend_rpc_start_server_limited.restype = None
         rpc.ggml_backend_rpc_start_server_limited.argtypes = [text, text, size, size, p, size, size, text]
         return cls(base, rpc)
@@ -66,6 +68,11 @@ class Ggml:
         """Whether ggml's connection to the helper at `endpoint` failed (patch 0014): a decode that
         ran meanwhile computed garbage."""
         return bool(self.rpc.ggml_backend_rpc_lost(endpoint.encode()))
+
+    def wait_ns(self, endpoint: str) -> int:
+        """Nanoseconds this process has waited on the helper at `endpoint` (its answers and
+        synchronizations: the link and the helper's compute) since ggml connected to it."""
+        return int(self.rpc.ggml_backend_rpc_wait_ns(endpoint.encode()))
 
     def add_rpc_server(self, endpoint: str) -> list[int]:
         """Register the helper at `endpoint` (ggml connects to it: probe it first) and return its

@@ -25,7 +25,11 @@
      helper named (tests/rpc/test_split.py).
 0014 ggml-rpc's client reports a lost helper instead of aborting (keep-alive, timeouts): a helper
      killed or cut off mid-stream fails that request, and the server stays up
-     (tests/rpc/test_faults.py).
+     (tests/rpc/test_faults.py); and counts the time waited on it (per-token helper_wait_ns,
+     tests/rpc/test_split.py).
+0015 ggml-backend computes a split whose eval-callback view covers it whole as the split itself,
+     keeping its graph id: the helper recomputes its graph, only the inputs cross the link
+     (tests/rpc/test_split.py).
 """
 
 from __future__ import annotations

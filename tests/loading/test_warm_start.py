@@ -109,6 +109,9 @@ def test_a_saved_hot_set_for_other_files_or_broken_is_ignored(
     other = ModelFiles(files.path, ((files.files[0][0], files.files[0][1] + 1, files.files[0][2]),))
     assert read_hot_set(path, other, 16) == []
     assert other.state_file(tmp_path) != path, "another file under the same name shares the hot set"
+    # the model split with an RPC helper streams fewer layers: a hot set of its own
+    split = ModelFiles.of(model, layers=2)
+    assert read_hot_set(path, split, 16) == [] and split.state_file(tmp_path) != path
     saved = json.loads(path.read_text())
     for broken in (
         "{",
@@ -119,7 +122,7 @@ def test_a_saved_hot_set_for_other_files_or_broken_is_ignored(
         path.write_text(broken)
         assert read_hot_set(path, files, 16) == []
     assert read_hot_set(tmp_path / "none.json", files, 16) == []
-    assert len(caplog.records) == 6 and all("ignoring" in r.getMessage() for r in caplog.records)
+    assert len(caplog.records) == 7 and all("ignoring" in r.getMessage() for r in caplog.records)
 
 
 def test_read_back_fills_free_room_only_and_keeps_unread_entries(tiny_model: Any, tmp_path: Path) -> None:

@@ -7,7 +7,10 @@ server takes no repacked layouts), so both sides run with the repacked layouts o
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,7 @@ from typing import Any
 import pytest
 
 from server.bench.cgroup import MemoryCgroup, probe
+from server.bench.link import ShapedLink
 from server.loading.budget import model_tensors
 from server.rpc.devices import layer_bytes
 from tests.models import expert_layer_bytes
@@ -23,6 +27,9 @@ from tests.rpc.helpers import helper, run_split
 MIB = 2**20
 HELPER_CAP = 512 * MIB
 MAIN_CAP = 768 * MIB
+# a step's inputs for two layers of tiny-qwen3moe in a 512-token context (the hidden state, the
+# positions, the attention mask), with room: the graph sent again each step is several times this
+UP_BYTES_PER_TOKEN = 40 * 1024
 
 
 @pytest.mark.parametrize(
@@ -58,3 +65,24 @@ def test_a_helper_holding_the_last_layers_changes_no_bit(
     # the helper held the weights of its layers (and their KV and compute buffers besides)
     per_layer = layer_bytes(model_tensors(path))
     assert held >= sum(per_layer[il] for il in range(n_layer - remote, n_layer)), log.read_text()[-2000:]
+
+
+def test_a_decode_step_sends_the_helper_its_inputs_not_its_graph(
+    tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Patch 0015: the helper's part of a step is the same graph while llama.cpp reuses it, so it
+    recomputes the graph it holds; only the step's inputs cross the link (the graph of two layers
+    is tens of KiB a step). Per-token telemetry names the time waited on the helper."""
+    path = tiny_model("tiny-qwen3moe")
+    with helper(tmp_path) as (endpoint, _, _), ShapedLink(endpoint) as link:
+        argv = [sys.executable, "-m", "server.cli", "--log-level", "WARNING", "generate", "-m", str(path)]
+        argv += ["--mode", "streaming", "-n", "48", "--ignore-eos", "--json", "-c", "512"]
+        argv += ["--rpc", link.endpoint, "--rpc-layers", "2"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+        window = link.window(*report["decode_window"])
+    tokens = report["decode_tokens"]
+    assert window.round_trips >= tokens
+    assert window.up_bytes / tokens < UP_BYTES_PER_TOKEN, window
+    assert sum(t["helper_wait_ns"] for t in report["per_token"]) > 0

@@ -51,7 +51,9 @@ def test_fewer_experts_streamed_match_their_resident_twin(
     path = tiny_gguf(QType.Q8_0)
     ids = _ids(tiny_run)
     one = measure.LossyOption("top-k 1", top_k=1).llama_kwargs(path)
-    resident = llama_cpp.Llama(str(path), use_extra_bufts=False, flash_attn=False, **SETTINGS, **one)
+    resident = llama_cpp.Llama(
+        str(path), devices=[], use_extra_bufts=False, flash_attn=False, **SETTINGS, **one
+    )
     try:
         twin = _scores(resident, ids)
     finally:
