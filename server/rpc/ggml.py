@@ -35,11 +35,10 @@ class Ggml:
             ("ggml_backend_dev_memory", None, [p, ctypes.POINTER(size), ctypes.POINTER(size)]),
             ("ggml_backend_register", None, [p]),
             ("ggml_backend_reg_dev_count", size, [p]),
-            ("ggml_backend_reg_dev_get", p, [size]),
+            ("ggml_backend_reg_dev_get", p, [p, size]),
         ):
             fn = getattr(base, name)
             fn.restype, fn.argtypes = restype, argtypes
-        base.ggml_backend_reg_dev_get.argtypes = [p, size]
         rpc.ggml_backend_rpc_add_server.restype = p
         rpc.ggml_backend_rpc_add_server.argtypes = [text]
         rpc.ggml_backend_rpc_lost.restype = ctypes.c_bool

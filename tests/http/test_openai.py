@@ -427,6 +427,7 @@ def test_timings_extension_is_opt_in(client: openai.OpenAI, server: RunningServe
             "flash_wait_ms",
             "compute_ms",
             "cache_ms",
+            "helper_wait_ms",
             "hit_rate",
             "bytes_read",
             "prefetch_hits",
@@ -437,6 +438,7 @@ def test_timings_extension_is_opt_in(client: openai.OpenAI, server: RunningServe
         assert timings["prompt_ms"] >= 0 and timings["decode_ms"] >= 0
         # a resident model streams nothing: the streamer's numbers are absent, not invented
         assert timings["flash_wait_ms"] is None and timings["bytes_read"] is None
+        assert timings["helper_wait_ms"] is None  # no RPC helper
 
 
 def test_aliases_serve_the_model_under_the_names_clients_send(tiny_model: Any) -> None:
