@@ -86,3 +86,57 @@ def test_a_decode_step_sends_the_helper_its_inputs_not_its_graph(
     assert window.round_trips >= tokens
     assert window.up_bytes / tokens < UP_BYTES_PER_TOKEN, window
     assert sum(t["helper_wait_ns"] for t in report["per_token"]) > 0
+
+
+def _plain_cpu_buffer_type() -> int:
+    """ggml's CPU buffer type without the repacked layouts (llama.cpp's extra buffer types)."""
+    import ctypes
+
+    import llama_cpp
+
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so"))
+    lib.ggml_backend_cpu_buffer_type.restype = ctypes.c_void_p
+    buft: int = lib.ggml_backend_cpu_buffer_type()
+    return buft
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3moe", "tiny-gptoss", "tiny-gemma4"])
+def test_the_default_layouts_split_as_one_process_with_plain_helper_layers(
+    tiny_model: Callable[..., Path], preset: str, tmp_path: Path
+) -> None:
+    """With the repacked layouts on (the default), the main server's layers run them and the
+    helper's the plain kernels (the RPC server takes no repacked tensor): the split gives the
+    tokens and logits of the model in one process, resident, with the helper's layers held in
+    ggml's plain CPU buffers and every other weight as the defaults put it. (On x86 the plain and
+    repacked kernels of these types give the same bits, so it also gives the unsplit model's;
+    elsewhere that is not checked.)"""
+    from server.loading.resident import load_resident_llama
+    from tests.models import greedy
+    from tests.rpc.helpers import N_TOKENS, PROMPT
+
+    path = tiny_model(preset)
+    n_layer = 1 + max(layer_bytes(model_tensors(path)))
+    remote = n_layer // 2
+    settings: dict[str, Any] = {"model": str(path), "mode": "streaming", "ctx_size": 512, "parallel": 1}
+    settings |= {"threads": 2, "budget": expert_layer_bytes(path)}
+    with helper(tmp_path) as (endpoint, _, _):
+        split = run_split({**settings, "rpc": endpoint, "rpc_layers": str(remote)})
+    helper_layers = "|".join(str(il) for il in range(n_layer - remote, n_layer))
+    llama = load_resident_llama(
+        path,
+        n_ctx=512,
+        parallel=1,
+        repack="on",
+        devices=[],
+        tensor_buft_overrides=[(rf"^blk\.(?:{helper_layers})\.", _plain_cpu_buffer_type())],
+        n_batch=512,
+        n_ubatch=512,
+        swa_full=False,
+        n_threads=2,
+        n_threads_batch=2,
+    )
+    try:
+        alone = greedy(llama, PROMPT, N_TOKENS)
+    finally:
+        llama.close()
+    assert (split["tokens"], split["digest"]) == alone and split["moe_layers_streamed"] == n_layer - remote
