@@ -44,7 +44,8 @@ ARM_VARIANTS := armv8.2 armv8.6
 ARM_MARCH_armv8.2 := armv8.2-a+dotprod+fp16
 ARM_MARCH_armv8.6 := armv8.6-a+dotprod+fp16+i8mm
 ARM_GCC := aarch64-linux-gnu-gcc
-ARM_PROGRAMS := test_ready_hook test_frames test_stream_identity test_repack_slices test_batch_invariance
+ARM_PROGRAMS := test_ready_hook test_frames test_stream_identity test_repack_slices test_batch_invariance \
+	test_rpc_server
 arm_llama = vendor/llama.cpp/build/aarch64-$(1)
 arm_lib = $(abspath $(call arm_llama,$(1)))/bin
 arm_stamp = $(call arm_llama,$(1))/.moeflash-stamp
@@ -243,6 +244,10 @@ $(call arm_ctest,$(1))/test_repack_slices: tests/c/test_repack_slices.c $(call a
 $(call arm_ctest,$(1))/test_batch_invariance: tests/c/test_batch_invariance.c $(call arm_stamp,$(1)) Makefile
 	@mkdir -p $$(dir $$@)
 	$(call arm_cc,$(1)) $(CTEST_CFLAGS) $$< -o $$@ $$(call LLAMA_LINK,$(call arm_lib,$(1)))
+
+$(call arm_ctest,$(1))/test_rpc_server: tests/c/test_rpc_server.c $(call arm_stamp,$(1)) Makefile
+	@mkdir -p $$(dir $$@)
+	$(call arm_cc,$(1)) $(CTEST_CFLAGS) $$< -o $$@ -lggml-rpc $$(call LLAMA_LINK,$(call arm_lib,$(1)))
 
 $(call arm_ctest,$(1))/test_stream_identity: tests/c/test_stream_identity.c $(call arm_ext,$(1)) Makefile
 	@mkdir -p $$(dir $$@)

@@ -72,11 +72,17 @@ def run_aarch64(
 ) -> Run:
     """tests/c/build/aarch64-VARIANT/NAME ARGS under qemu-user, as that variant's CPU, with pages
     of `page_size` bytes (Android devices use 4 KiB or 16 KiB)."""
+    return _run(aarch64_argv(name, *args, variant=variant, page_size=page_size), env, timeout)
+
+
+def aarch64_argv(name: str, *args: str, variant: str = "armv8.2", page_size: int = 4096) -> list[str]:
+    """The command line that runs tests/c/build/aarch64-VARIANT/NAME ARGS under qemu-user (for a
+    program the caller starts and stops itself)."""
     program = HOST_BUILD / f"aarch64-{variant}" / name
     assert program.is_file(), f"{program} is missing: build it with `make arm`"
     assert elf_machine(program) == EM_AARCH64, f"{program} is not an aarch64 program"
     qemu = ["qemu-aarch64", "-cpu", QEMU_CPUS[variant], "-p", str(page_size), "-L", AARCH64_SYSROOT]
-    return _run([*qemu, str(program), *args], env, timeout)
+    return [*qemu, str(program), *args]
 
 
 def _run(argv: list[str], env: dict[str, str] | None, timeout: float) -> Run:

@@ -10,7 +10,9 @@ repacked kernels' other choice in ggml) as qemu's "max" CPU.
 - tests/c/test_frames.c: the expert frames, with UBSan (ASan does not run under qemu-user);
 - tests/c/test_stream_identity.c: streamed against resident under a budget that evicts, tokens
   and a hash of every logits row, three lever sets, a budget moved mid-decode, a warm start
-  (experts read back before the first token) and a negative control, on both variants.
+  (experts read back before the first token) and a negative control, on both variants;
+- tests/c/test_rpc_server.c: patch 0012's RPC server as a phone helper runs it, answering this
+  machine's main server (its build, its memory limit, a model's last layers held and decoded).
 
 Emulation checks the instructions, the kernels and the memory layout an ARM build meets. Its
 16 KiB pages are what sysconf reports to the program while the host kernel still maps 4 KiB ones:
@@ -27,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from server.modelgen import QType
+from server.rpc.hello import this_build
 from tests.c_programs import run_aarch64
 
 PAGES = [pytest.param(4096, id="4k-pages"), pytest.param(16384, id="16k-pages")]
@@ -139,3 +142,55 @@ def test_streamed_equals_resident_on_aarch64(
     assert int(run.value("page")) == page_size, "the emulated kernel did not use the page size asked for"
     features = run.value("system")
     assert all(feature in features for feature in FEATURES[variant]), f"not the {variant} build: {features}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rpc_server_on_aarch64(tiny_model: Callable[..., Path], variant: str) -> None:
+    """Patch 0012's RPC server built for the phone (tests/c/test_rpc_server.c under qemu-user)
+    answers this machine's main server: HELLO with the build it was given, its memory limit as
+    the device's memory, and a model whose last layers it holds decodes through it."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from server.errors import HelperError
+    from server.rpc.hello import check_helper
+    from tests.c_programs import aarch64_argv
+    from tests.rpc.helpers import free_port, run_split
+
+    port, memory = free_port(), 300 << 20
+    endpoint = f"127.0.0.1:{port}"
+    argv = aarch64_argv("test_rpc_server", str(port), str(memory), this_build(), variant=variant)
+    server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                check_helper(endpoint, timeout_s=5)
+                break
+            except HelperError:
+                assert server.poll() is None and time.monotonic() < deadline, (
+                    "the aarch64 server did not answer"
+                )
+                time.sleep(0.5)
+        # in a process of its own: ggml's device registry is the process's
+        script = "\n".join(
+            [
+                "import sys",
+                "from server.rpc.devices import connect",
+                "(h,) = connect([sys.argv[1]])",
+                "print(h.total)",
+            ]
+        )
+        asked = subprocess.run(
+            [sys.executable, "-c", script, endpoint], capture_output=True, text=True, check=False
+        )
+        assert asked.stdout.split() == [str(memory)], asked.stderr[-2000:]
+        model = tiny_model("tiny-qwen3moe")
+        settings = {"model": str(model), "mode": "streaming", "ctx_size": 512, "parallel": 1, "threads": 2}
+        split = run_split({**settings, "rpc": endpoint, "rpc_layers": "2"})
+        assert len(split["tokens"]) > 0 and split["moe_layers_streamed"] == 2, json.dumps(split)[:2000]
+    finally:
+        server.kill()
+        server.communicate(timeout=30)
