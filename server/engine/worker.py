@@ -381,6 +381,7 @@ class Engine:
                 return False
             self._state = EngineState.LOADING
             self._load_error = lost
+            self._model = None  # closed: /metrics reads no counters of it while the next loads
             self._cond.notify_all()
         logger.warning("%s: loading the model again", lost)
         return True

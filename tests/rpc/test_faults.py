@@ -129,6 +129,8 @@ def _stream_until_lost(port: int, eos: int, lose: Callable[[], None]) -> tuple[i
 
 
 def _health(port: int) -> dict[str, object]:
+    """/health's body; /metrics answers too, whatever the engine is doing (a reload included)."""
+    assert httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).status_code == 200
     body: dict[str, object] = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).json()
     return body
 
