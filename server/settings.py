@@ -51,6 +51,16 @@ def parse_budget(text: str | int) -> Budget:
     return parse_size(text)
 
 
+def is_loopback_host(host: str) -> bool:
+    """Whether a listening address is the loopback only ("localhost" or a loopback IP)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _default_state_dir() -> Path:
     """$XDG_STATE_HOME/moeflash, else ~/.local/state/moeflash (the XDG base directory rule)."""
     base = os.environ.get("XDG_STATE_HOME")
@@ -197,12 +207,7 @@ class ServerSettings(BaseSettings):
 
     def is_loopback(self) -> bool:
         """True when bound to a loopback address only (then the Host allow-list applies)."""
-        if self.host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(self.host).is_loopback
-        except ValueError:
-            return False
+        return is_loopback_host(self.host)
 
 
 class ModelSettings(BaseSettings):

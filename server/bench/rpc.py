@@ -18,12 +18,10 @@ what the relay itself delivers on each link (its round-trip time and rate).
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict
@@ -55,37 +53,25 @@ def helper_bytes(path: Path, layers: int) -> int:
     return sum(per_layer[il] for il in range(n_layer - layers, n_layer))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _worker(
     state: Path, memory: int, cache_max: int, cgroup: MemoryCgroup
 ) -> tuple[subprocess.Popen[str], str]:
     """A `moeflash worker` in `cgroup`, answering HELLO: its process and endpoint."""
-    from server.rpc.hello import hello
+    from server.bench.served import free_port
+    from server.rpc.hello import wait_for_helper
 
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "server.cli", "--log-level", "WARNING", "worker", "--port", str(port)]
     argv += ["--memory", str(memory), "--cache-max", str(cache_max), "--state-dir", str(state)]
     log = (state / "worker.log").open("w")
     proc = cgroup.popen(argv, stdout=log, stderr=subprocess.STDOUT)
     endpoint = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            hello(endpoint, timeout_s=2)
-            return proc, endpoint
-        except HelperError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise MoeflashError(
-                    f"the worker did not start: {(state / 'worker.log').read_text()[-2000:]}"
-                ) from None
-            time.sleep(0.5)
+    try:
+        wait_for_helper(endpoint, lambda: proc.poll() is None)
+    except HelperError as exc:
+        proc.kill()
+        raise MoeflashError(f"{exc}: {(state / 'worker.log').read_text()[-2000:]}") from None
+    return proc, endpoint
 
 
 def _read_bytes(pid: int) -> int:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import socket
 import struct
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +98,19 @@ def hello(endpoint: str, timeout_s: float = 5.0) -> Hello:
     if answer[0] == 0 and build == BUSY:
         raise HelperError(f"RPC helper {endpoint} is serving another main server (it serves one at a time)")
     return Hello(version=(answer[0], answer[1], answer[2]), build=build)
+
+
+def wait_for_helper(endpoint: str, alive: Callable[[], bool], timeout_s: float = 120.0) -> Hello:
+    """`hello` until the helper starting at `endpoint` answers; HelperError once `alive()` is
+    false (its process ended) or after `timeout_s`, with the last reason."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return hello(endpoint, timeout_s=2)
+        except HelperError as exc:
+            if not alive() or time.monotonic() > deadline:
+                raise HelperError(f"RPC helper {endpoint} did not come up: {exc}") from exc
+            time.sleep(0.2)
 
 
 def check_helper(endpoint: str, timeout_s: float = 5.0) -> Hello:

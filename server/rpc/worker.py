@@ -9,7 +9,6 @@ by `--cache-max`, so a restarted main server does not send the weights again.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import signal
@@ -18,7 +17,7 @@ from server.errors import ConfigError
 from server.loading.budget import margin_bytes, memory_limit
 from server.rpc.ggml import Ggml
 from server.rpc.hello import this_build
-from server.settings import WorkerSettings
+from server.settings import WorkerSettings, is_loopback_host
 from server.units import format_size
 
 logger = logging.getLogger(__name__)
@@ -30,15 +29,6 @@ INSECURE = (
     "read the weights and run code paths of llama.cpp never meant for strangers; prefer the loopback "
     "and an SSH tunnel (ssh -N -L {port}:127.0.0.1:{port} this-device)"
 )
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def default_memory() -> int:
@@ -53,7 +43,7 @@ def run_worker(settings: WorkerSettings) -> int:
     written whole, then renamed). ConfigError for an address or a size it refuses."""
     endpoint = f"{settings.host}:{settings.port}"
     why = INSECURE.format(endpoint=endpoint, port=settings.port)
-    if not _is_loopback(settings.host):
+    if not is_loopback_host(settings.host):
         if not settings.insecure_lan:
             raise ConfigError(
                 f"--host {settings.host} is not the loopback: {why}. --insecure-lan listens there anyway"

@@ -151,42 +151,20 @@ def test_rpc_server_on_aarch64(tiny_model: Callable[..., Path], variant: str) ->
     the device's memory, and a model whose last layers it holds decodes through it."""
     import json
     import subprocess
-    import sys
-    import time
 
-    from server.errors import HelperError
-    from server.rpc.hello import check_helper
+    from server.rpc.hello import check_helper, wait_for_helper
     from tests.c_programs import aarch64_argv
-    from tests.rpc.helpers import free_port, run_split
+    from tests.rpc.helpers import helper_memory, run_split
+    from tests.servers import free_port
 
     port, memory = free_port(), 300 << 20
     endpoint = f"127.0.0.1:{port}"
     argv = aarch64_argv("test_rpc_server", str(port), str(memory), this_build(), variant=variant)
     server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                check_helper(endpoint, timeout_s=5)
-                break
-            except HelperError:
-                assert server.poll() is None and time.monotonic() < deadline, (
-                    "the aarch64 server did not answer"
-                )
-                time.sleep(0.5)
-        # in a process of its own: ggml's device registry is the process's
-        script = "\n".join(
-            [
-                "import sys",
-                "from server.rpc.devices import connect",
-                "(h,) = connect([sys.argv[1]])",
-                "print(h.total)",
-            ]
-        )
-        asked = subprocess.run(
-            [sys.executable, "-c", script, endpoint], capture_output=True, text=True, check=False
-        )
-        assert asked.stdout.split() == [str(memory)], asked.stderr[-2000:]
+        wait_for_helper(endpoint, lambda: server.poll() is None)
+        check_helper(endpoint)
+        assert helper_memory(endpoint)[1] == memory
         model = tiny_model("tiny-qwen3moe")
         settings = {"model": str(model), "mode": "streaming", "ctx_size": 512, "parallel": 1, "threads": 2}
         split = run_split({**settings, "rpc": endpoint, "rpc_layers": "2"})

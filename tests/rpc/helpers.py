@@ -4,7 +4,6 @@ and a model loaded as `serve` loads it in a process of its own (tests/split_run.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -15,17 +14,11 @@ from typing import Any, NamedTuple
 
 from server.bench.cgroup import MemoryCgroup
 from server.errors import HelperError
-from server.rpc.hello import hello
+from server.rpc.hello import wait_for_helper
+from tests.servers import free_port
 
 PROMPT = [(7 * i + 40) % 300 for i in range(24)]
 N_TOKENS = 10
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class RunningHelper(NamedTuple):
@@ -55,15 +48,10 @@ def helper(
         proc = start(argv, stdout=out, stderr=subprocess.STDOUT)
     endpoint = f"127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                hello(endpoint, timeout_s=2)
-                break
-            except HelperError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"the worker did not come up: {log.read_text()[-2000:]}") from None
-                time.sleep(0.2)
+        try:
+            wait_for_helper(endpoint, lambda: proc.poll() is None, timeout_s=60)
+        except HelperError as exc:
+            raise AssertionError(f"{exc}: {log.read_text()[-2000:]}") from None
         yield RunningHelper(endpoint, log, proc)
     finally:
         proc.kill()
@@ -72,6 +60,25 @@ def helper(
 
 def _popen(argv: list[str], **kwargs: Any) -> subprocess.Popen[str]:
     return subprocess.Popen(argv, text=True, **kwargs)
+
+
+def helper_memory(endpoint: str) -> tuple[int, int]:
+    """(free, total) bytes the helper at `endpoint` reports through ggml, asked in a process of
+    its own: ggml's device registry is the process's."""
+    script = "\n".join(
+        [
+            "import sys",
+            "from server.rpc.devices import connect",
+            "(h,) = connect([sys.argv[1]])",
+            "print(h.free, h.total)",
+        ]
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, endpoint], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    free, total = done.stdout.split()
+    return int(free), int(total)
 
 
 def run_split(

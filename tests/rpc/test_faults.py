@@ -5,12 +5,9 @@ loads the model again, without the helper (--rpc-optional) or with it once it is
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -18,8 +15,9 @@ import openai
 import pytest
 from gguf import GGUFReader
 
-from tests.rpc.helpers import free_port, helper
-from tests.servers import serve_process, wait_for
+from server.bench.link import ShapedLink
+from tests.rpc.helpers import helper
+from tests.servers import free_port, serve_process, wait_for
 
 # large enough that a long answer takes seconds: the helper goes while it streams
 SHAPE = {"n_embd": 1024, "n_ff_exp": 768, "n_expert": 32}
@@ -44,68 +42,6 @@ def test_a_helper_gone_at_start_up_is_named(tiny_model: Callable[..., Path]) -> 
     )
     assert alone.returncode == 0, alone.stderr[-2000:]
     assert "left out, its layers run here" in alone.stderr
-
-
-@contextmanager
-def cuttable_link(endpoint: str) -> Iterator[tuple[str, Callable[[], None]]]:
-    """A TCP relay to `endpoint` on a free loopback port, as a tunnel is: (its endpoint, cut), cut
-    closing every connection through it and the port."""
-    host, port = endpoint.rsplit(":", 1)
-    listener = socket.create_server(("127.0.0.1", 0))
-    pairs: list[socket.socket] = []
-    cut_event = threading.Event()
-
-    def pump(a: socket.socket, b: socket.socket) -> None:
-        try:
-            while chunk := a.recv(1 << 16):
-                b.sendall(chunk)
-        except OSError:
-            pass
-        finally:
-            for s in (a, b):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def accept() -> None:
-        while not cut_event.is_set():
-            try:
-                near, _ = listener.accept()
-            except OSError:
-                return
-            if cut_event.is_set():
-                near.close()
-                return
-            try:
-                far = socket.create_connection((host, int(port)))
-            except OSError:  # nothing behind the link: the tunnel closes the connection
-                near.close()
-                continue
-            pairs.extend((near, far))
-            threading.Thread(target=pump, args=(near, far), daemon=True).start()
-            threading.Thread(target=pump, args=(far, near), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-
-    def cut() -> None:
-        cut_event.set()
-        try:
-            listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
-        except OSError:
-            pass
-        listener.close()
-        for s in pairs:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-    try:
-        yield f"127.0.0.1:{listener.getsockname()[1]}", cut
-    finally:
-        cut()
 
 
 def _stream_until_lost(port: int, eos: int, lose: Callable[[], None]) -> tuple[int, str]:
@@ -148,8 +84,10 @@ def test_a_helper_lost_mid_stream_fails_that_request_only(
     tiny_model: Callable[..., Path], tmp_path: Path, how: str
 ) -> None:
     path = tiny_model("tiny-qwen3moe", **SHAPE)
-    with helper(tmp_path, memory="1G") as running, cuttable_link(running.endpoint) as (linked, cut):
-        lose = cut if how == "link cut" else running.proc.kill
+    # the relay of the RPC benchmark, unshaped: closing it cuts the link as a tunnel's end does
+    with helper(tmp_path, memory="1G") as running, ShapedLink(running.endpoint) as link:
+        linked = link.endpoint
+        lose = link.close if how == "link cut" else running.proc.kill
         with serve_process(path, "--rpc", linked, "--rpc-optional", *SERVE, log_level="WARNING") as (
             proc,
             port,

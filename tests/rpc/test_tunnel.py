@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.rpc.helpers import free_port, helper
+from tests.rpc.helpers import helper
 from tests.rpc.test_faults import SERVE, SHAPE, _answer, _eos, _health, _stream_until_lost
-from tests.servers import serve_process, wait_for
+from tests.servers import free_port, serve_process, wait_for
 
 SSHD = Path("/usr/sbin/sshd")
 

@@ -17,27 +17,14 @@ import pytest
 
 from server.errors import HelperError
 from server.rpc.hello import ANSWER_BYTES, CONN_CAPS_BYTES, RPC_CMD_HELLO, hello
-from tests.rpc.helpers import helper, run_split
+from tests.rpc.helpers import helper, helper_memory, run_split
 
 MIB = 2**20
 
 
 def test_the_helper_reports_its_memory_limit(tmp_path: Path) -> None:
-    # in a process of its own: ggml's device registry is the process's
-    script = "\n".join(
-        [
-            "import sys",
-            "from server.rpc.devices import connect",
-            "(h,) = connect([sys.argv[1]])",
-            "print(h.free, h.total)",
-        ]
-    )
     with helper(tmp_path, memory="300M") as (endpoint, _, _):
-        done = subprocess.run(
-            [sys.executable, "-c", script, endpoint], capture_output=True, text=True, check=False
-        )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == [str(300 * MIB), str(300 * MIB)]
+        assert helper_memory(endpoint) == (300 * MIB, 300 * MIB)
 
 
 def test_a_second_main_server_is_refused_at_once(tmp_path: Path) -> None:
