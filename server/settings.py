@@ -1,22 +1,29 @@
-"""Server and model settings: one source of truth for names, defaults and bounds.
+"""The settings groups: one source of truth for names, defaults and bounds.
 
-Each field is read, highest priority first, from a command-line flag (generated from the
-field by `add_arguments`), an environment variable (`MOEFLASH_<FIELD>`), a table of a TOML
-file (`[server]` / `[model]`, see configs/default.toml) and finally the default below.
+Each field is read, highest priority first, from a command-line flag (pydantic-settings' CLI
+source, server/cli/arguments.py), an environment variable (`MOEFLASH_<FIELD>`), its group's table
+of a TOML file (`[server]`, `[model]`, ..., see configs/default.toml) and finally the default below.
 """
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
-from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    InitSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
 
 from server.errors import ConfigError
 from server.units import parse_duration, parse_size
@@ -67,10 +74,36 @@ def _default_state_dir() -> Path:
     return (Path(base) if base else Path.home() / ".local" / "state") / "moeflash"
 
 
-class ServerSettings(BaseSettings):
-    """HTTP-side settings: binding, security, limits, queueing."""
+class Settings(BaseSettings):
+    """A group of settings, each field read, highest priority first, from what a command line gave
+    (server/cli/arguments.py), the environment (`MOEFLASH_<FIELD>`), the group's table of a TOML
+    file (`--config`, the table named by `TABLE`) and the field's default."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+    TABLE: ClassVar[str]  # the TOML table this group reads
+
+    @classmethod
+    def read(
+        cls, given: PydanticBaseSettingsSource | Mapping[str, Any] | None = None, config: Path | None = None
+    ) -> Self:
+        """The settings from `given` (a command line's source, or values by field name, None meaning
+        not given) over the environment over `config`'s table over the defaults."""
+        if not isinstance(given, PydanticBaseSettingsSource):
+            values = {k: v for k, v in (given or {}).items() if v is not None and k in cls.model_fields}
+            given = InitSettingsSource(cls, values)
+        sources: list[PydanticBaseSettingsSource] = [given, EnvSettingsSource(cls)]
+        if config is not None and _table(cls, config):
+            sources.append(TomlConfigSettingsSource(cls, toml_file=config, toml_table_header=(cls.TABLE,)))
+        try:  # _build_sources: BaseSettings' own argument, unknown to pydantic's mypy plugin
+            return cls(_build_sources=(tuple(sources), {}))  # type: ignore[call-arg]
+        except ValidationError as exc:
+            raise _invalid(exc) from exc
+
+
+class ServerSettings(Settings):
+    """HTTP-side settings: binding, security, limits, queueing."""
+
+    TABLE: ClassVar[str] = "server"
 
     host: str = Field("127.0.0.1", description="address to bind; 0.0.0.0 serves the LAN")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0 picks a free one)")
@@ -210,10 +243,10 @@ class ServerSettings(BaseSettings):
         return is_loopback_host(self.host)
 
 
-class ModelSettings(BaseSettings):
+class ModelSettings(Settings):
     """Model-side settings: which file, how it is loaded, context size, threads."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+    TABLE: ClassVar[str] = "model"
 
     model: Path | None = Field(
         None, description="path of the GGUF model (first file of a split)", json_schema_extra={"short": "-m"}
@@ -419,11 +452,11 @@ class ModelSettings(BaseSettings):
         )
 
 
-class RouteTraceSettings(BaseSettings):
+class RouteTraceSettings(Settings):
     """Routing replayed from or recorded to a route trace (server/loading/route_trace.py): flags of
     `generate` and `bench`, never of `serve`, since replayed routing is not the model's output."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+    TABLE: ClassVar[str] = "route_trace"
 
     route_trace: Path | None = Field(
         None,
@@ -448,11 +481,11 @@ class RouteTraceSettings(BaseSettings):
     )
 
 
-class StoreSettings(BaseSettings):
+class StoreSettings(Settings):
     """The directory of models: where `pull` puts them, `list` and `rm` find them (server/hub)
     and `serve` serves them from, switching between them on request."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+    TABLE: ClassVar[str] = "store"
 
     models_dir: Path | None = Field(
         None,
@@ -467,12 +500,13 @@ class StoreSettings(BaseSettings):
         return value.expanduser() if value is not None else None
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(Settings):
     """`moeflash worker`: an RPC helper lending this device's memory and cores to a main server
     (server/rpc/worker.py). Its own environment prefix, MOEFLASH_WORKER_, keeps a serve's port or
     host from reaching it."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX + "WORKER_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX + "WORKER_")
+    TABLE: ClassVar[str] = "worker"
 
     host: str = Field(
         "127.0.0.1",
@@ -512,83 +546,41 @@ class WorkerSettings(BaseSettings):
         return value.expanduser()
 
 
-S = TypeVar("S", bound=BaseSettings)
-
-SETTINGS_CLASSES: tuple[type[BaseSettings], ...] = (ServerSettings, ModelSettings)
-
-
-class _TomlTable(PydanticBaseSettingsSource):
-    """One table of a TOML file as a settings source (below env vars, above defaults)."""
-
-    def __init__(self, settings_cls: type[BaseSettings], values: dict[str, Any]) -> None:
-        super().__init__(settings_cls)
-        self._values = values
-
-    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        return self._values.get(field_name), field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        return dict(self._values)
+GROUPS: tuple[type[Settings], ...] = (
+    ServerSettings,
+    ModelSettings,
+    RouteTraceSettings,
+    StoreSettings,
+    WorkerSettings,
+)
 
 
-def _with_toml(cls: type[S], table: dict[str, Any]) -> type[S]:
-    # pydantic-settings picks sources per class; a subclass carries this file's table
-    class _FromToml(cls):  # type: ignore[valid-type,misc]
-        @classmethod
-        def settings_customise_sources(
-            cls_,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return (init_settings, env_settings, _TomlTable(settings_cls, table))
-
-    _FromToml.__name__ = cls.__name__
-    return _FromToml
-
-
-def _toml_tables(path: Path | None) -> dict[str, dict[str, Any]]:
-    if path is None:
-        return {}
+def _table(cls: type[Settings], config: Path) -> bool:
+    """Whether `config` has `cls`'s table; a file that cannot be read, a table no group reads or
+    a key its group does not have is refused (a misspelt setting is never silently dropped)."""
     try:
-        with path.open("rb") as fh:
+        with config.open("rb") as fh:
             data = tomllib.load(fh)
     except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"cannot read the config file {path}: {exc}") from exc
-    unknown = set(data) - {"server", "model"}
+        raise ConfigError(f"cannot read the config file {config}: {exc}") from exc
+    known = {group.TABLE: group for group in GROUPS}
+    unknown = sorted(set(data) - set(known))
     if unknown:
-        raise ConfigError(f"{path}: unknown tables {sorted(unknown)} (expected [server] and [model])")
-    return {key: dict(value) for key, value in data.items()}
+        expected = ", ".join(f"[{table}]" for table in known)
+        raise ConfigError(f"{config}: unknown tables {unknown} (expected {expected})")
+    for name, values in data.items():
+        misspelt = sorted(set(values) - set(known[name].model_fields)) if isinstance(values, dict) else []
+        if misspelt:
+            raise ConfigError(f"{config}: [{name}] has no setting {', '.join(misspelt)}")
+    return cls.TABLE in data
 
 
 def load_settings(
     cli: dict[str, Any] | None = None, config: Path | None = None
 ) -> tuple[ServerSettings, ModelSettings]:
-    """Build both settings objects from CLI values (None = not given), env and a TOML file."""
-    tables = _toml_tables(config)
-    given = {key: value for key, value in (cli or {}).items() if value is not None}
-    try:
-        server = _with_toml(ServerSettings, tables.get("server", {}))(
-            **{k: v for k, v in given.items() if k in ServerSettings.model_fields}
-        )
-        model = _with_toml(ModelSettings, tables.get("model", {}))(
-            **{k: v for k, v in given.items() if k in ModelSettings.model_fields}
-        )
-    except ValidationError as exc:
-        raise _invalid(exc) from exc
-    return server, model
-
-
-def settings_of(cls: type[S], args: argparse.Namespace) -> S:
-    """The settings `cls` from the flags a command line gave, over the environment (the commands'
-    settings not read from a TOML file)."""
-    given = {name: value for name in cls.model_fields if (value := getattr(args, name, None)) is not None}
-    try:
-        return cls(**given)
-    except ValidationError as exc:
-        raise _invalid(exc) from exc
+    """The server's and the model's settings from values by field name (None: not given), the
+    environment and a TOML file."""
+    return ServerSettings.read(cli, config), ModelSettings.read(cli, config)
 
 
 def _invalid(exc: ValidationError) -> ConfigError:

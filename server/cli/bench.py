@@ -22,17 +22,14 @@ import logging
 import shlex
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pydantic import create_model
-from pydantic_settings import BaseSettings
-
-from server.cli.arguments import add_arguments, given_flags
+from server.cli.arguments import add_arguments, given_flags, settings_of
 from server.errors import ConfigError, MoeflashError
-from server.settings import ModelSettings, RouteTraceSettings, settings_of
+from server.settings import ModelSettings, RouteTraceSettings
 
 logger = logging.getLogger(__name__)
 
@@ -44,18 +41,6 @@ PROMPT_CACHE_CTX_SIZE = 8192
 OLD_MODES = (("--replay", "replay"), ("--warm-start", "warm-start"), ("--prompt-cache", "prompt-cache"))
 # bench's flags that were renamed, and their names now
 RENAMED = (("--models-dir", "--shapes-dir"),)
-
-
-def _only(cls: type[BaseSettings], names: Iterable[str]) -> type[BaseSettings]:
-    """`cls` with only the fields `names`, for `add_arguments` to make their flags (help, defaults,
-    short forms as `serve` and `generate` have them) and no others; named as `cls`, whose name
-    titles the flags' group in --help."""
-    chosen = set(names)
-    fields: dict[str, Any] = {
-        name: (field.annotation, field) for name, field in cls.model_fields.items() if name in chosen
-    }
-    made: type[BaseSettings] = create_model(cls.__name__, __base__=BaseSettings, **fields)
-    return made
 
 
 class _Renamed(argparse.Action):
@@ -187,7 +172,7 @@ def _register_suite(benches: Any) -> None:
     suite.add_argument("--no-levers", action="store_true", help="skip the one-lever-at-a-time variants")
     suite.add_argument("--ceiling-seconds", type=float, default=8.0, help="seconds per disk-ceiling pattern")
     # --route-trace routes every system by the trace, its prompt as long as the trace's
-    _add_model_settings(suite, _only(RouteTraceSettings, ["route_trace"]))
+    _add_model_settings(suite, trace=True)
 
 
 def _register_served(benches: Any) -> None:
@@ -244,7 +229,7 @@ def _register_served(benches: Any) -> None:
         "--links", default="loopback,1gbit-1ms,300mbit-3ms", help="links to the helper (default: all three)"
     )
     rpc.add_argument("--rounds", type=int, default=2, help="rounds, the systems alternated")
-    _add_model_settings(rpc, _only(RouteTraceSettings, ["route_trace"]))
+    _add_model_settings(rpc, trace=True)
 
 
 def _add_model_choice(p: argparse.ArgumentParser) -> None:
@@ -267,12 +252,15 @@ def _add_out(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument("--out", type=Path, help=f"report path without suffix (default bench/reports/{name})")
 
 
-def _add_model_settings(p: argparse.ArgumentParser, *more: type[BaseSettings]) -> None:
-    """The model settings of serve and generate but --model (the model is --shape's or --model's):
-    the ones given go to every run (a system's own levers come later and win; --ctx-size is the
-    benchmark's own unless given); and --delete-model."""
+def _add_model_settings(p: argparse.ArgumentParser, trace: bool = False) -> None:
+    """The model settings of serve and generate but --model (the model is --shape's or --model's),
+    with `trace` --route-trace too: the ones given, and --config, go to every run (a system's own
+    levers come later and win; --ctx-size is the benchmark's own unless given); and --delete-model."""
     p.add_argument("--delete-model", action="store_true", help="delete a model --shape generated afterwards")
-    add_arguments(p, (_only(ModelSettings, (n for n in ModelSettings.model_fields if n != "model")), *more))
+    replay_only = {name for name in RouteTraceSettings.model_fields if name != "route_trace"}
+    add_arguments(
+        p, (ModelSettings, RouteTraceSettings) if trace else (ModelSettings,), {"model", *replay_only}
+    )
 
 
 def _parse_caps(text: str, file_bytes: int) -> list[int]:
@@ -327,6 +315,13 @@ def _model_path(args: argparse.Namespace) -> tuple[Path, bool]:
     return args.model, False
 
 
+def run_flags(args: argparse.Namespace) -> list[str]:
+    """What a benchmark passes on to each run it starts: its --config and the model settings'
+    flags given (but --model and --ctx-size, the benchmark's own)."""
+    config = ["--config", str(args.config)] if args.config is not None else []
+    return config + given_flags(args, ModelSettings, skip=("model", "ctx_size"))
+
+
 @contextmanager
 def _bench_model(args: argparse.Namespace) -> Iterator[tuple[Path, dict[str, Any], list[str]]]:
     """The model a benchmark of model settings runs on, its description (a generated one's sha256
@@ -339,7 +334,7 @@ def _bench_model(args: argparse.Namespace) -> Iterator[tuple[Path, dict[str, Any
         info = describe_model(path)
         if args.shape:
             info["sha256"] = path.with_suffix(".sha256").read_text().strip()
-        yield path, info, given_flags(args, ModelSettings, skip=("model", "ctx_size"))
+        yield path, info, run_flags(args)
     finally:
         if generated and args.delete_model:
             path.unlink(missing_ok=True)
@@ -493,11 +488,8 @@ def run_suite(args: argparse.Namespace) -> int:
         if trace is not None:
             flags += _trace_flags(trace, path, info)
             # what the replay of each run's routes needs to judge its hit rate (ratios.py)
-            defaults = ModelSettings.model_fields
-            info["route_trace"] |= {
-                "cache_policy": args.cache_policy or defaults["cache_policy"].default,
-                "n_batch": int(args.n_batch or defaults["n_batch"].default),
-            }
+            given = settings_of(ModelSettings, args)
+            info["route_trace"] |= {"cache_policy": given.cache_policy, "n_batch": given.n_batch}
             # the first token comes from the prompt: one decode step fewer than tokens
             tokens = args.tokens or info["route_trace"]["decode_steps"] + 1
         cfg = BenchConfig(

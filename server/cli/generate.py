@@ -19,14 +19,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from server.cli.arguments import add_arguments, settings_from_args
+from server.cli.arguments import add_arguments, settings_of
 from server.engine.generation import GenerationRequest, GenerationStats, SamplingParams, TextDelta
 from server.engine.token_loop import generate
 from server.errors import ConfigError
 from server.loading.loader import LoadedModel, load_model
 from server.loading.measured import DecodeStep
 from server.loading.route_trace import recorded_routes, write_trace
-from server.settings import ModelSettings, RouteTraceSettings, settings_of
+from server.settings import ModelSettings, RouteTraceSettings
 
 logger = logging.getLogger(__name__)
 
@@ -301,7 +301,7 @@ def _summary(r: GenerateReport) -> str:
 def run(args: argparse.Namespace) -> int:
     """The `generate` subcommand."""
     _check_args(args)
-    _, settings = settings_from_args(args, (ModelSettings,))
+    settings = settings_of(ModelSettings, args)
     routing = settings_of(RouteTraceSettings, args)
     if settings.model is None:
         raise ConfigError("no model given: moeflash generate --model PATH (or MOEFLASH_MODEL)")

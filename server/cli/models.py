@@ -6,9 +6,9 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from server.cli.arguments import add_arguments
+from server.cli.arguments import add_arguments, settings_of
 from server.errors import PullError
-from server.settings import StoreSettings, settings_of
+from server.settings import StoreSettings
 from server.units import format_size
 
 if TYPE_CHECKING:

@@ -10,12 +10,12 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from server.cli.arguments import add_arguments, settings_from_args
+from server.cli.arguments import add_arguments, settings_from_args, settings_of
 from server.errors import ConfigError, ModelLoadError, MoeflashError
 from server.loading.budget import return_freed_buffers
 from server.loading.loader import LoadedModel, load_model
 from server.loading.model_files import gguf_models, model_stem, split_files
-from server.settings import ModelSettings, ServerSettings, StoreSettings, settings_of
+from server.settings import ModelSettings, ServerSettings, StoreSettings
 from server.units import format_size
 
 if TYPE_CHECKING:

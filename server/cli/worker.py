@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from server.cli.arguments import add_arguments
-from server.settings import WorkerSettings, settings_of
+from server.cli.arguments import add_arguments, settings_of
+from server.settings import WorkerSettings
 
 
 def register(subparsers: Any) -> None:

@@ -42,7 +42,7 @@ FLAGS: tuple[tuple[tuple[str, ...], frozenset[str]], ...] = (
     (("--delete-model",), MODEL_RUNS),
     (("--lanes", "2"), MODEL_RUNS),
     (("--no-overlap",), MODEL_RUNS),
-    (("--config", "c.toml"), frozenset()),  # read by no benchmark (its runs are given the flags)
+    (("--config", "c.toml"), MODEL_RUNS),  # passed on to their runs with the flags
     # generate's, and the old forms' mode flags
     (("--record-route-trace", "x.csv"), frozenset()),
     (("--prefetch-from-trace",), frozenset()),
