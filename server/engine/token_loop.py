@@ -34,6 +34,7 @@ from server.engine.generation import (
     TokenLogprob,
     TopLogprob,
 )
+from server.engine.step_costs import StepCosts
 from server.loading.prompt_cache import common_prefix, reuse_live, sliding_window
 
 if TYPE_CHECKING:
@@ -46,14 +47,6 @@ logger = logging.getLogger(__name__)
 
 # penalties look back this many generated tokens (llama-cpp-python's default)
 PENALTY_LAST_N = 64
-# beside running decodes a step takes as many prompt tokens as keep it within this many times a
-# step of decodes alone (alone, a prompt takes n_batch a step): each decoding request's next token
-# waits for the step, so its gap between tokens stays within about this factor, and the prompt
-# prefills at 1 - 1/factor of its rate alone, 1.5x its time at 3 (docs/api.md, "Concurrency and
-# life cycle")
-STEP_OVER_DECODE = 3.0
-# the prompt tokens beside decodes until the loop has measured both costs
-PROMPT_TOKENS_BESIDE_DECODES = 8
 
 
 class _StopFilter:
@@ -323,9 +316,7 @@ class TokenLoop:
         self.prompt_cache = prompt_cache
         self.step_tokens = llama.n_batch
         self.beside = beside  # prompt tokens beside decodes, fixed (tests); None: measured
-        # the measured costs prompt_beside() reads (ns): a step of decodes alone, a prompt token
-        self._decode_ns: float | None = None
-        self._prompt_token_ns: float | None = None
+        self.costs = StepCosts()  # what prompt_beside() reads
         # a replay's recorded plans: step -> {request index: tokens}, followed instead of chosen
         self.replay: dict[int, dict[int, int]] | None = None
         self.running: list[Sequence] = []
@@ -425,7 +416,11 @@ class TokenLoop:
             self._phase = phase
         llama._ctx.decode(self._batch)
         step = llama.steps[-1]
-        self._learn(parts, step)
+        self.costs.learn(
+            sum(seq.next_token is not None for seq, _ in parts),
+            sum(len(tokens) for seq, tokens in parts if seq.next_token is None),
+            step.wall_ns,
+        )
         if self.journal is not None:
             self.journal.append(JournalEntry("step", self.steps, -1, plan=plan))
         self.steps += 1
@@ -455,7 +450,11 @@ class TokenLoop:
         prompt tokens; in a replay, the recorded plan's."""
         recorded = self.replay.get(self.steps) if self.replay is not None else None
         decoding = sum(seq.next_token is not None for seq in self.running)
-        budget = self.step_tokens if decoding == 0 else min(self.step_tokens, decoding + self.prompt_beside())
+        budget = (
+            self.step_tokens
+            if decoding == 0
+            else min(self.step_tokens, decoding + self.prompt_beside(decoding))
+        )
         parts: list[tuple[Sequence, list[int]]] = []
         for seq in sorted(self.running, key=lambda seq: seq.next_token is None):
             if recorded is not None:
@@ -470,32 +469,11 @@ class TokenLoop:
         # in slot order: llama.cpp takes the KV streams of consecutive slots in one micro-batch
         return sorted(parts, key=lambda part: part[0].slot.seq_id)
 
-    def prompt_beside(self) -> int:
-        """Prompt tokens a step takes beside running decodes: as many as keep the step within
-        STEP_OVER_DECODE times a step of decodes alone, from the two costs measured on this
-        loop's own steps (PROMPT_TOKENS_BESIDE_DECODES until both are)."""
-        if self.beside is not None:
-            return self.beside
-        if self._decode_ns is None or self._prompt_token_ns is None:
-            return PROMPT_TOKENS_BESIDE_DECODES
-        room = (STEP_OVER_DECODE - 1) * self._decode_ns / max(1.0, self._prompt_token_ns)
-        return max(1, min(self.step_tokens, int(room)))
-
-    def _learn(self, parts: list[tuple[Sequence, list[int]]], step: DecodeStep) -> None:
-        """Update the costs prompt_beside() reads, moving averages: a step of decodes alone, and
-        a prompt token beside decodes (the step's time beyond its decodes', over its prompt
-        tokens; a prompt alone, in n_batch chunks, costs less a token and is not counted)."""
-        prompt = sum(len(tokens) for seq, tokens in parts if seq.next_token is None)
-        decodes = sum(seq.next_token is not None for seq, _ in parts)
-
-        def mix(old: float | None, new: float) -> float:
-            return new if old is None else 0.8 * old + 0.2 * new
-
-        if prompt == 0:
-            self._decode_ns = mix(self._decode_ns, step.wall_ns)
-        elif decodes and self._decode_ns is not None:
-            spent = max(0.0, step.wall_ns - self._decode_ns)
-            self._prompt_token_ns = mix(self._prompt_token_ns, spent / prompt)
+    def prompt_beside(self, decoding: int) -> int:
+        """Prompt tokens a step takes beside `decoding` running decodes (server/engine/step_costs.py)."""
+        return (
+            self.beside if self.beside is not None else self.costs.prompt_beside(decoding, self.step_tokens)
+        )
 
     def _shares(self) -> bool:
         """Whether a slot's prefix can be copied into another: through the prompt cache's RAM (in
