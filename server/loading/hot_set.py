@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from server.loading.model_files import split_files
+from server.units import format_size
 from streaming_ext import Streamer, StreamerError
 
 logger = logging.getLogger(__name__)
@@ -190,9 +191,9 @@ class WarmStart:
                 chunks.append((layer, {expert: uses}))
         if chosen:
             logger.info(
-                "warm start: reading back %d experts (%.0f MiB) of %s, between requests",
+                "warm start: reading back %d experts (%s) of %s, between requests",
                 len(chosen),
-                len(chosen) * self._entry_bytes / 2**20,
+                format_size(len(chosen) * self._entry_bytes),
                 why,
             )
         return chunks
@@ -216,7 +217,7 @@ class WarmStart:
         budget = self._streamer.stats().budget_bytes
         if budget > self._budget_seen and not self._pending:
             self._started, self._read = self._clock(), 0
-            self._pending = self._plan(f"the hot set, the budget back up to {budget / 2**20:.0f} MiB")
+            self._pending = self._plan(f"the hot set, the budget back up to {format_size(budget)}")
         self._budget_seen = budget
         if not self._pending:
             return False

@@ -139,8 +139,8 @@ def choose_mode(settings: ModelSettings, file_size: int) -> tuple[str, str]:
     limit = memory_limit()
     # resident needs the whole file in page cache plus KV and compute buffers: keep headroom
     if file_size <= (limit.bytes - limit.in_use) * 0.6:
-        return "resident", f"auto: the file ({file_size / 2**30:.1f} GiB) fits in {limit.source}"
-    return "streaming", f"auto: the file ({file_size / 2**30:.1f} GiB) exceeds 60% of {limit.source}"
+        return "resident", f"auto: the file ({format_size(file_size)}) fits in {limit.source}"
+    return "streaming", f"auto: the file ({format_size(file_size)}) exceeds 60% of {limit.source}"
 
 
 def load_model(
