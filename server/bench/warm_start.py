@@ -1,5 +1,5 @@
 """The warm-start benchmark: the first answer after a restart, with and without the last run's
-hot set read back (server/loading/hot_set.py).
+hot set read back (server/lifecycle/hot_set.py).
 
     moeflash bench warm-start --shape qwen30b-shape --caps 0.25
 
