@@ -1,9 +1,10 @@
-"""Sizes and durations as people write them, and sizes as every message writes them."""
+"""Sizes and durations as people write them, and sizes as every message and report writes them."""
 
 from __future__ import annotations
 
 import math
 import re
+from typing import Literal
 
 _SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -24,12 +25,39 @@ def parse_size(text: str | int) -> int:
     return int(size)
 
 
-def format_size(n: int) -> str:
-    """Bytes in binary units, as every message and log line writes them: 4.50 MiB, 17.28 GiB."""
-    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.2f} {unit}"
-    return f"{n} B"
+# what format_size writes: binary units, largest first; decimal MB and GB only when asked for (the
+# committed bench reports' columns in MB, set beside disk rates in MB/s)
+SizeUnit = Literal["TiB", "GiB", "MiB", "KiB", "B", "GB", "MB"]
+_SIZE_UNITS: dict[SizeUnit, int] = {
+    "TiB": 1 << 40,
+    "GiB": 1 << 30,
+    "MiB": 1 << 20,
+    "KiB": 1 << 10,
+    "B": 1,
+    "GB": 10**9,
+    "MB": 10**6,
+}
+_BINARY_UNITS: tuple[SizeUnit, ...] = ("TiB", "GiB", "MiB", "KiB", "B")
+
+
+def format_size(
+    n: float, *, unit: SizeUnit | None = None, digits: int | None = None, bare: bool = False
+) -> str:
+    """Bytes as every message, log line and report writes them: by default in the largest binary
+    unit that leaves at least 1, with two decimals (4.50 MiB, 17.28 GiB; whole bytes below 1 KiB:
+    512 B). `unit`: that unit whatever the size, for a table's column or figures set against one
+    another; `digits`: that many decimals; `bare`: the number alone, for a column whose header
+    names the unit (it needs `unit`)."""
+    if unit is None:
+        if bare:
+            raise ValueError("a size written without its unit needs a fixed unit")
+        # a name of its own: mypy would infer next()'s type from unit's, None included
+        largest = next(u for u in _BINARY_UNITS if abs(n) >= _SIZE_UNITS[u] or u == "B")
+        unit = largest
+    size = _SIZE_UNITS[unit]
+    places = (0 if size == 1 else 2) if digits is None else digits
+    number = f"{n / size:.{places}f}"
+    return number if bare else f"{number} {unit}"
 
 
 _DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}

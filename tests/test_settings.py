@@ -1,4 +1,5 @@
-"""Settings: sizes, precedence of CLI over environment over TOML, the shipped config, refusals."""
+"""Settings: sizes (read and written), precedence of CLI over environment over TOML, the shipped
+config, refusals."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pydantic import ValidationError
 from server.cli.arguments import add_arguments, settings_from_args
 from server.errors import ConfigError
 from server.settings import GROUPS, ModelSettings, ServerSettings, load_settings
-from server.units import parse_size
+from server.units import format_size, parse_size
 
 
 @pytest.mark.parametrize(
@@ -21,6 +22,38 @@ from server.units import parse_size
 )
 def test_parse_size(text: str, size: int) -> None:
     assert parse_size(text) == size
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [(0, "0 B"), (1023, "1023 B"), (1024, "1.00 KiB"), (9 << 19, "4.50 MiB"), (5 << 40, "5.00 TiB")],
+)
+def test_format_size_picks_the_largest_unit(n: int, text: str) -> None:
+    assert format_size(n) == text
+    assert format_size(-n) == ("-" if n else "") + text
+
+
+def test_format_size_in_a_fixed_unit_and_digits() -> None:
+    # a table's column keeps one unit, however small or large the figure
+    assert format_size(9 << 29, unit="GiB", digits=2) == "4.50 GiB"
+    assert format_size(3 << 20, unit="GiB", digits=2) == "0.00 GiB"
+    assert format_size(9 << 29, unit="MiB", digits=0) == "4608 MiB"
+    assert format_size(-352 << 20, unit="MiB", digits=0) == "-352 MiB"  # a budget's shortfall
+    assert format_size(1536, unit="KiB", digits=1) == "1.5 KiB"
+    assert format_size(1536, unit="KiB") == "1.50 KiB"  # two decimals unless told
+    assert format_size(512, unit="B") == "512 B"
+    assert format_size(9 << 19, digits=1) == "4.5 MiB"
+    assert format_size(165.3 * 2**20, unit="MiB", digits=1) == "165.3 MiB"  # a mean per token
+    # decimal units only when asked for: the bench reports' columns beside disk rates in MB/s
+    assert format_size(890 * 10**6, unit="MB", digits=0) == "890 MB"
+    assert format_size(17_990_000_000, unit="GB", digits=2) == "17.99 GB"
+    assert format_size(17_990_000_000) == "16.75 GiB"
+
+
+def test_format_size_bare_is_the_number_of_a_named_column() -> None:
+    assert format_size(9 << 29, unit="MiB", digits=0, bare=True) == "4608"
+    with pytest.raises(ValueError, match="needs a fixed unit"):
+        format_size(1024, bare=True)
 
 
 def test_settings_precedence_cli_over_env_over_toml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from server.bench.ratios import decode_figures, system_run
+from server.units import format_size
 
 if TYPE_CHECKING:
     from server.bench.results import BenchResult, Run
@@ -49,7 +50,7 @@ def _cap_label(result: BenchResult, cap: int | None) -> str:
         return "no cap"
     size = float(result.model.get("file_bytes") or 0)
     share = f"{cap / size:.0%} " if size else ""
-    return f"{share}cap\n{cap / 2**30:.2f} GiB"
+    return f"{share}cap\n{format_size(cap, unit='GiB', digits=2)}"
 
 
 def _caps(result: BenchResult) -> list[int | None]:
@@ -126,7 +127,7 @@ def _split(ax: Any, result: BenchResult) -> None:
             run = system_run(result, name, cap)
             d = decode_figures(run) if run is not None else None
             if d is not None and run is not None and run.report.get("mode") == "streaming":
-                cap_text = "no cap" if cap is None else f"{cap / 2**30:.2f} GiB"
+                cap_text = "no cap" if cap is None else format_size(cap, unit="GiB", digits=2)
                 bars.append((f"{name}\n{cap_text}", d))
     bottom = [0.0] * len(bars)
     for key, label, color in SPLIT:

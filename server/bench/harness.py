@@ -30,6 +30,7 @@ from server.bench.ratios import compute_ratios
 from server.bench.results import BenchResult, Run
 from server.bench.systems import System, SystemSet
 from server.loading.model_files import split_files
+from server.units import format_size
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,8 @@ def run_system(
     dropped = drop_page_cache() is None
     run = Run(system.name, cap, ok=False, page_cache_dropped=dropped, repeat=repeat)
     nth = f" (run {repeat + 1} of {system.repeats})" if system.repeats > 1 else ""
-    progress(f"{system.name}{nth}{'' if cap is None else f' @ {cap / 2**30:.2f} GiB'}")
+    under = "" if cap is None else f" @ {format_size(cap, unit='GiB', digits=2)}"
+    progress(f"{system.name}{nth}{under}")
     if system.warm_page_cache:
         progress(f"{system.name}: reading the model into the page cache first")
         warm_page_cache(split_files(cfg.model))
@@ -183,8 +185,8 @@ def measure_ceiling(
     quarter = cfg.model.stat().st_size // 4
     out = []
     for i, readers in enumerate((1, 2, 4)):
-        size_mib = slice_bytes / 2**20
-        progress(f"disk ceiling (probe {probe + 1}): random {size_mib:.1f} MiB reads, {readers} reader(s)")
+        size = format_size(slice_bytes, unit="MiB", digits=2)
+        progress(f"disk ceiling (probe {probe + 1}): random {size} reads, {readers} reader(s)")
         drop_page_cache()
         span = (i * quarter, (i + 1) * quarter)
         seed = probe * 10 + readers
@@ -251,7 +253,7 @@ def run_bench(
     probe_disk(None, "before the uncapped runs")
     runs = _in_rounds(systems.uncapped, cfg, None, progress)
     for cap in cfg.caps:
-        probe_disk(cap, f"before the {cap / 2**30:.2f} GiB runs")
+        probe_disk(cap, f"before the {format_size(cap, unit='GiB', digits=2)} runs")
         runs += _in_rounds(systems.capped, cfg, cap, progress)
     probe_disk(None, "after the last runs")
     result = BenchResult(

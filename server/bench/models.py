@@ -12,10 +12,9 @@ from typing import Any
 
 from server.bench.harness import disk_room_ok
 from server.errors import ConfigError
+from server.units import format_size
 
 logger = logging.getLogger(__name__)
-
-_GB = 10**9
 
 
 def _sha256(path: Path) -> str:
@@ -61,8 +60,8 @@ def shape_model(shape: str, models_dir: Path, progress: bool) -> tuple[Path, boo
     ok, free = disk_room_ok(models_dir, need)
     if not ok:
         raise ConfigError(
-            f"not enough disk: {shape} needs {need / _GB:.1f} GB and 15 GB must stay free "
-            f"({free / _GB:.1f} GB free in {models_dir})"
+            f"not enough disk: {shape} needs {format_size(need, unit='GB', digits=1)} and 15 GB must stay "
+            f"free ({format_size(free, unit='GB', digits=1)} free in {models_dir})"
         )
     generate_model(spec, path, progress=progress, overwrite=True)
     sidecar.write_text(f"{_sha256(path)}\n{fingerprint}\n")

@@ -37,6 +37,7 @@ from typing import Any
 from server.bench.cgroup import MemoryCgroup, probe
 from server.bench.served import BenchServer, eog_bias, stream_chat, write_report
 from server.errors import MoeflashError
+from server.units import format_size
 
 STREAMS = (1, 2, 4)
 SLOTS = 4
@@ -242,7 +243,7 @@ def summarize(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _cap(cap: int | str) -> str:
-    return "every expert cached" if cap == ALL else f"{int(cap) / 2**30:.2f} GiB"
+    return "every expert cached" if cap == ALL else format_size(int(cap), unit="GiB", digits=2)
 
 
 def markdown(data: dict[str, Any], rows: list[dict[str, Any]], command: str) -> str:
@@ -271,7 +272,8 @@ def markdown(data: dict[str, Any], rows: list[dict[str, Any]], command: str) -> 
         lines.append(
             f"| {_cap(r['cap'])} | {r['tok_s_1']:.2f} / {r['tok_s_2']:.2f} / {r['tok_s_4']:.2f} | "
             f"{r['ratio_2']:.2f} | {r['ratio_4']:.2f} | {r['shared_4']:.2f} | {r['tokens_per_step_4']:.2f} | "
-            f"{r['bytes_per_token_1'] / 2**20:.1f} / {r['bytes_per_token_4'] / 2**20:.1f} MiB | "
+            f"{format_size(r['bytes_per_token_1'], unit='MiB', digits=1, bare=True)} / "
+            f"{format_size(r['bytes_per_token_4'], unit='MiB', digits=1)} | "
             f"{r['peak_over_limit']:.2f} |"
         )
 

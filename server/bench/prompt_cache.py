@@ -40,6 +40,7 @@ from server.bench.cgroup import MemoryCgroup, drop_page_cache, probe
 from server.bench.disk import CeilingResult, sequential_read, write_unread
 from server.bench.served import BenchServer, eog_bias, stream_chat, write_report
 from server.errors import MoeflashError
+from server.units import format_size
 
 _RESTART = "restart"
 # (agent, its next question) in order; _RESTART restarts the server
@@ -91,7 +92,8 @@ class _DiskProbe:
                 write_unread(path, probe_bytes)
         except OSError as exc:
             raise MoeflashError(
-                f"cannot write {count} disk probes of {probe_bytes >> 20} MiB in {directory}: {exc}"
+                f"cannot write {count} disk probes of {format_size(probe_bytes, unit='MiB', digits=0)} in "
+                f"{directory}: {exc}"
             ) from exc
 
     def read(self) -> CeilingResult:
@@ -186,7 +188,8 @@ def _replay(
             r = done[-1]
             progress(
                 f"{'cache' if cache else 'no cache'}: step {i + 1} agent {agent}: TTFT {r.ttft_s:.2f} s, "
-                f"{r.cached_tokens}/{r.prompt_tokens} cached, {r.read_bytes / 2**20:.0f} MiB from flash"
+                f"{r.cached_tokens}/{r.prompt_tokens} cached, "
+                f"{format_size(r.read_bytes, unit='MiB', digits=0)} from flash"
             )
             last = agent
     finally:
@@ -224,7 +227,7 @@ def run_prompt_cache(
         for cap in caps:
             requests: list[Request] = []
             asked = sum(agent != _RESTART for agent, _q in STEPS)
-            progress(f"writing {2 * asked} disk probes of {probe_bytes >> 20} MiB")
+            progress(f"writing {2 * asked} disk probes of {format_size(probe_bytes, unit='MiB', digits=0)}")
             probe_disk = _DiskProbe(work / f"cap{cap}-probes", 2 * asked, probe_bytes)
             with MemoryCgroup(cap, support) as cgroup:
                 for cache in (True, False):
@@ -304,12 +307,12 @@ def markdown(data: dict[str, Any], rows: list[dict[str, Any]], command: str) -> 
         "With the prompt cache (the defaults) and without it (`--prompt-cache-ram 0`), under a memory "
         f"cgroup. The disk read the model file sequentially at {disk / 1e9:.2f} GB/s at the start "
         f"({'O_DIRECT' if data['disk_direct_io'] else 'buffered'}). Before each request it reads a "
-        f"{data['probe_bytes'] >> 20} MiB file once, written and synced at the start of the cap's "
-        "runs and never read since, as a state spilled to flash earlier in the run is: a restore's "
-        "rate is compared with that. Bytes read again, or soon after they were written, come from the "
-        "host's cache at up to 2-3x the disk's rate, and every cold prefill reads the model file "
-        "again. A resumed request continues its agent's conversation after another agent's request or "
-        "the restart.",
+        f"{format_size(data['probe_bytes'], unit='MiB', digits=0)} file once, written and synced at "
+        "the start of the cap's runs and never read since, as a state spilled to flash earlier in the "
+        "run is: a restore's rate is compared with that. Bytes read again, or soon after they were "
+        "written, come from the host's cache at up to 2-3x the disk's rate, and every cold prefill "
+        "reads the model file again. A resumed request continues its agent's conversation after "
+        "another agent's request or the restart.",
         "",
         "| cap | step | agent | resumed | prompt | cached with / without | TTFT with / without (s) | "
         "with / without | read back | GB/s | disk GB/s | of the disk's | kept in RAM / on flash |",
@@ -320,11 +323,13 @@ def markdown(data: dict[str, Any], rows: list[dict[str, Any]], command: str) -> 
         share = f"{r['read_over_disk']:.2f}" if r["read_over_disk"] else "-"
         resumed = ("after the restart" if r["after_restart"] else "yes") if r["resumed"] else "no"
         lines.append(
-            f"| {r['cap_bytes'] / 2**30:.2f} GiB | {r['step'] + 1} | {r['agent']} | {resumed} | "
-            f"{r['prompt_tokens']} | {r['cached_tokens']} / {r['cold_cached_tokens']} | "
+            f"| {format_size(r['cap_bytes'], unit='GiB', digits=2)} | {r['step'] + 1} | {r['agent']} | "
+            f"{resumed} | {r['prompt_tokens']} | {r['cached_tokens']} / {r['cold_cached_tokens']} | "
             f"{r['ttft_s']:.2f} / {r['cold_ttft_s']:.2f} | {r['ttft_ratio']:.3f} | "
-            f"{r['read_bytes'] / 2**20:.0f} MiB | {speed} | {r['disk_bytes_per_s'] / 1e9:.2f} | {share} | "
-            f"{r['ram_bytes'] / 2**20:.0f} / {r['flash_bytes'] / 2**20:.0f} MiB |"
+            f"{format_size(r['read_bytes'], unit='MiB', digits=0)} | {speed} | "
+            f"{r['disk_bytes_per_s'] / 1e9:.2f} | {share} | "
+            f"{format_size(r['ram_bytes'], unit='MiB', digits=0, bare=True)} / "
+            f"{format_size(r['flash_bytes'], unit='MiB', digits=0)} |"
         )
     lines += [
         "",
@@ -338,8 +343,9 @@ def markdown(data: dict[str, Any], rows: list[dict[str, Any]], command: str) -> 
         shares = [r["read_over_disk"] for r in mine if r["read_over_disk"]]
         shown = f"{statistics.median(shares):.2f} ({min(shares):.2f})" if shares else "no read from flash"
         lines.append(
-            f"| {cap['cap_bytes'] / 2**30:.2f} GiB | {statistics.median(ratios):.3f} ({max(ratios):.3f}) | "
-            f"{shown} | {cap['peak_bytes'] / cap['cap_bytes']:.3f} | {cap['oom_kills']} |"
+            f"| {format_size(cap['cap_bytes'], unit='GiB', digits=2)} | "
+            f"{statistics.median(ratios):.3f} ({max(ratios):.3f}) | {shown} | "
+            f"{cap['peak_bytes'] / cap['cap_bytes']:.3f} | {cap['oom_kills']} |"
         )
     lines += [
         "",

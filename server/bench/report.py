@@ -10,8 +10,7 @@ from server.bench.charts import chart
 from server.bench.ratios import decode_figures
 from server.bench.results import BenchResult, Run
 from server.bench.systems import EMULATED_PREDICTOR_ERROR
-
-_MIB = 2**20
+from server.units import SizeUnit, format_size
 
 
 def _routing_lines(model: dict[str, Any]) -> list[str]:
@@ -42,9 +41,10 @@ def _name(run: Run, result: BenchResult) -> str:
 def _cap(run: Run) -> str:
     if run.cap_bytes is None:
         return "none"
+    cap = format_size(run.cap_bytes, unit="GiB", digits=2)
     if run.cgroup_peak_bytes is None and run.ok:
-        return f"none (in the {run.cap_bytes / 2**30:.2f} GiB rounds)"  # a reference, uncapped
-    return f"{run.cap_bytes / 2**30:.2f} GiB"
+        return f"none (in the {cap} rounds)"  # a reference, uncapped
+    return cap
 
 
 def markdown(result: BenchResult, command: str) -> str:
@@ -71,13 +71,14 @@ def _header(result: BenchResult, command: str) -> list[str]:
         "",
         f"Produced by `{command}`.",
         "",
-        f"Model: {m['path']} ({m['file_bytes'] / 1e9:.2f} GB; "
-        f"{m['bytes_per_expert'] / _MIB:.2f} MiB per expert, "
-        f"{m['routed_bytes_per_token'] / _MIB:.0f} MiB routed per token, "
+        f"Model: {m['path']} ({format_size(m['file_bytes'], unit='GB', digits=2)}; "
+        f"{format_size(m['bytes_per_expert'], unit='MiB', digits=2)} per expert, "
+        f"{format_size(m['routed_bytes_per_token'], unit='MiB', digits=0)} routed per token, "
         # the file's non-expert bytes; a streaming run's "dense" (RAM) excludes mapped embeddings
-        f"non-expert weights {m['dense_bytes'] / _MIB:.0f} MiB; sha256 {m.get('sha256', 'n/a')}).",
+        f"non-expert weights {format_size(m['dense_bytes'], unit='MiB', digits=0)}; "
+        f"sha256 {m.get('sha256', 'n/a')}).",
         f"Machine: {env.get('cpu_model', '?')}, {env.get('cpus')} cores, "
-        f"{env.get('mem_total_bytes', 0) / 2**30:.1f} GiB; read_ahead_kb "
+        f"{format_size(env.get('mem_total_bytes', 0), unit='GiB', digits=1)}; read_ahead_kb "
         f"{env.get('read_ahead_kb')}; {result.cgroup}; page cache {result.page_cache}.",
         f"Code: moeflash {env.get('moeflash', '?')}, commit "
         f"{env.get('commit') or 'unknown (not a git checkout)'}.",
@@ -100,7 +101,7 @@ def _ceiling(ceiling: list[dict[str, Any]]) -> list[str]:
     for c in ceiling:
         lines.append(
             f"| {c.get('probe', 0) + 1}: {c.get('label', '')} | {c['pattern']} | {c['readers']} | "
-            f"{c['read_bytes'] / _MIB:.2f} MiB | {c['bytes_per_s'] / 1e6:.0f} | "
+            f"{format_size(c['read_bytes'], unit='MiB', digits=2)} | {c['bytes_per_s'] / 1e6:.0f} | "
             f"{'yes' if c['direct_io'] else 'no'} |"
         )
     return lines
@@ -130,8 +131,8 @@ def _run_row(run: Run, result: BenchResult) -> str:
     # per decoded token; a run without decode records spreads the whole run's reads (load
     # and prompt too) over every token
     spread = r.get("storage_read_bytes", 0) / (r["prompt_tokens"] + n_dec)
-    read_per_tok = (d["bytes_read"] if d else spread) / 1e6
-    cgroup_peak = _fmt(run.cgroup_peak_bytes / _MIB if run.cgroup_peak_bytes else None, ".0f")
+    read_per_tok = d["bytes_read"] if d else spread
+    cgroup_peak = _bytes(run.cgroup_peak_bytes or None, "MiB", 0)
     split = (
         f"{d['compute_s'] * 1e3:.0f} / {d['flash_wait_s'] * 1e3:.0f} / {d['cache_s'] * 1e3:.0f}"
         if d and r.get("mode") == "streaming"
@@ -141,8 +142,8 @@ def _run_row(run: Run, result: BenchResult) -> str:
         f"| {_name(run, result)} | {_cap(run)} | {r['load_s']:.2f} | {r['ttft_s']:.2f} | "
         f"{r['prompt_tokens'] / r['prompt_s'] if r['prompt_s'] else 0:.1f} | "
         f"{_fmt(d['tok_s_median'] if d else None)} / {_fmt(d['tok_s_mean'] if d else None)} | "
-        f"{r['peak_rss_bytes'] / _MIB:.0f} | {cgroup_peak} | "
-        f"{r.get('major_faults', 'n/a')} | {read_per_tok:.1f} | "
+        f"{_bytes(r['peak_rss_bytes'], 'MiB', 0)} | {cgroup_peak} | "
+        f"{r.get('major_faults', 'n/a')} | {_bytes(read_per_tok, 'MB', 1)} | "
         f"{_hits(d) if d and r.get('mode') == 'streaming' else 'n/a'} | {split} |"
     )
 
@@ -193,8 +194,8 @@ def _caps(ra: dict[str, Any]) -> list[str]:
     ]
     for cap in ra.get("per_cap", {}).values():
         lines.append(
-            f"| {cap['cap_bytes'] / 2**30:.2f} GiB | {_mb(cap.get('disk_ceiling_bytes_per_s'))} | "
-            f"{_fmt(cap['streaming_tok_s'])} | "
+            f"| {format_size(cap['cap_bytes'], unit='GiB', digits=2)} | "
+            f"{_mb(cap.get('disk_ceiling_bytes_per_s'))} | {_fmt(cap['streaming_tok_s'])} | "
             f"{_fmt(cap['mmap_tok_s'], '.3f')} | "
             f"{_fmt(cap['speedup_vs_mmap'], '.1f', 'x')} | {_fmt(cap['io_bound_tok_s'])} | "
             f"{_fmt(cap['roofline_efficiency'], '.2f')} | "
@@ -204,7 +205,8 @@ def _caps(ra: dict[str, Any]) -> list[str]:
             f"{_fmt(cap['memory_discipline'], '.2f')} | {_fmt(cap.get('cache_hit_rate'), '.1%')} + "
             f"{_fmt(cap.get('prefetch_hit_rate'), '.1%')} | "
             f"{_fmt(cap['ttft_20_s'], '.1f')} ({_fmt(cap['mmap_ttft_20_s'], '.1f')}) | "
-            f"{_mb(cap.get('load_bytes_read'))} ({_mb(cap.get('mmap_load_bytes_read'))}) |"
+            f"{_bytes(cap.get('load_bytes_read'), 'MB', 0)} "
+            f"({_bytes(cap.get('mmap_load_bytes_read'), 'MB', 0)}) |"
         )
     rounds = {c["cap_bytes"]: c.get("speedup_vs_mmap_rounds") or [] for c in ra.get("per_cap", {}).values()}
     if any(len(r) > 1 for r in rounds.values()):
@@ -213,7 +215,7 @@ def _caps(ra: dict[str, Any]) -> list[str]:
             "Stock mmap and the default ran in alternated rounds under each cap; the speedup is the median"
             " of the rounds' ratios, the other figures of a cap are those of each system's median run."
             " Speedup by round: "
-            + "; ".join(f"{cap / 2**30:.2f} GiB {_series(r)}" for cap, r in rounds.items())
+            + "; ".join(f"{format_size(cap, unit='GiB', digits=2)} {_series(r)}" for cap, r in rounds.items())
             + ".",
         ]
     return lines
@@ -235,8 +237,8 @@ def _prefill(ra: dict[str, Any]) -> list[str]:
     ]
     for cap in ra.get("per_cap", {}).values():
         out.append(
-            f"| {cap['cap_bytes'] / 2**30:.2f} GiB | {_fmt(cap['prefill_512_tok_s'], '.1f')} | "
-            f"{_fmt(cap.get('mmap_prefill_512_tok_s'), '.1f')} | "
+            f"| {format_size(cap['cap_bytes'], unit='GiB', digits=2)} | "
+            f"{_fmt(cap['prefill_512_tok_s'], '.1f')} | {_fmt(cap.get('mmap_prefill_512_tok_s'), '.1f')} | "
             f"{_fmt(cap.get('prefill_512_speedup_vs_mmap'), '.1f', 'x')} | "
             f"{_fmt(cap.get('ttft_512_s'), '.1f')} ({_fmt(cap.get('mmap_ttft_512_s'), '.1f')}) | "
             f"{_fmt(cap.get('prefill_512_io_bound_tok_s'), '.1f')} | "
@@ -282,16 +284,18 @@ def _traced(ra: dict[str, Any]) -> list[str]:
         ):
             f = cap["trace"].get(key)
             if f is None:
-                out.append(f"| {cap['cap_bytes'] / 2**30:.2f} GiB | {label} | n/a | | | | |")
+                out.append(
+                    f"| {format_size(cap['cap_bytes'], unit='GiB', digits=2)} | {label} | n/a | | | | |"
+                )
                 continue
             split = " / ".join(
                 f"{f['per_token_split_s'][k] * 1e3:.0f}" for k in ("compute_s", "flash_wait_s", "cache_s")
             )
             out.append(
-                f"| {cap['cap_bytes'] / 2**30:.2f} GiB | {label} | {_fmt(f['tok_s'])} | "
+                f"| {format_size(cap['cap_bytes'], unit='GiB', digits=2)} | {label} | {_fmt(f['tok_s'])} | "
                 f"{f['cache_hit_rate']:.1%} + {f['prefetch_hit_rate']:.1%} | "
                 f"{_fmt(f['prefetch_accuracy'], '.1%')} | "
-                f"{_mb(f['bytes_read'])} | {split} |"
+                f"{_bytes(f['bytes_read'], 'MB', 0)} | {split} |"
             )
     out += [
         "",
@@ -303,8 +307,8 @@ def _traced(ra: dict[str, Any]) -> list[str]:
         t = cap["trace"]
         off = t.get("prefetch_off") or {}
         out.append(
-            f"| {cap['cap_bytes'] / 2**30:.2f} GiB | {_fmt(off.get('cache_hit_rate'), '.1%')} | "
-            f"{_fmt(t.get('replay_cache_hit_rate'), '.1%')} | "
+            f"| {format_size(cap['cap_bytes'], unit='GiB', digits=2)} | "
+            f"{_fmt(off.get('cache_hit_rate'), '.1%')} | {_fmt(t.get('replay_cache_hit_rate'), '.1%')} | "
             f"{_fmt(t.get('replay_disagreement_points'), '.2f')} | "
             f"{_fmt(t.get('replay_belady_hit_rate'), '.1%')} | {_fmt(t.get('share_of_belady'), '.2f')} | "
             f"{_fmt(t.get('cache_share'), '.1%')} |"
@@ -333,7 +337,7 @@ def _vs_cached(ra: dict[str, Any]) -> list[str]:
         note = "" if cap.get("vs_cached_same_flash_attn") else " (flash attention differs: no share)"
         rounds = ", ".join(_fmt(x, ".2f") for x in cap.get("vs_cached_rounds") or [])
         out.append(
-            f"| {cap['cap_bytes'] / 2**30:.2f} GiB | {_fmt(cap['cached_tok_s'])} | "
+            f"| {format_size(cap['cap_bytes'], unit='GiB', digits=2)} | {_fmt(cap['cached_tok_s'])} | "
             f"{_fmt(cap.get('vs_cached'), '.2f')}{note} | {rounds} | "
             f"{_fmt(cap.get('vs_cached_bound'), '.2f')} | "
             f"{_fmt(_share(cap.get('vs_cached'), cap.get('vs_cached_bound')), '.2f')} |"
@@ -374,7 +378,13 @@ def _targets(targets: list[dict[str, Any]]) -> list[str]:
 
 
 def _mb(n: float | None) -> str:
+    """A rate in decimal MB/s, as the disk's are written (a rate, not an amount of bytes)."""
     return _fmt(n / 1e6 if n is not None else None, ".0f")
+
+
+def _bytes(n: float | None, unit: SizeUnit, digits: int) -> str:
+    """Bytes as a number of `unit`, in a column whose header names the unit."""
+    return "n/a" if n is None else format_size(n, unit=unit, digits=digits, bare=True)
 
 
 def _hits(d: dict[str, float]) -> str:

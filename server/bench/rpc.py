@@ -31,6 +31,7 @@ from typing import Any
 from server.bench.cgroup import MemoryCgroup, probe
 from server.bench.link import LOOPBACK, SHAPES, Shape, ShapedLink, measure
 from server.errors import ConfigError, HelperError, MoeflashError
+from server.units import format_size
 
 _MIB = 1 << 20
 # beside its layers' weights the helper holds their KV, llama.cpp's compute buffer, the worker
@@ -192,7 +193,6 @@ def summary(data: dict[str, Any]) -> list[dict[str, Any]]:
 def markdown(data: dict[str, Any], rows: list[dict[str, Any]], command: str) -> str:
     """The report's markdown."""
     env = data.get("environment", {})
-    gib = 2**30
     rounds = len(next(iter(data["runs"].values())))
     routing = data["model"].get("route_trace", {}).get("path", "the model's own router (random weights)")
     helper_read = statistics.median(
@@ -203,14 +203,15 @@ def markdown(data: dict[str, Any], rows: list[dict[str, Any]], command: str) -> 
         "",
         f"`{command}`",
         "",
-        f"Machine: {env.get('cpu_model', '?')}. The main server capped at {data['cap_bytes'] / gib:.2f} GiB; "
-        f"the helper holding the last {data['helper_layers']} layers "
-        f"({data['helper_weight_bytes'] / gib:.2f} GiB of weights) in a cgroup of "
-        f"{data['helper_cap_bytes'] / gib:.2f} GiB (peak {data['helper_peak_bytes'] / gib:.2f} GiB); "
+        f"Machine: {env.get('cpu_model', '?')}. The main server capped at "
+        f"{format_size(data['cap_bytes'], unit='GiB', digits=2)}; the helper holding the last "
+        f"{data['helper_layers']} layers ({format_size(data['helper_weight_bytes'], unit='GiB', digits=2)} "
+        f"of weights) in a cgroup of {format_size(data['helper_cap_bytes'], unit='GiB', digits=2)} "
+        f"(peak {format_size(data['helper_peak_bytes'], unit='GiB', digits=2)}); "
         f"{rounds} rounds, alternated; OOM kills: "
         f"{data['oom_kills']}. Routing: {routing}. The helper holds its layers in RAM: what it read from "
-        f"flash per run, {helper_read / gib:.2f} GiB (median), is its tensor cache at load, which spares "
-        "the main server sending those weights again.",
+        f"flash per run, {format_size(helper_read, unit='GiB', digits=2)} (median), is its tensor cache at "
+        "load, which spares the main server sending those weights again.",
         "",
         "| system | decode tok/s | vs alone | TTFT s | main flash MiB/token | up KiB/token | down KiB/token "
         "| round trips/token | waited ms/token | same tokens |",
@@ -220,9 +221,10 @@ def markdown(data: dict[str, Any], rows: list[dict[str, Any]], command: str) -> 
         same = {True: "yes", False: "NO", None: "n/a"}[row["same_tokens_as_alone"]]
         lines.append(
             f"| {row['system']} | {row['decode_tok_s']:.2f} | {row['decode_vs_alone']:.2f}x "
-            f"| {row['ttft_s']:.1f} | {row['main_flash_bytes_per_token'] / _MIB:.1f} "
-            f"| {row.get('up_bytes_per_token', 0) / 1024:.1f} "
-            f"| {row.get('down_bytes_per_token', 0) / 1024:.1f} "
+            f"| {row['ttft_s']:.1f} "
+            f"| {format_size(row['main_flash_bytes_per_token'], unit='MiB', digits=1, bare=True)} "
+            f"| {format_size(row.get('up_bytes_per_token', 0), unit='KiB', digits=1, bare=True)} "
+            f"| {format_size(row.get('down_bytes_per_token', 0), unit='KiB', digits=1, bare=True)} "
             f"| {row.get('round_trips_per_token', 0):.1f} "
             f"| {row.get('waited_ms_per_token', 0):.1f} | {same} |"
         )

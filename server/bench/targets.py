@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from server.units import format_size
+
 # a cap counts as "25%" when it is within this of the fraction (caps are rounded to bytes)
 _FRACTION_SLACK = 0.01
 SPEEDUP_TARGETS = ((0.25, 20.0), (0.5, 18.0))  # (largest cap fraction, speedup over stock mmap)
@@ -76,7 +78,7 @@ def check_targets(ratios: dict[str, Any], file_bytes: int) -> list[Target]:
     out = [Target("residency (all cached / resident)", "all", ratios.get("residency_overhead"), 0.95, True)]
     for cap in ratios.get("per_cap", {}).values():
         fraction = cap["cap_bytes"] / file_bytes
-        scope = f"{cap['cap_bytes'] / 2**30:.2f} GiB ({fraction:.0%})"
+        scope = f"{format_size(cap['cap_bytes'], unit='GiB', digits=2)} ({fraction:.0%})"
         speedup = speedup_target(fraction)
         if speedup is not None:
             out.append(Target("speedup over stock mmap", scope, cap.get("speedup_vs_mmap"), speedup, True))

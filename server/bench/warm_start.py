@@ -1,5 +1,5 @@
 """The warm-start benchmark: the first answer after a restart, with and without the last run's
-hot set read back (server/loading/hot_set.py).
+hot set read back (server/lifecycle/hot_set.py).
 
     moeflash bench warm-start --shape qwen30b-shape --caps 0.25
 
@@ -42,6 +42,7 @@ from typing import Any
 from server.bench.cgroup import MemoryCgroup, probe
 from server.bench.served import POLL_S, BenchServer, eog_bias, stream_chat, write_report
 from server.errors import MoeflashError
+from server.units import format_size
 
 _SYSTEM = "You are a concise assistant running on a phone."
 _FIRST = "Why do mixture-of-experts models route each token to only a few experts?"
@@ -133,7 +134,8 @@ def run_warm_start(
                             )
                             a = answers[-1]
                             progress(
-                                f"cap {cap / 2**30:.2f} GiB, round {r + 1}/{rounds}, {schedule}, "
+                                f"cap {format_size(cap, unit='GiB', digits=2)}, "
+                                f"round {r + 1}/{rounds}, {schedule}, "
                                 f"{'warm' if warm else 'cold'}: TTFT {a.ttft_s:.2f} s, {tokens} tokens "
                                 f"{a.total_s:.2f} s, {a.restored} restored"
                             )
@@ -235,23 +237,26 @@ def markdown(data: dict[str, Any], rows: list[dict[str, Any]], command: str) -> 
     ]
     for r in rows:
         read = (
-            f"{r['warm_bytes_read'] / 1e9:.2f} / {r['cold_bytes_read'] / 1e9:.2f} GB"
+            f"{format_size(r['warm_bytes_read'], unit='GB', digits=2, bare=True)} / "
+            f"{format_size(r['cold_bytes_read'], unit='GB', digits=2)}"
             if r["warm_bytes_read"] is not None and r["cold_bytes_read"] is not None
             else "n/a"
         )
         back = f"{r['warm_read_back_s']:.1f}" if r["warm_read_back_s"] is not None else "during the answer"
         lines.append(
-            f"| {r['cap_bytes'] / 2**30:.2f} GiB | {r['schedule']} | {r['warm_ttft_s']:.2f} / "
-            f"{r['cold_ttft_s']:.2f} | {r['ttft_cold_over_warm']:.2f}x | {r['warm_total_s']:.2f} / "
-            f"{r['cold_total_s']:.2f} | {r['total_cold_over_warm']:.2f}x | {read} | "
-            f"{r['warm_restored']:.0f} | {back} | {'yes' if r['same_text'] else 'NO'} |"
+            f"| {format_size(r['cap_bytes'], unit='GiB', digits=2)} | {r['schedule']} | "
+            f"{r['warm_ttft_s']:.2f} / {r['cold_ttft_s']:.2f} | {r['ttft_cold_over_warm']:.2f}x | "
+            f"{r['warm_total_s']:.2f} / {r['cold_total_s']:.2f} | {r['total_cold_over_warm']:.2f}x | "
+            f"{read} | {r['warm_restored']:.0f} | {back} | {'yes' if r['same_text'] else 'NO'} |"
         )
     lines += [
         "",
         '"experts read back first" counts those read back before the request was sent; "read per '
         'answer" is the expert bytes the answer itself read (prompt, decode and prefetch), from the '
         "response's timings. OOM kills: "
-        + ", ".join(f"{c['oom_kills']} at {c['cap_bytes'] / 2**30:.2f} GiB" for c in data["caps"])
+        + ", ".join(
+            f"{c['oom_kills']} at {format_size(c['cap_bytes'], unit='GiB', digits=2)}" for c in data["caps"]
+        )
         + ".",
         "",
     ]

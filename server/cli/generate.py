@@ -27,10 +27,9 @@ from server.loading.loader import LoadedModel, load_model
 from server.loading.measured import DecodeStep
 from server.loading.route_trace import recorded_routes, write_trace
 from server.settings import ModelSettings, RouteTraceSettings
+from server.units import format_size
 
 logger = logging.getLogger(__name__)
-
-_MB = 1e6
 
 
 @dataclass(frozen=True)
@@ -177,13 +176,14 @@ def _telemetry_line(i: int, r: TokenRecord) -> str:
     if s is not None:
         line += (
             f" | compute {(step.compute_ns or 0) / 1e6:7.1f} ms | flash wait {s.flash_wait_ns / 1e6:7.1f} ms"
-            f" | cache {s.cache_ns / 1e6:6.1f} ms | read {s.bytes_read / _MB:7.1f} MB"
+            f" | cache {s.cache_ns / 1e6:6.1f} ms"
+            f" | read {format_size(s.bytes_read, unit='MiB', digits=1):>11}"
             + (
                 f" | hits {s.hits}/{s.hits + s.misses} (prefetched {s.prefetch_hits}/{s.prefetched})"
                 if step.routed
                 else " | every expert resident"
             )
-            + f" | budget {s.budget_bytes / _MB:7.1f} MB"
+            + f" | budget {format_size(s.budget_bytes, unit='MiB', digits=1):>11}"
         )
     if step.helper_wait_ns:
         line += f" | helpers {step.helper_wait_ns / 1e6:7.1f} ms"
@@ -273,7 +273,8 @@ def run_generation(
 
 def _summary(r: GenerateReport) -> str:
     lines = [
-        f"model {r.model} ({r.mode}), load {r.load_s:.2f} s, peak RSS {r.peak_rss_bytes / 2**20:.0f} MiB",
+        f"model {r.model} ({r.mode}), load {r.load_s:.2f} s, peak RSS "
+        f"{format_size(r.peak_rss_bytes, unit='MiB', digits=0)}",
         f"prompt {r.prompt_tokens} tokens in {r.prompt_s:.2f} s, time to first token {r.ttft_s:.2f} s",
         f"decode {r.decode_tokens} tokens in {r.decode_s:.2f} s: {r.decode_tok_s:.2f} tok/s "
         f"(median {r.decode_tok_s_median:.2f})",
@@ -290,8 +291,8 @@ def _summary(r: GenerateReport) -> str:
             watched = f": before, over {t.routes} routes, {hits}" if t.routes else ""
             hits = f"every expert resident, routing no longer watched{watched}"
         lines.append(
-            f"experts: budget {r.budget_bytes / 2**20:.0f} MiB ({r.budget_reason}); {hits}; "
-            f"read {t.bytes_read / _MB:.0f} MB; "
+            f"experts: budget {format_size(r.budget_bytes, unit='MiB', digits=0)} ({r.budget_reason}); "
+            f"{hits}; read {format_size(t.bytes_read, unit='MiB', digits=0)}; "
             f"flash wait {t.flash_wait_ns / 1e9:.2f} s; cache {t.cache_ns / 1e9:.2f} s; "
             f"O_DIRECT {'on' if t.direct_io else 'off'}"
         )

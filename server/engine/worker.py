@@ -41,8 +41,8 @@ logger = logging.getLogger(__name__)
 
 # finished jobs remembered for /metrics and for tests that inspect what the worker did
 _HISTORY = 256
-# how often an idle engine applies the memory watch's budget proposals (server/loading/pressure.py)
-# and saves the hot set when due (server/loading/hot_set.py)
+# how often an idle engine applies the memory watch's budget proposals (server/lifecycle/pressure.py)
+# and saves the hot set when due (server/lifecycle/hot_set.py)
 _IDLE_POLL_S = 0.5
 
 

@@ -10,8 +10,9 @@ Every term is measured where it can be, once the llama.cpp context exists:
 - the context (server/loading/context.py): KV cache, compute buffers reserved for a full micro-batch
   over the whole context, output buffer, and without flash attention ggml's work buffer for the
   attention product (allocated on the first long prompt);
-- prompt cache: the KV states of recent prompt prefixes the server keeps in RAM (server/engine/
-  prompt_cache.py), a bound chosen in the settings (auto: one full context's state);
+- prompt cache: the KV states of recent prompt prefixes the server keeps in RAM
+  (server/lifecycle/prompt_cache.py), a bound chosen in the settings (auto: one full context's
+  state);
 - margin: what cannot be measured (page tables, thread stacks, allocator slack, ggml's other
   work buffers, the server's per-request objects): 64 MiB + 3% of the limit.
 auto = limit - all of them, clamped to [one layer's experts, all experts]; below the floor the
@@ -32,6 +33,7 @@ from server.loading.context import ContextBytes
 from server.loading.gguf_header import TensorInfo, read_tensor_table
 from server.loading.memcg import OwnMemoryCgroup, own_memory_cgroup
 from server.loading.model_files import split_files
+from server.units import format_size
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +45,9 @@ _UNLIMITED = 2**60  # cgroup v1 reports "no limit" as a huge page-rounded number
 
 
 def _mib(n: int) -> str:
-    return f"{n / _MIB:.0f} MiB"
+    """A figure of the budget's arithmetic (limit - terms = what is left), all in whole MiB so
+    that a reader can check the sum."""
+    return format_size(n, unit="MiB", digits=0)
 
 
 @dataclass(frozen=True)
@@ -266,8 +270,8 @@ def check_budget_floor(requested: int, layer_bytes: int) -> None:
     """An explicit budget must hold one layer's experts, which one prompt can route to."""
     if requested < layer_bytes:
         raise ConfigError(
-            f"budget {requested / _MIB:.1f} MiB is smaller than one layer's experts "
-            f"({layer_bytes / _MIB:.1f} MiB), which one prompt can route to"
+            f"budget {format_size(requested, unit='MiB', digits=1)} is smaller than one layer's experts "
+            f"({format_size(layer_bytes, unit='MiB', digits=1)}), which one prompt can route to"
         )
 
 

@@ -26,10 +26,10 @@ from server.settings import ModelSettings, RouteTraceSettings, ServerSettings
 from server.units import format_size
 
 if TYPE_CHECKING:
+    from server.lifecycle.hot_set import WarmStart
+    from server.lifecycle.prompt_cache import PromptCache
     from server.loading.budget import PromptCacheRam
-    from server.loading.hot_set import WarmStart
     from server.loading.measured import MeasuredLlama
-    from server.loading.prompt_cache import PromptCache
     from server.loading.route_trace import ModelShape
 
 logger = logging.getLogger(__name__)
@@ -75,9 +75,9 @@ class LoadedModel:
     info: ModelInfo
     # the model's routing shape when its routing is replayed or recorded (a recorded trace's header)
     route_shape: ModelShape | None = None
-    # the server's warm start of a streamed model (server/loading/hot_set.py), None elsewhere
+    # the server's warm start of a streamed model (server/lifecycle/hot_set.py), None elsewhere
     warm_start: WarmStart | None = None
-    # the server's prompt cache (server/loading/prompt_cache.py), None elsewhere
+    # the server's prompt cache (server/lifecycle/prompt_cache.py), None elsewhere
     prompt_cache: PromptCache | None = None
     _closed: bool = field(default=False, repr=False)
 
@@ -139,8 +139,8 @@ def choose_mode(settings: ModelSettings, file_size: int) -> tuple[str, str]:
     limit = memory_limit()
     # resident needs the whole file in page cache plus KV and compute buffers: keep headroom
     if file_size <= (limit.bytes - limit.in_use) * 0.6:
-        return "resident", f"auto: the file ({file_size / 2**30:.1f} GiB) fits in {limit.source}"
-    return "streaming", f"auto: the file ({file_size / 2**30:.1f} GiB) exceeds 60% of {limit.source}"
+        return "resident", f"auto: the file ({format_size(file_size)}) fits in {limit.source}"
+    return "streaming", f"auto: the file ({format_size(file_size)}) exceeds 60% of {limit.source}"
 
 
 def load_model(
@@ -160,7 +160,7 @@ def load_model(
             model.prompt_cache = _prompt_cache(served, model)
         streamer = model.llama.streamer
         if served.warm_start and streamer is not None:
-            from server.loading.hot_set import WarmStart
+            from server.lifecycle.hot_set import WarmStart
 
             model.warm_start = WarmStart(
                 streamer, info.path, served.state_dir, save_every_s=served.hot_set_save_s
@@ -191,7 +191,7 @@ def load_model(
 def _prompt_cache(served: ServerSettings, model: LoadedModel) -> PromptCache:
     """The model's prompt cache, in the RAM its memory budget counted, its states on flash under
     the state directory."""
-    from server.loading.prompt_cache import PromptCache, StateKey, Window, model_identity, state_directory
+    from server.lifecycle.prompt_cache import PromptCache, StateKey, Window, model_identity, state_directory
 
     memory = model.llama.memory
     key = StateKey.of(model.llama, model_identity(model.info.path))

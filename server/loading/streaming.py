@@ -21,6 +21,7 @@ from typing import Any
 import llama_cpp
 
 from server.errors import ConfigError, ModelLoadError
+from server.lifecycle.pressure import BudgetBand, MemoryWatch
 from server.loading.budget import (
     BudgetChoice,
     MemoryLimit,
@@ -38,8 +39,8 @@ from server.loading.budget import (
 from server.loading.context import ContextBytes, context_bytes, fit_slots, llama_params
 from server.loading.gguf_header import read_metadata
 from server.loading.measured import MeasuredLlama
-from server.loading.pressure import BudgetBand, MemoryWatch
 from server.settings import Budget
+from server.units import format_size
 from streaming_ext import Streamer, StreamerConfig, StreamerError, StreamerStats
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ def load_streaming_llama(
 
     `budget`: the expert cache's bytes, "all" or "auto"; `preload` reads every expert at load (the
     budget must hold them all); `follow_memory` moves the budget with memory pressure, between one
-    layer's experts and the budget chosen here (server/loading/pressure.py; not when the budget
+    layer's experts and the budget chosen here (server/lifecycle/pressure.py; not when the budget
     holds every expert, which then lives in the tensors). `flash_attn`, `repack`: "on" or "off"
     (the same as resident, whatever the memory; None: the settings' default). `parallel`: the slots, each
     an `n_ctx`-token context (context.fit_slots). The budget counts what the context holds, measured, and
@@ -127,13 +128,13 @@ def load_streaming_llama(
             raise
         llm.budget = choice
         llm.memory = terms
-        logger.info("expert budget %.1f MiB: %s", choice.bytes / 2**20, choice.reason)
+        logger.info("expert budget %s: %s", format_size(choice.bytes, unit="MiB", digits=1), choice.reason)
         if follow_memory and not streamer.stats().hold_all:
             _follow_memory(llm, streamer, choice)
         logger.info("expert memory: %s", streamer.memory_note())
         if placement.mapped:
             logger.info(
-                "%s (%.1f MiB) mapped from the file, not read into RAM", EMBEDDINGS, placement.mapped / 2**20
+                "%s (%s) mapped from the file, not read into RAM", EMBEDDINGS, format_size(placement.mapped)
             )
         return llm
     except BaseException:
@@ -265,4 +266,4 @@ def _follow_memory(llm: StreamingLlama, streamer: Streamer, choice: BudgetChoice
     band = BudgetBand(floor=streamer.layer_bytes, ceiling=choice.bytes, step=entry)
     llm.memory_watch = MemoryWatch(streamer, band)
     llm.memory_watch.start()
-    logger.info("the expert budget follows memory pressure, down to %.1f MiB", streamer.layer_bytes / 2**20)
+    logger.info("the expert budget follows memory pressure, down to %s", format_size(streamer.layer_bytes))

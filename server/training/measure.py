@@ -42,6 +42,7 @@ from server.loading.measured import DecodeStep
 from server.loading.route_trace import ModelShape, Trace, load_trace
 from server.loading.streaming import load_streaming_llama
 from server.training import corpus, tokenizer
+from server.units import format_size
 from streaming_ext import Policy, Prefetch, StreamerConfig, StreamerStats
 
 PROMPTS = (
@@ -228,8 +229,8 @@ def _prefetch_table(rounds: list[list[PrefetchRun]]) -> list[str]:
         median = float(np.median(tok_s))
         lines.append(
             f"| {r.prefetch.name.lower()} | {d.hit_rate or 0:.1%} | {s.hits} | {s.prefetched} | {used} "
-            f"| {s.bytes_read / 1e6:.1f} | {s.flash_wait_ns / 1e9:.2f} | {median:.1f} "
-            f"| {median / base:.2f}x |"
+            f"| {format_size(s.bytes_read, unit='MB', digits=1, bare=True)} | {s.flash_wait_ns / 1e9:.2f} "
+            f"| {median:.1f} | {median / base:.2f}x |"
         )
     return lines
 
@@ -339,7 +340,8 @@ def _lossy_table(runs: list[LossyRun]) -> list[str]:
         tok_s = float(np.median(r.tok_s))
         lines.append(
             f"| {r.option.label} | {r.perplexity:.2f} | {r.perplexity / base.perplexity:.3f} "
-            f"| {s.bytes_read / d.n_tokens / 1e6:.3f} | {d.hit_rate or 0:.1%} | {dropped:.1%} "
+            f"| {format_size(s.bytes_read / d.n_tokens, unit='MB', digits=3, bare=True)} "
+            f"| {d.hit_rate or 0:.1%} | {dropped:.1%} "
             f"| {tok_s:.1f} | {tok_s / float(np.median(base.tok_s)):.2f}x |"
         )
     return lines
@@ -478,7 +480,8 @@ def prefetch_report(model: Path, run_dir: Path) -> tuple[list[str], dict[Prefetc
     out: list[str] = []
     hits: dict[Prefetch, int] = {}
     for share, cap in (("an eighth", expert_share(model, 8)), ("a quarter", expert_share(model, 4))):
-        out += [f"\n## Prefetch under a cap of {share} of the experts ({cap / 2**20:.1f} MiB), 128 tokens\n"]
+        size = format_size(cap, unit="MiB", digits=1)
+        out += [f"\n## Prefetch under a cap of {share} of the experts ({size}), 128 tokens\n"]
         # the predictors alternated, three rounds (the machines drift)
         rounds = [prefetch_runs(model, prompt_ids, 128, cap) for _ in range(3)]
         out += _prefetch_table(rounds)
@@ -515,7 +518,8 @@ def report(model: Path, run_dir: Path, max_tokens: int, trace_out: Path) -> list
     layers = route_stats(trace)
     out += ["", "Per layer of the trained model: " + ", ".join(
         f"{r.layer}: skew {r.skew:.2f} reuse {r.reuse:.2f}" for r in layers)]  # fmt: skip
-    out += [f"\n## Lossy options under a cap of a quarter of the experts ({budget / 2**20:.1f} MiB)\n"]
+    size = format_size(budget, unit="MiB", digits=1)
+    out += [f"\n## Lossy options under a cap of a quarter of the experts ({size})\n"]
     out += [
         "Perplexity of the first 2048 held-out tokens, each decoded alone as a chat decodes; decode "
         "speed of 128 greedy tokens, the options alternated over three rounds.\n"

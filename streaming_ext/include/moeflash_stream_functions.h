@@ -96,7 +96,7 @@ MF_FUNCTION(int, mf_streamer_preload, (mf_streamer * s))
 MF_FUNCTION(void, mf_streamer_drop_cache, (mf_streamer * s))
 
 // Warm start: the caller saves the hot set and, after a restart, reads it back with
-// mf_streamer_restore, a chunk at a time between requests (server/loading/hot_set.py).
+// mf_streamer_restore, a chunk at a time between requests (server/lifecycle/hot_set.py).
 // The resident experts, hottest first (most routed, then most recently used), as
 // layer * n_expert + expert, and (uses, when not NULL) how often each was routed (the LAYER
 // policy's count, halved every 256 visits of its layer; 0 under LRU): up to max of them. Returns

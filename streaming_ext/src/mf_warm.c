@@ -1,6 +1,6 @@
 // The cache's warmth between requests: preload (every expert read before the first token), a cold
 // cache (mf_streamer_drop_cache), and warm start: the hot set a server saves, read back after a
-// restart (mf_streamer_restore, server/loading/hot_set.py).
+// restart (mf_streamer_restore, server/lifecycle/hot_set.py).
 //
 // Each first waits for reads still in flight and forgets failed entries, so the cache changes
 // with no read in flight; restore admits into the budget's free room only (mf_cache_admit_free),

@@ -18,9 +18,7 @@ import pytest
 
 from server.engine.generation import GenerationRequest, GenerationStats, SamplingParams
 from server.engine.token_loop import generate
-from server.loading.budget import prompt_cache_bytes
-from server.loading.measured import MeasuredLlama
-from server.loading.prompt_cache import (
+from server.lifecycle.prompt_cache import (
     PromptCache,
     StateKey,
     Window,
@@ -29,6 +27,8 @@ from server.loading.prompt_cache import (
     model_identity,
     state_directory,
 )
+from server.loading.budget import prompt_cache_bytes
+from server.loading.measured import MeasuredLlama
 from server.loading.resident import load_resident_llama
 from server.loading.streaming import load_streaming_llama
 from streaming_ext import StreamerConfig
@@ -294,7 +294,7 @@ def test_foreign_and_corrupt_states_are_ignored(
 
 @pytest.fixture(autouse=True)
 def _quiet(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
-    caplog.set_level(logging.INFO, logger="server.loading.prompt_cache")
+    caplog.set_level(logging.INFO, logger="server.lifecycle.prompt_cache")
     yield
 
 

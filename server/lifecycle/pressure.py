@@ -32,6 +32,7 @@ from pathlib import Path
 
 from server.loading.budget import cgroup_limit, margin_bytes, meminfo_bytes
 from server.loading.memcg import own_memory_cgroup
+from server.units import format_size
 from streaming_ext import Streamer, StreamerError
 
 logger = logging.getLogger(__name__)
@@ -194,13 +195,13 @@ class MemoryWatch:
         try:
             self._streamer.set_budget(budget)
         except StreamerError as exc:
-            logger.warning("memory watch: the expert budget cannot move to %d bytes: %s", budget, exc)
+            logger.warning("memory watch: the expert budget cannot move to %s: %s", format_size(budget), exc)
             return
         logger.info(
-            "expert budget %.0f -> %.0f MiB: %s has %.0f MiB free%s",
-            before / 2**20,
-            budget / 2**20,
+            "expert budget %s -> %s: %s has %s free%s",
+            format_size(before),
+            format_size(budget),
             room.source,
-            room.free_bytes / 2**20,
+            format_size(room.free_bytes),
             " and memory stalls" if room.stalled else "",
         )

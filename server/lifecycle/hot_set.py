@@ -14,7 +14,7 @@ kill loses at most that much), and read back after the next load:
   since the start stays; the cache then holds each entry as routed at its layer's last visit,
   as often as it was before, so its policy keeps the hot experts as it kept them before the
   restart (as never-routed entries they would be the first evicted).
-- When memory pressure has shrunk the budget (server/loading/pressure.py) and it grows back, the
+- When memory pressure has shrunk the budget (server/lifecycle/pressure.py) and it grows back, the
   hot set is read back the same way into the room regained: a save never drops hot entries just
   because the budget is smaller now.
 - The file names the model files it belongs to (path, sizes, modification times): a file for
@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from server.loading.model_files import split_files
+from server.units import format_size
 from streaming_ext import Streamer, StreamerError
 
 logger = logging.getLogger(__name__)
@@ -190,9 +191,9 @@ class WarmStart:
                 chunks.append((layer, {expert: uses}))
         if chosen:
             logger.info(
-                "warm start: reading back %d experts (%.0f MiB) of %s, between requests",
+                "warm start: reading back %d experts (%s) of %s, between requests",
                 len(chosen),
-                len(chosen) * self._entry_bytes / 2**20,
+                format_size(len(chosen) * self._entry_bytes),
                 why,
             )
         return chunks
@@ -209,14 +210,14 @@ class WarmStart:
 
     def idle(self) -> bool:
         """Between requests: save the hot set when due; once the budget has grown back (memory
-        pressure shrank it, server/loading/pressure.py), plan to read back what it holds again;
+        pressure shrank it, server/lifecycle/pressure.py), plan to read back what it holds again;
         then read back one chunk. True while chunks remain (the engine then comes back at once,
         unless a request waits)."""
         self.save_if_due()
         budget = self._streamer.stats().budget_bytes
         if budget > self._budget_seen and not self._pending:
             self._started, self._read = self._clock(), 0
-            self._pending = self._plan(f"the hot set, the budget back up to {budget / 2**20:.0f} MiB")
+            self._pending = self._plan(f"the hot set, the budget back up to {format_size(budget)}")
         self._budget_seen = budget
         if not self._pending:
             return False

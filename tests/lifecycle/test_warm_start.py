@@ -1,4 +1,4 @@
-"""Warm start (server/loading/hot_set.py): the hot set saved by one server is read back by the
+"""Warm start (server/lifecycle/hot_set.py): the hot set saved by one server is read back by the
 next, between requests, into the budget's free room; output stays byte-identical and the first
 answer reads less from flash. Also: the file's checks, and that a request waiting is served
 before the next chunk of read-back."""
@@ -17,7 +17,7 @@ import pytest
 
 from server.engine.generation import GenerationRequest, SamplingParams
 from server.engine.worker import Engine, Finished
-from server.loading.hot_set import ModelFiles, WarmStart, read_hot_set, write_hot_set
+from server.lifecycle.hot_set import ModelFiles, WarmStart, read_hot_set, write_hot_set
 from server.loading.loader import LoadedModel, load_model
 from server.settings import load_settings
 from streaming_ext import Streamer, StreamerConfig
@@ -104,7 +104,7 @@ def test_a_saved_hot_set_for_other_files_or_broken_is_ignored(
     assert read_hot_set(path, files, 16) == [(0, 3, 7), (1, 15, 2), (0, 2, 0)]
     assert [p.name for p in path.parent.iterdir()] == [path.name], "a temporary file was left"
 
-    caplog.set_level(logging.WARNING, logger="server.loading.hot_set")
+    caplog.set_level(logging.WARNING, logger="server.lifecycle.hot_set")
     assert read_hot_set(path, files, 8) == []  # the experts per layer differ
     other = ModelFiles(files.path, ((files.files[0][0], files.files[0][1] + 1, files.files[0][2]),))
     assert read_hot_set(path, other, 16) == []
