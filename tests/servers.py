@@ -24,11 +24,11 @@ import httpx
 import pytest
 import uvicorn
 
-from server.cli.serve import served_engine
 from server.engine.generation import GenerationStats
 from server.engine.token_loop import Sequence, TokenLoop
 from server.engine.worker import Engine
 from server.http.app import create_app
+from server.lifecycle.served import served_engine
 from server.lifecycle.switching import ModelSwitch
 from server.loading.loader import LoadedModel
 from server.settings import load_settings

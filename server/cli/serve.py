@@ -7,22 +7,18 @@ import argparse
 import logging
 import sys
 import threading
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from server.cli.arguments import add_arguments, settings_from_args, settings_of
 from server.errors import ConfigError, ModelLoadError, MoeflashError
+from server.lifecycle.served import served_engine
 from server.loading.budget import return_freed_buffers
-from server.loading.loader import LoadedModel, load_model
-from server.loading.model_files import gguf_models, model_stem, split_files
+from server.loading.model_files import split_files
 from server.settings import ModelSettings, ServerSettings, StoreSettings
 from server.units import format_size
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
-    from server.engine.worker import Engine
-    from server.lifecycle.switching import ModelSwitch
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -34,62 +30,6 @@ _LAN_WARNING = """
   *  Anyone on the network can use this model (--insecure-no-key).
   *  Set --api-key or --api-key-file (or MOEFLASH_API_KEY) instead.
   ************************************************************************"""
-
-
-def served_engine(
-    server_settings: ServerSettings, model_settings: ModelSettings, models_dir: Path | None
-) -> tuple[Engine, ModelSwitch | None]:
-    """The engine `serve` runs, loading --model; with `models_dir`, also the switch between the
-    directory's models (--model, if given, is loaded first, else the first by name)."""
-    from server.engine.worker import Engine
-    from server.lifecycle.switching import DirectoryModel, ModelSwitch
-
-    def engine(loader: Callable[[], LoadedModel]) -> Engine:
-        return Engine(
-            loader,
-            max_queue=server_settings.max_queue,
-            queue_full_status=server_settings.queue_full_status,
-            retry_after_s=server_settings.retry_after_s,
-        )
-
-    if models_dir is None:
-        if model_settings.model is None:
-            raise ConfigError("no model given: moeflash serve --model PATH (or --models-dir DIR)")
-        if not model_settings.model.is_file():
-            raise ConfigError(f"model file not found: {model_settings.model}")
-        return engine(lambda: load_model(model_settings, served=server_settings)), None
-    if model_settings.alias:
-        raise ConfigError("--alias names one model: with --models-dir each model goes by its file stem")
-    if not models_dir.is_dir():
-        raise ConfigError(f"the models directory {models_dir} does not exist")
-    paths = gguf_models(p for p in models_dir.iterdir() if p.is_file())
-    first = model_settings.model
-    if first is not None and first.resolve() not in {p.resolve() for p in paths}:
-        if model_stem(first) in {model_stem(p) for p in paths}:
-            raise ConfigError(f"--model {first} has the name of a model of {models_dir}: serve one of them")
-        paths.insert(0, first)
-    if not paths:
-        raise ConfigError(f"no GGUF model in {models_dir} (moeflash pull --models-dir {models_dir} gets one)")
-    models = [DirectoryModel.read(p) for p in paths]
-    start = next((m for m in models if first is not None and m.path.resolve() == first.resolve()), models[0])
-
-    def load(path: Path) -> LoadedModel:
-        return load_model(model_settings.model_copy(update={"model": path}), served=server_settings)
-
-    served = engine(lambda: load(start.path))
-    switch = ModelSwitch(
-        served,
-        models,
-        start.name,
-        load,
-        ctx_size=model_settings.ctx_size,
-        mode=model_settings.mode,
-        keep_alive_s=server_settings.keep_alive,
-        directory=models_dir,
-        first=first,
-    )
-    logger.info("serving %d models of %s: %s", len(models), models_dir, ", ".join(m.name for m in models))
-    return served, switch
 
 
 def run(args: argparse.Namespace) -> int:

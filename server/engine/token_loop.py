@@ -34,13 +34,13 @@ from server.engine.generation import (
     TokenLogprob,
     TopLogprob,
 )
+from server.engine.prompt_cache import common_prefix, reuse_live, sliding_window
 from server.engine.step_costs import StepCosts
-from server.lifecycle.prompt_cache import common_prefix, reuse_live, sliding_window
 
 if TYPE_CHECKING:
     from llama_cpp._internals import LlamaSampler
 
-    from server.lifecycle.prompt_cache import PromptCache
+    from server.engine.prompt_cache import PromptCache
     from server.loading.measured import DecodeStep, MeasuredLlama, Slot
 
 logger = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 # finished jobs remembered for /metrics and for tests that inspect what the worker did
 _HISTORY = 256
-# how often an idle engine applies the memory watch's budget proposals (server/lifecycle/pressure.py)
+# how often an idle engine applies the memory watch's budget proposals (server/loading/pressure.py)
 # and saves the hot set when due (server/lifecycle/hot_set.py)
 _IDLE_POLL_S = 0.5
 

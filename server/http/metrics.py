@@ -162,7 +162,7 @@ class Metrics:
 
 
 class _PromptCacheCollector(Collector):
-    """The prompt cache's counters and bytes (server/lifecycle/prompt_cache.py), read at scrape time;
+    """The prompt cache's counters and bytes (server/engine/prompt_cache.py), read at scrape time;
     0 without one."""
 
     def __init__(self, engine: Engine) -> None:

@@ -14,7 +14,7 @@ kill loses at most that much), and read back after the next load:
   since the start stays; the cache then holds each entry as routed at its layer's last visit,
   as often as it was before, so its policy keeps the hot experts as it kept them before the
   restart (as never-routed entries they would be the first evicted).
-- When memory pressure has shrunk the budget (server/lifecycle/pressure.py) and it grows back, the
+- When memory pressure has shrunk the budget (server/loading/pressure.py) and it grows back, the
   hot set is read back the same way into the room regained: a save never drops hot entries just
   because the budget is smaller now.
 - The file names the model files it belongs to (path, sizes, modification times): a file for
@@ -210,7 +210,7 @@ class WarmStart:
 
     def idle(self) -> bool:
         """Between requests: save the hot set when due; once the budget has grown back (memory
-        pressure shrank it, server/lifecycle/pressure.py), plan to read back what it holds again;
+        pressure shrank it, server/loading/pressure.py), plan to read back what it holds again;
         then read back one chunk. True while chunks remain (the engine then comes back at once,
         unless a request waits)."""
         self.save_if_due()

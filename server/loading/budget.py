@@ -11,7 +11,7 @@ Every term is measured where it can be, once the llama.cpp context exists:
   over the whole context, output buffer, and without flash attention ggml's work buffer for the
   attention product (allocated on the first long prompt);
 - prompt cache: the KV states of recent prompt prefixes the server keeps in RAM
-  (server/lifecycle/prompt_cache.py), a bound chosen in the settings (auto: one full context's
+  (server/engine/prompt_cache.py), a bound chosen in the settings (auto: one full context's
   state);
 - margin: what cannot be measured (page tables, thread stacks, allocator slack, ggml's other
   work buffers, the server's per-request objects): 64 MiB + 3% of the limit.

@@ -1,6 +1,6 @@
 """Model loading behind one function, `load_model(settings) -> LoadedModel`: the one place a model
-is put together, for `serve` (with the server's prompt cache and warm start), for the model
-switch of --models-dir and for `generate` (the bare model).
+is loaded, for `generate` and for the served model server/lifecycle/served.py puts together
+(with the server's prompt cache and warm start).
 
 Two modes. resident (server/loading/resident.py): llama.cpp maps the file the stock way. streaming: the
 expert streamer (server/loading/streaming.py) keeps dense weights in RAM and streams routed experts from
@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 from server import __version__
 from server.errors import ConfigError, ModelLoadError
 from server.loading.model_files import model_stem, split_files
-from server.settings import ModelSettings, RouteTraceSettings, ServerSettings
+from server.settings import ModelSettings, RouteTraceSettings
 from server.units import format_size
 
 if TYPE_CHECKING:
+    from server.engine.prompt_cache import PromptCache
     from server.lifecycle.hot_set import WarmStart
-    from server.lifecycle.prompt_cache import PromptCache
     from server.loading.budget import PromptCacheRam
     from server.loading.measured import MeasuredLlama
     from server.loading.route_trace import ModelShape
@@ -77,7 +77,7 @@ class LoadedModel:
     route_shape: ModelShape | None = None
     # the server's warm start of a streamed model (server/lifecycle/hot_set.py), None elsewhere
     warm_start: WarmStart | None = None
-    # the server's prompt cache (server/lifecycle/prompt_cache.py), None elsewhere
+    # the server's prompt cache (server/engine/prompt_cache.py), None elsewhere
     prompt_cache: PromptCache | None = None
     _closed: bool = field(default=False, repr=False)
 
@@ -144,31 +144,16 @@ def choose_mode(settings: ModelSettings, file_size: int) -> tuple[str, str]:
 
 
 def load_model(
-    settings: ModelSettings, routing: RouteTraceSettings | None = None, served: ServerSettings | None = None
+    settings: ModelSettings,
+    routing: RouteTraceSettings | None = None,
+    prompt_cache_ram: PromptCacheRam = None,
 ) -> LoadedModel:
     """Load the model `settings` names, its routing replayed from or recorded to a route trace
-    as `routing` says; with `served`, as the server serves it: the prompt cache its settings ask
-    for (its RAM counted in the model's memory) and warm start for a streamed model.
+    as `routing` says, `prompt_cache_ram` (a size or "auto"; None: no prompt cache) counted in its
+    memory for the prompt cache a served model gets (server/lifecycle/served.py).
     ModelLoadError/ConfigError when it cannot be."""
-    ram = served.prompt_cache_ram if served is not None else 0
-    model = _load_model(settings, routing, prompt_cache=None if ram == 0 else ram)
-    if served is None:
-        return model
+    model = _load_model(settings, routing, prompt_cache_ram)
     info = model.info
-    try:
-        if ram != 0:
-            model.prompt_cache = _prompt_cache(served, model)
-        streamer = model.llama.streamer
-        if served.warm_start and streamer is not None:
-            from server.lifecycle.hot_set import WarmStart
-
-            model.warm_start = WarmStart(
-                streamer, info.path, served.state_dir, save_every_s=served.hot_set_save_s
-            )
-            logger.info("warm start: the hot set is kept in %s", model.warm_start.path)
-    except BaseException:
-        model.close()
-        raise
     budget = (
         "no budget (resident)" if info.budget_bytes is None else f"budget {format_size(info.budget_bytes)}"
     )
@@ -186,29 +171,6 @@ def load_model(
         settings.repack,
     )
     return model
-
-
-def _prompt_cache(served: ServerSettings, model: LoadedModel) -> PromptCache:
-    """The model's prompt cache, in the RAM its memory budget counted, its states on flash under
-    the state directory."""
-    from server.lifecycle.prompt_cache import PromptCache, StateKey, Window, model_identity, state_directory
-
-    memory = model.llama.memory
-    key = StateKey.of(model.llama, model_identity(model.info.path))
-    flash = served.prompt_cache_flash
-    directory = state_directory(served.state_dir, model.info.path, key) if flash else None
-    cache = PromptCache(
-        key,
-        ram_bytes=memory.prompt_cache if memory is not None else 0,
-        flash_bytes=flash,
-        directory=directory,
-        window=Window.of(model.llama),
-    )
-    where = f" in {directory}" if directory is not None else ""
-    logger.info(
-        "prompt cache: %s in RAM, %s on flash%s", format_size(cache.ram_limit), format_size(flash), where
-    )
-    return cache
 
 
 def _load_model(

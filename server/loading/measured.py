@@ -22,8 +22,8 @@ from server.errors import ConfigError, ExpertReadError, HelperLost
 from streaming_ext import StreamerStats
 
 if TYPE_CHECKING:
-    from server.lifecycle.pressure import MemoryWatch
     from server.loading.budget import MemoryTerms
+    from server.loading.pressure import MemoryWatch
     from server.rpc.ggml import Ggml
     from streaming_ext import RouteTracer, Streamer
 
@@ -183,7 +183,7 @@ class MeasuredLlama(llama_cpp.Llama):
 
     `memory` is what the process holds beside the weights or the expert cache (server/loading/
     budget.py), set by the loader once the context exists; `memory_watch`, when the loader set
-    one, moves the expert budget with memory pressure (server/lifecycle/pressure.py)."""
+    one, moves the expert budget with memory pressure (server/loading/pressure.py)."""
 
     streamer: Streamer | None
     tracer: RouteTracer | None

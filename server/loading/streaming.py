@@ -21,7 +21,6 @@ from typing import Any
 import llama_cpp
 
 from server.errors import ConfigError, ModelLoadError
-from server.lifecycle.pressure import BudgetBand, MemoryWatch
 from server.loading.budget import (
     BudgetChoice,
     MemoryLimit,
@@ -39,6 +38,7 @@ from server.loading.budget import (
 from server.loading.context import ContextBytes, context_bytes, fit_slots, llama_params
 from server.loading.gguf_header import read_metadata
 from server.loading.measured import MeasuredLlama
+from server.loading.pressure import BudgetBand, MemoryWatch
 from server.settings import Budget
 from server.units import format_size
 from streaming_ext import Streamer, StreamerConfig, StreamerError, StreamerStats
@@ -88,7 +88,7 @@ def load_streaming_llama(
 
     `budget`: the expert cache's bytes, "all" or "auto"; `preload` reads every expert at load (the
     budget must hold them all); `follow_memory` moves the budget with memory pressure, between one
-    layer's experts and the budget chosen here (server/lifecycle/pressure.py; not when the budget
+    layer's experts and the budget chosen here (server/loading/pressure.py; not when the budget
     holds every expert, which then lives in the tensors). `flash_attn`, `repack`: "on" or "off"
     (the same as resident, whatever the memory; None: the settings' default). `parallel`: the slots, each
     an `n_ctx`-token context (context.fit_slots). The budget counts what the context holds, measured, and

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from server.engine.generation import GenerationRequest, GenerationStats, SamplingParams, TextDelta
+from server.engine.prompt_cache import PromptCache, StateKey, Window, model_identity
 from server.engine.token_loop import Planned, TokenLoop
-from server.lifecycle.prompt_cache import PromptCache, StateKey, Window, model_identity
 from server.loading.measured import DecodeStep, MeasuredLlama
 from server.loading.resident import load_resident_llama
 from server.loading.streaming import load_streaming_llama

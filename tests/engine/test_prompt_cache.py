@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 from server.engine.generation import GenerationRequest, GenerationStats, SamplingParams
-from server.engine.token_loop import generate
-from server.lifecycle.prompt_cache import (
+from server.engine.prompt_cache import (
     PromptCache,
     StateKey,
     Window,
@@ -27,6 +26,7 @@ from server.lifecycle.prompt_cache import (
     model_identity,
     state_directory,
 )
+from server.engine.token_loop import generate
 from server.loading.budget import prompt_cache_bytes
 from server.loading.measured import MeasuredLlama
 from server.loading.resident import load_resident_llama
@@ -294,7 +294,7 @@ def test_foreign_and_corrupt_states_are_ignored(
 
 @pytest.fixture(autouse=True)
 def _quiet(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
-    caplog.set_level(logging.INFO, logger="server.lifecycle.prompt_cache")
+    caplog.set_level(logging.INFO, logger="server.engine.prompt_cache")
     yield
 
 

@@ -122,7 +122,7 @@ def server_switches(server: RunningServer) -> int:
 
 
 def test_what_a_directory_cannot_serve_is_refused(tmp_path: Path) -> None:
-    from server.cli.serve import served_engine
+    from server.lifecycle.served import served_engine
 
     server_settings, model_settings = load_settings({"alias": ["x"]})
     with pytest.raises(ConfigError, match="--alias names one model"):

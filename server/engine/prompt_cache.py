@@ -21,7 +21,7 @@ DESIGN (llama-server's prompt cache, server_prompt_cache, per slot)
   directory's files are indexed (headers only); a file is read back when a prompt needs it.
 - A state is valid for one StateKey: the model files' content, the kernels (flash attention, the
   repacked layouts, the llama.cpp build), KV types, the context's sizes and KV streams. Files
-  (server/lifecycle/prompt_state_file.py) live in a directory named by the key's digest and carry
+  (server/engine/prompt_state_file.py) live in a directory named by the key's digest and carry
   it with a checksum of their payload: a file for another key, a truncated or corrupt one is
   ignored with a warning, never restored.
 All methods run on the engine's worker thread (they drive the context); `stats` is read anywhere.
@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 import llama_cpp
 
 from server import __version__
-from server.lifecycle import prompt_state_file as state_file
+from server.engine import prompt_state_file as state_file
 from server.loading.context import flash_attn_on
 from server.loading.model_files import split_files
 

@@ -1,4 +1,4 @@
-"""The expert budget follows memory pressure (server/lifecycle/pressure.py).
+"""The expert budget follows memory pressure (server/loading/pressure.py).
 
 - The band's rule on made-up headrooms: shrink at once, grow only after calm polls, within the
   floor and the load's budget, in moves of at least one expert.
@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 
 from server.bench.cgroup import MemoryCgroup, probe
-from server.lifecycle.pressure import BudgetBand, Headroom
 from server.loading.budget import margin_bytes
+from server.loading.pressure import BudgetBand, Headroom
 from server.modelgen import generate_model, preset
 
 MIB = 2**20
@@ -86,7 +86,7 @@ def test_headroom_inside_a_cgroup_names_its_limit() -> None:
     code = textwrap.dedent(
         """
         import json
-        from server.lifecycle.pressure import read_headroom
+        from server.loading.pressure import read_headroom
         r = read_headroom()
         print(json.dumps({"free": r.free_bytes, "limit": r.limit_bytes, "source": r.source}))
         """
