@@ -29,10 +29,14 @@ def flags_of(name: str, field: FieldInfo) -> list[str]:
 
 
 def _help(cls: type[Settings], name: str, field: FieldInfo) -> str:
+    """The field's description, its default (unless the description says what it is) and its
+    environment variable."""
+    env = f"env {cls.model_config.get('env_prefix', '')}{name.upper()}"
+    if "(default: " in str(field.description):
+        return f"{field.description} ({env})"
     default = field.get_default(call_default_factory=True)
     shown = "unset" if default in (None, []) else default
-    prefix = cls.model_config.get("env_prefix", "")
-    return f"{field.description} (default: {shown}; env {prefix}{name.upper()})"
+    return f"{field.description} (default: {shown}; {env})"
 
 
 def _metavar(field: FieldInfo) -> str | None:
