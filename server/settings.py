@@ -569,7 +569,9 @@ def _table(cls: type[Settings], config: Path) -> bool:
         expected = ", ".join(f"[{table}]" for table in known)
         raise ConfigError(f"{config}: unknown tables {unknown} (expected {expected})")
     for name, values in data.items():
-        misspelt = sorted(set(values) - set(known[name].model_fields)) if isinstance(values, dict) else []
+        if not isinstance(values, dict):
+            raise ConfigError(f"{config}: {name} must be a table ([{name}]), not a value")
+        misspelt = sorted(set(values) - set(known[name].model_fields))
         if misspelt:
             raise ConfigError(f"{config}: [{name}] has no setting {', '.join(misspelt)}")
     return cls.TABLE in data

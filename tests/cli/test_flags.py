@@ -106,6 +106,7 @@ def test_every_settings_group_reads_its_table_below_flags_and_env(
         ("[modle]\nctx_size = 1024\n", r"unknown tables \['modle'\]"),
         ("[model]\nctx_size = \n", "cannot read the config file"),
         ("[model]\nctx_size = 10\n", "ctx_size"),
+        ('model = "m.gguf"\n', "model must be a table"),
     ],
 )
 def test_a_config_file_is_read_whole_or_refused(tmp_path: Path, text: str, refusal: str) -> None:
