@@ -175,6 +175,7 @@ class Sequence:
         self.telemetry: DecodeStep | None = None  # this request's share of every step it was in
         self.sampled: list[int] = []  # every token sampled, end-of-generation included
         self.index = 0  # the order it started in on its loop (the journal's name for it)
+        self.phase: int | None = None  # the route trace's phase begun for it (MeasuredLlama.begin_phase)
         self.done = False
         params = request.params
         self.max_tokens = min(params.max_tokens, llama.n_ctx_seq - len(request.prompt_tokens))
@@ -328,7 +329,6 @@ class TokenLoop:
         self.started = 0  # requests started so far
         # when a list, every start, cancellation and end is appended (a replay repeats them)
         self.journal: list[JournalEntry] | None = None
-        self._phase: int | None = None  # the route trace's phase (MeasuredLlama.begin_phase)
 
     def close(self) -> None:
         """Free the batch (idempotent); the running requests are the caller's to finish."""
@@ -371,7 +371,6 @@ class TokenLoop:
         if self.journal is not None:
             self.journal.append(JournalEntry("start", self.steps, sequence.index, request))
         self.running.append(sequence)
-        self._phase = None  # a new prompt: its phase begins at its first step
         return sequence
 
     def _slot_for(self, tokens: tuple[int, ...]) -> Slot:
@@ -409,11 +408,12 @@ class TokenLoop:
         parts = self._parts()
         plan = self._fill(parts)
         llama = self.llama
-        # a route trace counts a prompt's steps from its start and the decode steps after it
-        phase = 0 if any(seq.next_token is None for seq, _ in parts) else 1
-        if phase != self._phase:
-            llama.begin_phase(phase)
-            self._phase = phase
+        # a route trace counts each request's prompt steps from its start, its decode steps after
+        for seq, _ in parts:
+            phase = 0 if seq.next_token is None else 1
+            if phase != seq.phase:
+                llama.begin_phase(phase, seq.slot.seq_id)
+                seq.phase = phase
         llama._ctx.decode(self._batch)
         step = llama.steps[-1]
         self.costs.learn(

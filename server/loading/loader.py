@@ -209,15 +209,6 @@ def _load_model(
                 f"prefetch {settings.prefetch})"
             )
     traced = build_tracer(routing, path) if routing is not None else None
-    if traced is not None and settings.parallel != 1:
-        # a trace maps a step's tokens to its rows in order, with no sequence to tell them apart
-        if settings.parallel != "auto":
-            traced[0].close()
-            raise ConfigError(
-                f"a route trace replays or records one request at a time: --parallel 1, "
-                f"not {settings.parallel}"
-            )
-        settings = settings.model_copy(update={"parallel": 1})
     if traced is not None:
         kwargs["tracer"] = traced[0]
     try:

@@ -236,6 +236,8 @@ class MeasuredLlama(llama_cpp.Llama):
         llama-cpp-python has no hook after llama_decode; the context's decode is the narrowest
         seam, and a failed expert read raises there, before Llama.eval counts the batch as done."""
         self.slots = [Slot(seq) for seq in range(int(self.context_params.n_seq_max))]
+        if self.tracer is not None:
+            self.tracer.micro_batch = int(self.context_params.n_ubatch)
         ctx = self._ctx
         original = ctx.decode
 
@@ -244,21 +246,24 @@ class MeasuredLlama(llama_cpp.Llama):
             streamer = self.streamer
             before = streamer.stats() if streamer is not None else None
             if self.tracer is not None:
-                self.tracer.begin_batch(int(batch.batch.n_tokens))
+                raw = batch.batch
+                n = int(raw.n_tokens)
+                self.tracer.begin_batch(
+                    [raw.seq_id[i][0] for i in range(n)], [bool(raw.logits[i]) for i in range(n)]
+                )
             waited = self._helper_wait_ns()
             start = time.monotonic_ns()
             try:
                 original(batch)
             except RuntimeError as exc:
                 self._check_helpers()
-                misfit = self.tracer.take_error() if self.tracer is not None else None
-                if misfit is not None:
-                    raise ConfigError(f"the route trace does not fit: {misfit}") from exc
+                self._check_tracer()
                 failure = streamer.take_error() if streamer is not None else None
                 if failure is not None:
                     raise ExpertReadError(str(failure)) from exc
                 raise
             self._check_helpers()
+            self._check_tracer()
             wall = time.monotonic_ns() - start
             delta = None
             if streamer is not None and before is not None:
@@ -286,6 +291,13 @@ class MeasuredLlama(llama_cpp.Llama):
         """Nanoseconds waited on this model's helpers so far (0 without helpers)."""
         return sum(self._rpc().wait_ns(endpoint) for endpoint in self.helpers) if self.helpers else 0
 
+    def _check_tracer(self) -> None:
+        """ConfigError when the route trace stopped a graph (a node it does not fit): ggml goes on
+        with the graph's next split after a callback's refusal, so the call may have returned."""
+        misfit = self.tracer.take_error() if self.tracer is not None else None
+        if misfit is not None:
+            raise ConfigError(f"the route trace does not fit: {misfit}")
+
     def _check_helpers(self) -> None:
         """HelperLost when ggml's connection to a helper failed: the step just decoded computed
         garbage from then on (ggml's RPC calls return zeros once lost, patch 0014)."""
@@ -304,11 +316,12 @@ class MeasuredLlama(llama_cpp.Llama):
         if self.memory_watch is not None:
             self.memory_watch.apply()
 
-    def begin_phase(self, phase: int) -> None:
-        """The decode calls from now on are a prompt's (0) or its decode steps (1): a route
-        trace replays and records them as that phase (nothing to do without one)."""
+    def begin_phase(self, phase: int, seq: int = 0) -> None:
+        """The tokens of KV sequence `seq` decoded from now on are a new request's prompt (0) or
+        its decode steps (1): a route trace replays and records them as that phase (nothing to do
+        without one)."""
         if self.tracer is not None:
-            self.tracer.begin_phase(phase)
+            self.tracer.begin_phase(phase, seq)
 
     def totals(self) -> DecodeStep:
         """Every decode call since the load as one step; the streamer's counters are cumulative

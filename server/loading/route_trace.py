@@ -3,16 +3,19 @@
 A route trace (`*.route.csv`, the format of bench/route-traces) lists, per token and
 MoE layer, the experts the router picked. `#` header lines give the model, n_layer, n_expert,
 n_expert_used and, per layer, `expert_bytes` (one expert: gate + up + down) and `dense_bytes`;
-then one row per routed expert: `turn,phase,step,layer,slot,expert,weight,residency,expert_bytes`
-(phase 0 is the prompt, 1 decode; step the token's index within the phase; slot its rank among
-the token's k; weight the router's score; residency is not used here).
+then one row per routed expert:
+`turn,phase,step,layer,slot,expert,weight,residency,expert_bytes,seq` (turn the request; phase 0
+is the prompt, 1 decode; step the token's index within its request's phase; slot its rank among
+the token's k; weight the router's score; residency is not used here; seq the KV sequence the
+request decoded in, 0 when the column is absent, as in files written before it).
 
 `--route-trace FILE` makes a model route every token as the trace did (streaming_ext.RouteTracer
-in the eval callback, the same for a resident and a streamed model): prompt token i takes the
-trace's prompt step i and decode token j its decode step j, wrapping around when the run is
-longer than the trace; the steps of several turns run one after the other. Output then differs
-from the model's own (benchmarks and tests only). `--record-route-trace FILE` writes the routing
-a run used in the same format.
+in the eval callback, the same for a resident and a streamed model): each request's prompt token
+i takes the trace's prompt step i and its decode token j the decode step j, wrapping around when
+the request is longer than the trace; the steps of several turns run one after the other. With
+`--parallel` above 1, requests decoded together are routed each by its own steps. Output then
+differs from the model's own (benchmarks and tests only). `--record-route-trace FILE` writes the
+routing a run used in the same format, one turn per request.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FORMAT_LINE = "# route_trace v1"
-COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert", "weight", "residency", "expert_bytes")
+COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert", "weight", "residency", "expert_bytes", "seq")
 _NEEDED = ("turn", "phase", "step", "layer", "expert")
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
@@ -52,6 +55,7 @@ class Route:
     turn: int = 0
     step: int = 0
     weights: tuple[float, ...] = ()
+    seq: int = 0  # the KV sequence the token decoded in
     # a micro-batch's route (experts: their union): each token's experts, what the policy learns from
     tokens: tuple[tuple[int, ...], ...] = ()
 
@@ -173,6 +177,7 @@ def load_trace(path: Path) -> Trace:
     key: tuple[int, int, int, int] | None = None
     experts: list[int] = []
     weights: list[float] = []
+    seq = 0
 
     def close_route() -> None:
         if key is None:
@@ -182,12 +187,13 @@ def load_trace(path: Path) -> Trace:
                 f"{path}: turn {key[0]} phase {key[1]} step {key[2]} layer {key[3]} routes to {experts} "
                 f"(experts must be distinct, at most {k or 'k'} of them)"
             )
-        routes.append(Route(key[1] == 1, key[3], tuple(experts), key[0], key[2], tuple(weights)))
+        routes.append(Route(key[1] == 1, key[3], tuple(experts), key[0], key[2], tuple(weights), seq))
 
     for rec in reader:
         try:
             row = tuple(int(rec[name]) for name in _NEEDED)
             weight = float(rec.get("weight") or 0.0)
+            row_seq = int(rec.get("seq") or 0)
         except (TypeError, ValueError) as exc:
             raise ConfigError(
                 f"{path}: line {reader.line_num}: {', '.join(_NEEDED)} must be integers"
@@ -200,7 +206,7 @@ def load_trace(path: Path) -> Trace:
             )
         if (turn, phase, step, layer) != key:
             close_route()
-            key, experts, weights = (turn, phase, step, layer), [], []
+            key, experts, weights, seq = (turn, phase, step, layer), [], [], row_seq
         experts.append(expert)
         weights.append(weight)
     if key is None:
@@ -239,6 +245,7 @@ def write_trace(path: Path, shape: ModelShape, routes: list[Route]) -> None:
                             f"{weight:.6f}",
                             0,
                             shape.entry_bytes[r.layer],
+                            r.seq,
                         )
                     )
     except OSError as exc:
@@ -309,11 +316,10 @@ def recorded_routes(llama: MeasuredLlama) -> list[Route]:
     if llama.tracer is None:
         return []
     routes: list[Route] = []
-    rows: dict[tuple[int, int, int, int], list[tuple[int, float]]] = {}
+    rows: dict[tuple[int, int, int, int, int], list[tuple[int, float]]] = {}
     for r in llama.tracer.take_records():
-        rows.setdefault((r.turn, r.phase, r.step, r.layer), []).append((r.expert, r.weight))
-    for (turn, phase, step, layer), picks in rows.items():
-        routes.append(
-            Route(phase == 1, layer, tuple(e for e, _ in picks), turn, step, tuple(w for _, w in picks))
-        )
+        rows.setdefault((r.turn, r.phase, r.step, r.layer, r.seq), []).append((r.expert, r.weight))
+    for (turn, phase, step, layer, seq), picks in rows.items():
+        experts, weights = tuple(e for e, _ in picks), tuple(w for _, w in picks)
+        routes.append(Route(phase == 1, layer, experts, turn, step, weights, seq))
     return routes

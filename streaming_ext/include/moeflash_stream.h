@@ -186,7 +186,8 @@ typedef struct mf_route_trace mf_route_trace;
 // list is struct mf_route_record, its layout check (mf_layout.c) and the Python record
 // (streaming_ext/_declared.py's RouteRecord, generated at `make ext`).
 #define MF_ROUTE_RECORD_FIELDS(X)                                                                     \
-    X(turn, int32_t, "counts mf_route_trace_begin_phase(0) calls from 0")                              \
+    X(turn, int32_t, "the request (streaming_ext.RouteTracer counts the prompts begun from 0)")        \
+    X(seq, int32_t, "the KV sequence (slot) it decoded in")                                           \
     X(phase, int32_t, "0 prompt, 1 decode")                                                           \
     X(step, int32_t, "token index within the phase")                                                  \
     X(layer, int32_t, "the layer")                                                                    \

@@ -235,10 +235,14 @@ MF_FUNCTION(void, mf_route_trace_chain,
 // Only layers below n are routed here (0: all): the others run on an RPC helper, and the trace
 // leaves their nodes, whose data is not in this process, alone.
 MF_FUNCTION(void, mf_route_trace_keep_layers, (mf_route_trace * rt, int32_t n))
-// The tokens decoded from now on belong to `phase` (0 prompt, 1 decode), from step 0 on.
-MF_FUNCTION(void, mf_route_trace_begin_phase, (mf_route_trace * rt, int32_t phase))
-// The next llama_decode call holds n_tokens tokens (the steps after the previous call's).
-MF_FUNCTION(void, mf_route_trace_begin_batch, (mf_route_trace * rt, int64_t n_tokens))
+// The tokens of the next llama_decode call in the order llama.cpp computes them, copied: token i
+// is step step[i] of phase phase[i] (0 prompt, 1 decode) of request turn[i] in KV sequence seq[i],
+// output[i] != 0 when its logits are asked for; micro-batch u ends before token ends[u] (n_ubatch
+// of them, the last ending at n_tokens). 0, -EINVAL, -ENOMEM; the nodes of a call not announced
+// stop its graph with an error.
+MF_FUNCTION(int, mf_route_trace_begin_batch,
+            (mf_route_trace * rt, int64_t n_tokens, const int32_t * turn, const int32_t * seq, const int32_t * phase,
+             const int32_t * step, const uint8_t * output, int64_t n_ubatch, const int64_t * ends))
 MF_FUNCTION(bool, mf_route_trace_eval_cb, (struct ggml_tensor * t, bool ask, void * user_data))
 // Records not yet taken; moves up to max of them, oldest first, into out. Returns how many.
 MF_FUNCTION(int64_t, mf_route_trace_n_recorded, (const mf_route_trace * rt))
@@ -247,8 +251,8 @@ MF_FUNCTION(int64_t, mf_route_trace_take_recorded, (mf_route_trace * rt, mf_rout
 MF_FUNCTION(int, mf_route_trace_take_error, (mf_route_trace * rt, char * msg, size_t msg_size))
 // An mf_predictor (user_data: the trace) that knows the future: the experts the replayed trace
 // routes at layer il for the tokens of the last ffn_moe_topk node it saw, the prefetch's upper
-// bound. 0 when nothing is replayed. The last layer of a prompt computes only the batch's last
-// tokens, which it cannot know: it predicts the whole batch there.
+// bound. 0 when nothing is replayed. The last layer computes only the output tokens, which the
+// node before it does not tell apart: it predicts the whole micro-batch there.
 MF_FUNCTION(int32_t, mf_route_trace_predict, (void * user_data, int32_t il, uint8_t * want))
 // Makes mf_route_trace_predict an emulated predictor that is right on about 1 - share of the
 // routed slots: each token's slot is replaced, with probability share, by an expert that token

@@ -3,14 +3,17 @@
 // mf_route_trace_eval_cb runs on every ffn_moe_topk-<il> node, after the node is computed and
 // before anything reads it (the expert weights are gathered from it, the expert matmuls route by
 // it). Replaying, it overwrites each token's selected-expert ids with the trace's ids for that
-// token and layer; recording, it appends the ids the layer now routes by. It then hands the node
-// to the chained callback (the streamer's, for a streamed model), so a streamed and a resident
-// model compute with the same routing. A token's step is its index in the phase: the batches
-// announced since mf_route_trace_begin_phase count the tokens. A layer that computes fewer rows
-// than its batch has (the last layer of a prompt computes only the tokens whose logits are asked
-// for) holds the batch's last tokens, as in llama.cpp. A phase longer than the trace's wraps
-// around to the trace's first step.
-// Nothing aborts: a node that does not match the trace records an error and stops the graph.
+// token's phase, step and layer; recording, it appends the ids the layer now routes by. It then
+// hands the node to the chained callback (the streamer's, for a streamed model), so a streamed and
+// a resident model compute with the same routing.
+// Which token a node's row is: mf_route_trace_begin_batch gives each token of the next
+// llama_decode call (its request, KV sequence, phase and step) in the order llama.cpp computes
+// them, cut into its micro-batches; a node of a layer not above the last one seen starts the next
+// micro-batch. The last layer may compute fewer rows than its micro-batch has (only the tokens
+// whose logits are asked for): they are the micro-batch's output tokens, in order. A
+// phase longer than the trace's wraps around to the trace's first step.
+// Nothing aborts: a node that does not match the trace or the announced micro-batches records an
+// error and stops the graph.
 #include "mf_internal.h"
 
 #include <errno.h>
@@ -19,15 +22,23 @@
 #include <stdlib.h>
 #include <string.h>
 
+// one token of the decode call being computed (mf_route_trace_begin_batch)
+typedef struct route_token {
+    int32_t turn, seq, phase, step;
+    bool    output;
+} route_token;
+
 struct mf_route_trace {
     int32_t n_layer, n_expert, k;
     int32_t local_layers;  // layers routed here; 0: all (mf_route_trace_keep_layers)
     int32_t * replay[2];   // per phase: [n_steps][n_layer][k] expert ids (-1: the model's own), or NULL
     int64_t   n_steps[2];
-    int32_t   turn, phase;
-    int64_t   batch_start;   // step of the current batch's first token
-    int64_t   batch_tokens;  // tokens of the current batch
-    int64_t   node_first, node_rows;  // steps of the last topk node's rows (mf_route_trace_predict)
+    route_token * tokens;  // the decode call's tokens in computed order (mf_route_trace_begin_batch)
+    int64_t *        ends;    // the end of each micro-batch in tokens
+    int64_t          n_tokens, n_ubatch, cap_tokens, cap_ubatch;
+    int64_t          ubatch;      // the micro-batch being computed (-1: none yet)
+    int32_t          last_layer;  // the layer of the last topk node seen
+    bool             outputs;     // the last topk node held the micro-batch's output tokens only
     float     predict_error;          // share of predicted slots replaced (mf_route_trace_set_predict_error)
     uint64_t  rng;                    // splitmix64 state of those replacements
     bool      recording;
@@ -51,7 +62,7 @@ int mf_route_trace_new(int32_t n_layer, int32_t n_expert, int32_t k, mf_route_tr
     rt->n_layer = n_layer;
     rt->n_expert = n_expert;
     rt->k = k;
-    rt->turn = -1;  // the first begin_phase(0) starts turn 0
+    rt->ubatch = -1;
     *out = rt;
     return 0;
 }
@@ -63,6 +74,8 @@ void mf_route_trace_free(mf_route_trace * rt) {
     free(rt->replay[0]);
     free(rt->replay[1]);
     free(rt->rec);
+    free(rt->tokens);
+    free(rt->ends);
     free(rt);
 }
 
@@ -96,19 +109,51 @@ void mf_route_trace_chain(mf_route_trace * rt, ggml_backend_sched_eval_callback 
     rt->next_user_data = next_user_data;
 }
 
-void mf_route_trace_begin_phase(mf_route_trace * rt, int32_t phase) {
-    if (phase == 0 || rt->turn < 0) {
-        rt->turn++;
+int mf_route_trace_begin_batch(mf_route_trace * rt, int64_t n_tokens, const int32_t * turn, const int32_t * seq,
+                               const int32_t * phase, const int32_t * step, const uint8_t * output, int64_t n_ubatch,
+                               const int64_t * ends) {
+    rt->n_tokens = rt->n_ubatch = 0;
+    rt->ubatch = -1;
+    if (n_tokens < 0 || n_ubatch < 0 || (n_tokens > 0 && (!turn || !seq || !phase || !step || !output || !ends))) {
+        return -EINVAL;
     }
-    rt->phase = phase == 0 ? 0 : 1;
-    rt->batch_start = 0;
-    rt->batch_tokens = 0;
-    rt->node_rows = 0;
-}
-
-void mf_route_trace_begin_batch(mf_route_trace * rt, int64_t n_tokens) {
-    rt->batch_start += rt->batch_tokens;
-    rt->batch_tokens = n_tokens;
+    for (int64_t u = 0; u < n_ubatch; u++) {
+        if (ends[u] <= (u ? ends[u - 1] : 0) || ends[u] > n_tokens || (u == n_ubatch - 1 && ends[u] != n_tokens)) {
+            return -EINVAL;
+        }
+    }
+    for (int64_t i = 0; i < n_tokens; i++) {
+        if (phase[i] < 0 || phase[i] > 1 || step[i] < 0) {
+            return -EINVAL;
+        }
+    }
+    if (n_tokens > rt->cap_tokens) {
+        route_token * grown = realloc(rt->tokens, (size_t) n_tokens * sizeof *grown);
+        if (!grown) {
+            return -ENOMEM;
+        }
+        rt->tokens = grown;
+        rt->cap_tokens = n_tokens;
+    }
+    if (n_ubatch > rt->cap_ubatch) {
+        int64_t * grown = realloc(rt->ends, (size_t) n_ubatch * sizeof *grown);
+        if (!grown) {
+            return -ENOMEM;
+        }
+        rt->ends = grown;
+        rt->cap_ubatch = n_ubatch;
+    }
+    for (int64_t i = 0; i < n_tokens; i++) {
+        rt->tokens[i] = (route_token) {
+            .turn = turn[i], .seq = seq[i], .phase = phase[i], .step = step[i], .output = output[i] != 0,
+        };
+    }
+    if (n_ubatch > 0) {
+        memcpy(rt->ends, ends, (size_t) n_ubatch * sizeof *ends);
+    }
+    rt->n_tokens = n_tokens;
+    rt->n_ubatch = n_ubatch;
+    return 0;
 }
 
 int64_t mf_route_trace_n_recorded(const mf_route_trace * rt) {
@@ -150,7 +195,8 @@ __attribute__((format(printf, 3, 4))) static bool fail(mf_route_trace * rt, int 
     return false;  // stops the graph
 }
 
-static int record(mf_route_trace * rt, int64_t step, int32_t layer, int32_t slot, int32_t expert, float weight) {
+static int record(mf_route_trace * rt, const route_token * token, int32_t layer, int32_t slot, int32_t expert,
+                  float weight) {
     if (rt->n_rec == rt->cap_rec) {
         const int64_t     cap = rt->cap_rec ? 2 * rt->cap_rec : 4096;
         mf_route_record * rec = realloc(rt->rec, (size_t) cap * sizeof *rec);
@@ -161,8 +207,8 @@ static int record(mf_route_trace * rt, int64_t step, int32_t layer, int32_t slot
         rt->cap_rec = cap;
     }
     rt->rec[rt->n_rec++] = (mf_route_record) {
-        .turn = rt->turn, .phase = rt->phase, .step = (int32_t) step, .layer = layer,
-        .slot = slot, .expert = expert, .weight = weight,
+        .turn = token->turn, .seq = token->seq, .phase = token->phase, .step = token->step,
+        .layer = layer, .slot = slot, .expert = expert, .weight = weight,
     };
     return 0;
 }
@@ -179,28 +225,48 @@ static bool route_node(mf_route_trace * rt, struct ggml_tensor * ids) {
         return fail(rt, -EINVAL, "layer %ld selects %lld experts per token, the route trace %d", il,
                     (long long) ids->ne[0], (int) rt->k);
     }
-    if (n_tokens > rt->batch_tokens) {
-        rt->batch_tokens = n_tokens;  // a batch nobody announced: its rows are its tokens
+    if (rt->ubatch < 0 || il <= rt->last_layer) {
+        rt->ubatch++;  // the first layer of the next micro-batch
     }
-    const int64_t   first = rt->batch_start + rt->batch_tokens - n_tokens;
-    rt->node_first = first;
-    rt->node_rows  = n_tokens;
-    const int32_t * table = rt->replay[rt->phase];
-    const int64_t   steps = rt->n_steps[rt->phase];
-    for (int64_t i1 = 0; i1 < n_tokens; i1++) {
-        const int64_t step = first + i1;
-        int32_t *     row  = (int32_t *) ((char *) ids->data + i1 * ids->nb[1]);
+    rt->last_layer = (int32_t) il;
+    if (rt->ubatch >= rt->n_ubatch) {
+        return fail(rt, -EINVAL, "layer %ld routes a micro-batch the route trace was not told of (%lld announced)",
+                    il, (long long) rt->n_ubatch);
+    }
+    const int64_t first = rt->ubatch ? rt->ends[rt->ubatch - 1] : 0;
+    const int64_t size  = rt->ends[rt->ubatch] - first;
+    int64_t       n_out = 0;
+    for (int64_t i = first; i < first + size; i++) {
+        n_out += rt->tokens[i].output != 0;
+    }
+    if (n_tokens != size && (il != rt->n_layer - 1 || n_tokens != n_out)) {
+        return fail(rt, -EINVAL,
+                    "layer %ld computes %lld rows of a micro-batch of %lld tokens (%lld outputs): llama.cpp "
+                    "cut the batch otherwise than the route trace was told",
+                    il, (long long) n_tokens, (long long) size, (long long) n_out);
+    }
+    rt->outputs = n_tokens != size;
+    int64_t i1 = 0;
+    for (int64_t i = first; i < first + size; i++) {
+        const route_token * token = &rt->tokens[i];
+        if (rt->outputs && !token->output) {
+            continue;
+        }
+        int32_t *       row   = (int32_t *) ((char *) ids->data + i1 * ids->nb[1]);
+        const int32_t * table = rt->replay[token->phase];
         if (table) {
-            const int32_t * want = table + ((size_t) (step % steps) * (size_t) rt->n_layer + (size_t) il) * (size_t) rt->k;
+            const int64_t   step = token->step % rt->n_steps[token->phase];
+            const int32_t * want = table + ((size_t) step * (size_t) rt->n_layer + (size_t) il) * (size_t) rt->k;
             if (want[0] >= 0) {
                 memcpy(row, want, (size_t) rt->k * sizeof *row);
             }
         }
         for (int32_t slot = 0; rt->recording && slot < rt->k; slot++) {
-            if (record(rt, step, (int32_t) il, slot, row[slot], mf_topk_score(ids, i1, row[slot])) != 0) {
+            if (record(rt, token, (int32_t) il, slot, row[slot], mf_topk_score(ids, i1, row[slot])) != 0) {
                 return fail(rt, -ENOMEM, "no memory to record the routing of layer %ld", il);
             }
         }
+        i1++;
     }
     return true;
 }
@@ -249,16 +315,20 @@ static int32_t guess(mf_route_trace * rt, const int32_t * ids, int32_t slot) {
 }
 
 int32_t mf_route_trace_predict(void * user_data, int32_t il, uint8_t * want) {
-    mf_route_trace * rt    = user_data;
-    const int32_t *  table = rt->replay[rt->phase];
-    const int64_t    steps = rt->n_steps[rt->phase];
-    if (!table || il < 0 || il >= rt->n_layer) {
+    mf_route_trace * rt = user_data;
+    if (il < 0 || il >= rt->n_layer || rt->ubatch < 0 || rt->ubatch >= rt->n_ubatch) {
         return 0;
     }
-    int32_t n = 0;
-    for (int64_t i = 0; i < rt->node_rows; i++) {
-        const int64_t   step = rt->node_first + i;
-        const int32_t * ids  = table + ((size_t) (step % steps) * (size_t) rt->n_layer + (size_t) il) * (size_t) rt->k;
+    const int64_t first = rt->ubatch ? rt->ends[rt->ubatch - 1] : 0;
+    int32_t       n     = 0;
+    for (int64_t i = first; i < rt->ends[rt->ubatch]; i++) {
+        const route_token * token = &rt->tokens[i];
+        const int32_t *        table = rt->replay[token->phase];
+        if (!table || (rt->outputs && !token->output)) {
+            continue;
+        }
+        const int64_t   step = token->step % rt->n_steps[token->phase];
+        const int32_t * ids  = table + ((size_t) step * (size_t) rt->n_layer + (size_t) il) * (size_t) rt->k;
         for (int32_t slot = 0; ids[0] >= 0 && slot < rt->k; slot++) {
             const int32_t e = guess(rt, ids, slot);
             n += !want[e];

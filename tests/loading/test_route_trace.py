@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -22,7 +23,14 @@ from server.engine.generation import GenerationRequest, GenerationStats, Samplin
 from server.engine.token_loop import generate
 from server.errors import ConfigError
 from server.loading.loader import load_model
-from server.loading.route_trace import ModelShape, Route, load_trace, recorded_routes, write_trace
+from server.loading.route_trace import (
+    ModelShape,
+    Route,
+    build_tracer,
+    load_trace,
+    recorded_routes,
+    write_trace,
+)
 from server.settings import Budget, ModelSettings, RouteTraceSettings
 from tests.models import RouteRecorder, expert_layer_bytes, last_logits, load_llama
 
@@ -393,3 +401,76 @@ def test_a_trace_that_does_not_fit_is_refused(tiny_model: Callable[..., Path], t
         settings = ModelSettings(model=path, mode="resident", ctx_size=512)
         with pytest.raises(ConfigError, match=f"cannot route {path.name}: .*{what}"):
             load_model(settings, RouteTraceSettings(route_trace=bad))
+
+
+def routes_by_request(routes: list[Route]) -> dict[int, dict[tuple[bool, int, int], tuple[Any, ...]]]:
+    """turn -> (decode, step, layer) -> (experts, weights, KV sequence) of that request's token."""
+    out: dict[int, dict[tuple[bool, int, int], tuple[Any, ...]]] = {}
+    for r in routes:
+        out.setdefault(r.turn, {})[(r.decode, r.step, r.layer)] = (r.experts, r.weights, r.seq)
+    return out
+
+
+def test_requests_decoded_together_are_each_routed_by_their_own_steps(
+    tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Four requests in four KV sequences, prompts prefilled in chunks beside running decodes, so
+    llama.cpp cuts most steps into several micro-batches (split_equal): the routing recorded
+    together is, request by request, the routing each records alone (greedy, flash attention off:
+    batch invariant), each token's sequence its slot; replaying a trace together routes every
+    request's tokens by the trace's steps."""
+    from tests.engine.test_parallel import SCHEDULE, load, run_schedule
+
+    path = tiny_model("tiny-qwen3moe")
+    n_layer = ModelShape.of(path).n_layer
+    requests = [r for step in sorted(SCHEDULE) for r in SCHEDULE[step]]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    schedule = {step: [replace(r, params=greedy) for r in SCHEDULE[step]] for step in SCHEDULE}
+    record = RouteTraceSettings(record_route_trace=tmp_path / "together.route.csv")
+    traced = build_tracer(record, path)
+    assert traced is not None
+    llama = load(path, "resident", False, tracer=traced[0])
+    try:
+        plans, together = run_schedule(llama, schedule)
+        recorded = recorded_routes(llama)
+        routes = routes_by_request(recorded)
+        alone = []
+        for request in requests:
+            llama.clear()
+            _, outcome = run_schedule(llama, {0: [replace(request, params=greedy)]})
+            alone.append((outcome[0].tokens, routes_by_request(recorded_routes(llama))))
+    finally:
+        llama.close()
+    assert sum(len(plan) >= 3 for plan in plans) >= 3, "too few steps held three sequences"
+    assert sorted(routes) == list(range(len(requests)))
+    seqs = set()
+    for turn, (tokens, own) in enumerate(alone):
+        assert together[turn].tokens == tokens
+        (mine,) = own.values()
+        assert {key: value[:2] for key, value in routes[turn].items()} == {
+            key: value[:2] for key, value in mine.items()
+        }, f"request {turn}: routed otherwise beside others than alone"
+        (seq,) = {value[2] for value in routes[turn].values()}
+        seqs.add(seq)
+        decode = sorted({step for decode, step, _ in routes[turn] if decode})
+        assert decode == list(range(len(tokens) - 1)) and len(routes[turn]) > n_layer * len(tokens)
+    assert len(seqs) == 4, "the requests did not decode in four sequences"
+    # the file keeps each route's sequence (a file without the column reads as sequence 0)
+    write_trace(tmp_path / "written.route.csv", ModelShape.of(path), recorded)
+    assert [r.seq for r in load_trace(tmp_path / "written.route.csv").routes] == [r.seq for r in recorded]
+
+    trace_file = random_trace(path, tmp_path / "trace.route.csv")
+    trace = by_token(load_trace(trace_file).routes)
+    replay = RouteTraceSettings(route_trace=trace_file, record_route_trace=tmp_path / "replayed.route.csv")
+    traced = build_tracer(replay, path)
+    assert traced is not None
+    llama = load(path, "resident", False, tracer=traced[0])
+    try:
+        run_schedule(llama, schedule)
+        replayed = recorded_routes(llama)
+    finally:
+        llama.close()
+    assert {r.turn for r in replayed} == set(range(len(requests)))
+    for r in replayed:
+        steps = TRACE_DECODE_STEPS if r.decode else TRACE_PROMPT_STEPS
+        assert r.experts == trace[(r.decode, r.step % steps, r.layer)], f"{r} is not the trace's"
