@@ -109,6 +109,21 @@ void mf_route_trace_chain(mf_route_trace * rt, ggml_backend_sched_eval_callback 
     rt->next_user_data = next_user_data;
 }
 
+// makes *buf hold at least n items of item_size bytes (*cap items now); 0 or -ENOMEM (*buf kept)
+static int reserve(void ** buf, int64_t * cap, int64_t n, size_t item_size) {
+    if (n <= *cap) {
+        return 0;
+    }
+    const int64_t want  = n > 2 * *cap ? n : 2 * *cap;
+    void *        grown = realloc(*buf, (size_t) want * item_size);
+    if (!grown) {
+        return -ENOMEM;
+    }
+    *buf = grown;
+    *cap = want;
+    return 0;
+}
+
 int mf_route_trace_begin_batch(mf_route_trace * rt, int64_t n_tokens, const int32_t * turn, const int32_t * seq,
                                const int32_t * phase, const int32_t * step, const uint8_t * output, int64_t n_ubatch,
                                const int64_t * ends) {
@@ -127,21 +142,9 @@ int mf_route_trace_begin_batch(mf_route_trace * rt, int64_t n_tokens, const int3
             return -EINVAL;
         }
     }
-    if (n_tokens > rt->cap_tokens) {
-        route_token * grown = realloc(rt->tokens, (size_t) n_tokens * sizeof *grown);
-        if (!grown) {
-            return -ENOMEM;
-        }
-        rt->tokens = grown;
-        rt->cap_tokens = n_tokens;
-    }
-    if (n_ubatch > rt->cap_ubatch) {
-        int64_t * grown = realloc(rt->ends, (size_t) n_ubatch * sizeof *grown);
-        if (!grown) {
-            return -ENOMEM;
-        }
-        rt->ends = grown;
-        rt->cap_ubatch = n_ubatch;
+    if (reserve((void **) &rt->tokens, &rt->cap_tokens, n_tokens, sizeof *rt->tokens) != 0 ||
+        reserve((void **) &rt->ends, &rt->cap_ubatch, n_ubatch, sizeof *rt->ends) != 0) {
+        return -ENOMEM;
     }
     for (int64_t i = 0; i < n_tokens; i++) {
         rt->tokens[i] = (route_token) {
@@ -197,14 +200,8 @@ __attribute__((format(printf, 3, 4))) static bool fail(mf_route_trace * rt, int 
 
 static int record(mf_route_trace * rt, const route_token * token, int32_t layer, int32_t slot, int32_t expert,
                   float weight) {
-    if (rt->n_rec == rt->cap_rec) {
-        const int64_t     cap = rt->cap_rec ? 2 * rt->cap_rec : 4096;
-        mf_route_record * rec = realloc(rt->rec, (size_t) cap * sizeof *rec);
-        if (!rec) {
-            return -ENOMEM;
-        }
-        rt->rec = rec;
-        rt->cap_rec = cap;
+    if (reserve((void **) &rt->rec, &rt->cap_rec, rt->n_rec + 1 < 4096 ? 4096 : rt->n_rec + 1, sizeof *rt->rec) != 0) {
+        return -ENOMEM;
     }
     rt->rec[rt->n_rec++] = (mf_route_record) {
         .turn = token->turn, .seq = token->seq, .phase = token->phase, .step = token->step,
