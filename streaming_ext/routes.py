@@ -4,10 +4,10 @@ routing it runs, from the context's eval callback.
 Install `eval_callback` with `handle` as cb_eval / cb_eval_user_data; for a streamed model, chain
 the streamer's callback behind it (`chain`), so the streamer sees the replayed ids. Call
 `begin_phase(0, seq)` before a request's prompt in KV sequence `seq`, `begin_phase(1, seq)` before
-its decode steps, and `begin_batch` with each llama_decode call's sequence ids and output flags:
+its decode steps, and `begin_batch` with each llama_decode call (streaming_ext.batch.DecodeCall):
 each token then has its request, phase and step, and the C side maps every node's rows to those
-tokens through the micro-batches llama.cpp cuts the call into (`micro_batches`). Nothing here
-runs per graph node: the per-node path is in C (mf_route.c).
+tokens through the call's micro-batches. Nothing here runs per graph node: the per-node path is
+in C (mf_route.c).
 """
 
 from __future__ import annotations
@@ -16,46 +16,15 @@ import ctypes
 import errno
 import os
 from collections.abc import Sequence
-from itertools import accumulate
 from typing import Any
 
 from streaming_ext._declared import RECORD, RouteRecord
 from streaming_ext._lib import MfRouteRecord, StreamLib, load_library
+from streaming_ext.batch import DecodeCall
 from streaming_ext.streamer import Streamer, StreamerError
 
 _ERR_LEN = 512
 _TAKE = 65536  # records moved per call
-
-
-def micro_batches(seqs: Sequence[int], n_ubatch: int) -> list[list[int]]:
-    """The micro-batches llama.cpp computes a decode call in, as indices into its tokens, whose
-    KV sequences are `seqs`: llama_batch_allocr::split_equal with sequential sequence ids, the
-    split of a KV cache with a stream per sequence (moeflash's layout; with one sequence, the same
-    cut as split_simple). Each micro-batch takes sequences of consecutive ids from the first token
-    not yet taken, the same number of tokens from each (at most n_ubatch in all), each
-    sequence's tokens in call order and the sequences one after the other."""
-    left: dict[int, list[int]] = {}
-    for i, seq in enumerate(seqs):
-        left.setdefault(seq, []).append(i)
-    taken = [False] * len(seqs)
-    out: list[list[int]] = []
-    while not all(taken):
-        chosen: list[int] = []
-        for i, seq in enumerate(seqs):
-            if not taken[i] and seq not in chosen and (not chosen or seq == chosen[-1] + 1):
-                chosen.append(seq)
-        each = 0
-        while all(each < len(left[seq]) for seq in chosen):
-            each += 1
-            if (each + 1) * len(chosen) > n_ubatch:
-                break
-        batch = [i for seq in chosen for i in left[seq][:each]]
-        for seq in chosen:
-            del left[seq][:each]
-        for i in batch:
-            taken[i] = True
-        out.append(batch)
-    return out
 
 
 class RouteTracer:
@@ -76,7 +45,6 @@ class RouteTracer:
             raise StreamerError("mf_route_trace_eval_cb has no address", errno.ENOSYS)
         self.eval_callback = llama_cpp.ggml_backend_sched_eval_callback(address)
         self._chained: Any = None  # keeps the chained callback object alive
-        self.micro_batch = 512  # the context's n_ubatch (set by the model that installs the tracer)
         self._turns = 0  # prompts begun
         self._seqs: dict[int, list[int]] = {}  # KV sequence -> [turn, phase, its next token's step]
 
@@ -119,35 +87,17 @@ class RouteTracer:
             self._turns += 1
         self._seqs[seq][1:] = [0 if phase == 0 else 1, 0]
 
-    def begin_batch(self, seqs: Sequence[int], outputs: Sequence[bool]) -> None:
-        """The next llama_decode call: its tokens' KV sequences and whether each one's logits are
-        asked for (a sequence never begun starts a prompt)."""
+    def begin_batch(self, call: DecodeCall) -> None:
+        """The next llama_decode call (a sequence never begun starts a prompt)."""
         tokens = []
-        for seq in seqs:
+        for seq in call.seqs:
             if seq not in self._seqs:
                 self.begin_phase(0, seq)
             state = self._seqs[seq]
-            tokens.append((state[0], seq, state[1], state[2]))
+            tokens.append((state[0], state[1], state[2]))
             state[2] += 1
-        batches = micro_batches(seqs, self.micro_batch)
-        order = [i for batch in batches for i in batch]
-        n = len(order)
-
-        def column(values: Sequence[int], ctype: Any = ctypes.c_int32) -> Any:
-            return (ctype * max(n, 1))(*values)
-
-        turn, seq, phase, step = (column([tokens[i][f] for i in order]) for f in range(4))
-        rc = self.lib.cdll.mf_route_trace_begin_batch(
-            self.handle,
-            n,
-            turn,
-            seq,
-            phase,
-            step,
-            column([int(outputs[i]) for i in order], ctypes.c_uint8),
-            len(batches),
-            column(list(accumulate(len(batch) for batch in batches)), ctypes.c_int64),
-        )
+        turn, phase, step = (call.column([tokens[i][f] for i in call.order]) for f in range(3))
+        rc = self.lib.cdll.mf_route_trace_begin_batch(self.handle, *call.c_args(), turn, phase, step)
         if rc != 0:
             raise StreamerError(f"cannot announce a batch to the route tracer: {os.strerror(-rc)}", -rc)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from streaming_ext._declared import CONFIG, Policy, RateClass, StreamerConfig, StreamerStats
 from streaming_ext._lib import MfConfig, MfStats, StreamLib, load_library
+from streaming_ext.batch import DecodeCall
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +127,22 @@ class Streamer:
         if rc == 0:
             return None
         return StreamerError(buf.value.decode(errors="replace"), -rc)
+
+    def begin_batch(self, call: DecodeCall) -> None:
+        """The next llama_decode call: its routes' reads are then shared among its KV sequences
+        (take_seq_bytes). A call it cannot take has its reads counted as unmapped."""
+        rc = self.lib.cdll.mf_streamer_begin_batch(self.handle, *call.c_args())
+        if rc != 0:
+            raise StreamerError(self.last_error() or os.strerror(-rc), -rc)
+
+    def take_seq_bytes(self, n_seq: int) -> tuple[tuple[float, ...], float]:
+        """The expert bytes read since the last call, by KV sequence (0 .. n_seq - 1; each read's
+        bytes split evenly among the tokens that route its expert), and those of routes whose
+        tokens were not announced; zeroes them."""
+        by_seq = (ctypes.c_double * max(n_seq, 1))()
+        unmapped = ctypes.c_double()
+        self.lib.cdll.mf_streamer_take_seq_bytes(self.handle, by_seq, n_seq, ctypes.byref(unmapped))
+        return tuple(by_seq[:n_seq]), unmapped.value
 
     def stats(self) -> StreamerStats:
         """The cumulative counters (a lock-free copy)."""

@@ -428,7 +428,7 @@ class TokenLoop:
         at = 0  # the batch index after each part's last token: its logits, when it has them
         for (seq, tokens), planned in zip(parts, plan, strict=True):
             at += len(tokens)
-            seq.decoded(tokens, step.share(len(tokens)))
+            seq.decoded(tokens, step.share(len(tokens), seq.slot.seq_id))
             if seq.checkpoint is not None and len(seq.slot.tokens) == seq.checkpoint and self.prompt_cache:
                 self.prompt_cache.checkpoint(llama, seq.slot)
             if planned.sampled:

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import llama_cpp
 
 from server.errors import ConfigError, ExpertReadError, HelperLost
 from streaming_ext import StreamerStats
+from streaming_ext.batch import DecodeCall
 
 if TYPE_CHECKING:
     from server.loading.budget import MemoryTerms
@@ -47,6 +48,11 @@ class DecodeStep:
     streamer: StreamerStats | None = None
     # time spent waiting on RPC helpers (the link and their layers' compute; server/rpc)
     helper_wait_ns: int = 0
+    # one decode call's expert reads shared among its KV sequences by routing (index: the
+    # sequence; Streamer.take_seq_bytes), and those of routes no token was announced for; a span
+    # (+, -) has neither
+    seq_bytes: tuple[float, ...] = ()
+    unmapped_bytes: float = 0.0
 
     @property
     def compute_ns(self) -> int | None:
@@ -141,12 +147,20 @@ class DecodeStep:
             self.helper_wait_ns - before.helper_wait_ns,
         )
 
-    def share(self, part: int) -> DecodeStep:
-        """The share of `part` of this step's tokens (a request's, when a step decodes several):
-        its wall time and counters in proportion (docs/api.md, "Telemetry of a shared step")."""
+    def share(self, part: int, seq: int | None = None) -> DecodeStep:
+        """The share of `part` of this step's tokens, those of KV sequence `seq` (a request's, when
+        a step decodes several): its wall time and counters in proportion, but the expert bytes
+        read by routing, each read's bytes split evenly among the tokens routing its expert
+        (docs/api.md, "Telemetry of a shared step")."""
         if part >= self.n_tokens:
             return self
         streamer = self.streamer.share(part, self.n_tokens) if self.streamer is not None else None
+        routed = sum(self.seq_bytes) + self.unmapped_bytes
+        if streamer is not None and self.streamer is not None and seq is not None and routed > 0:
+            mine = (self.seq_bytes[seq] if seq < len(self.seq_bytes) else 0.0) + (
+                self.unmapped_bytes * part / self.n_tokens
+            )
+            streamer = replace(streamer, bytes_read=round(self.streamer.bytes_read * mine / routed))
         return DecodeStep(
             part, self.wall_ns * part // self.n_tokens, streamer, self.helper_wait_ns * part // self.n_tokens
         )
@@ -236,8 +250,6 @@ class MeasuredLlama(llama_cpp.Llama):
         llama-cpp-python has no hook after llama_decode; the context's decode is the narrowest
         seam, and a failed expert read raises there, before Llama.eval counts the batch as done."""
         self.slots = [Slot(seq) for seq in range(int(self.context_params.n_seq_max))]
-        if self.tracer is not None:
-            self.tracer.micro_batch = int(self.context_params.n_ubatch)
         ctx = self._ctx
         original = ctx.decode
 
@@ -245,12 +257,18 @@ class MeasuredLlama(llama_cpp.Llama):
             self.follow_memory()
             streamer = self.streamer
             before = streamer.stats() if streamer is not None else None
-            if self.tracer is not None:
+            if self.tracer is not None or streamer is not None:
                 raw = batch.batch
                 n = int(raw.n_tokens)
-                self.tracer.begin_batch(
-                    [raw.seq_id[i][0] for i in range(n)], [bool(raw.logits[i]) for i in range(n)]
+                call = DecodeCall.of(
+                    [raw.seq_id[i][0] for i in range(n)],
+                    [bool(raw.logits[i]) for i in range(n)],
+                    int(self.context_params.n_ubatch),
                 )
+                if self.tracer is not None:
+                    self.tracer.begin_batch(call)
+                if streamer is not None:
+                    streamer.begin_batch(call)
             waited = self._helper_wait_ns()
             start = time.monotonic_ns()
             try:
@@ -266,17 +284,20 @@ class MeasuredLlama(llama_cpp.Llama):
             self._check_tracer()
             wall = time.monotonic_ns() - start
             delta = None
+            by_seq: tuple[float, ...] = ()
+            unmapped = 0.0
             if streamer is not None and before is not None:
                 failure = streamer.take_error()
                 if failure is not None:
                     raise ExpertReadError(str(failure))
                 delta = streamer.stats() - before
+                by_seq, unmapped = streamer.take_seq_bytes(len(self.slots))
             n_tokens = int(batch.batch.n_tokens)
             helper_wait = max(0, self._helper_wait_ns() - waited)  # 0 across a reconnection
             self._tokens_total += n_tokens
             self._wall_total_ns += wall
             self._helper_wait_total_ns += helper_wait
-            self.steps.append(DecodeStep(n_tokens, wall, delta, helper_wait))
+            self.steps.append(DecodeStep(n_tokens, wall, delta, helper_wait, by_seq, unmapped))
 
         ctx.decode = decode  # type: ignore[method-assign]
 

@@ -74,6 +74,20 @@ MF_FUNCTION(bool, mf_streamer_eval_cb, (struct ggml_tensor * t, bool ask, void *
 
 // Copies the counters. Thread-safe, lock-free.
 MF_FUNCTION(void, mf_streamer_get_stats, (const mf_streamer * s, mf_stats * out))
+// The tokens of the next llama_decode call in the order llama.cpp computes them: token i of KV
+// sequence seq[i], output[i] != 0 when its logits are asked for, micro-batch u ending before token
+// ends[u] (as mf_route_trace_begin_batch takes them). Each route then shares the expert bytes it
+// reads among the sequences (mf_streamer_take_seq_bytes). 0, -EINVAL, -ENOMEM (the call's routes
+// then count as unmapped). Decode thread, between calls.
+MF_FUNCTION(int, mf_streamer_begin_batch,
+            (mf_streamer * s, int64_t n_tokens, const int32_t * seq, const uint8_t * output, int64_t n_ubatch,
+             const int64_t * ends))
+// The expert bytes routes read since the last call, by KV sequence: an expert read on demand, or
+// read ahead and routed, split evenly among the tokens of its micro-batch that route it; one read
+// ahead and not routed among all of them. by_seq[i] (i < n_seq) gets sequence i's; *unmapped (may
+// be NULL) those of routes whose tokens were not announced. Zeroes them; returns 1 + the highest
+// sequence that had bytes (0: none). Decode thread, between calls.
+MF_FUNCTION(int32_t, mf_streamer_take_seq_bytes, (mf_streamer * s, double * by_seq, int32_t n_seq, double * unmapped))
 
 // Waits for reads still in flight (prefetches of a graph that stopped), then takes the first error
 // recorded since the last call: returns its -errno (0 if none) and copies its message.
@@ -236,13 +250,13 @@ MF_FUNCTION(void, mf_route_trace_chain,
 // leaves their nodes, whose data is not in this process, alone.
 MF_FUNCTION(void, mf_route_trace_keep_layers, (mf_route_trace * rt, int32_t n))
 // The tokens of the next llama_decode call in the order llama.cpp computes them, copied: token i
-// is step step[i] of phase phase[i] (0 prompt, 1 decode) of request turn[i] in KV sequence seq[i],
-// output[i] != 0 when its logits are asked for; micro-batch u ends before token ends[u] (n_ubatch
-// of them, the last ending at n_tokens). 0, -EINVAL, -ENOMEM; the nodes of a call not announced
-// stop its graph with an error.
+// of KV sequence seq[i], output[i] != 0 when its logits are asked for, micro-batch u ending before
+// token ends[u] (n_ubatch of them, the last at n_tokens), and step step[i] of phase phase[i] (0
+// prompt, 1 decode) of request turn[i]. 0, -EINVAL, -ENOMEM; a node of a call or micro-batch not
+// announced stops its graph with an error.
 MF_FUNCTION(int, mf_route_trace_begin_batch,
-            (mf_route_trace * rt, int64_t n_tokens, const int32_t * turn, const int32_t * seq, const int32_t * phase,
-             const int32_t * step, const uint8_t * output, int64_t n_ubatch, const int64_t * ends))
+            (mf_route_trace * rt, int64_t n_tokens, const int32_t * seq, const uint8_t * output, int64_t n_ubatch,
+             const int64_t * ends, const int32_t * turn, const int32_t * phase, const int32_t * step))
 MF_FUNCTION(bool, mf_route_trace_eval_cb, (struct ggml_tensor * t, bool ask, void * user_data))
 // Records not yet taken; moves up to max of them, oldest first, into out. Returns how many.
 MF_FUNCTION(int64_t, mf_route_trace_n_recorded, (const mf_route_trace * rt))

@@ -234,13 +234,15 @@ static int build_prediction(mf_streamer * s) {
 static int build_route_buffers(mf_streamer * s) {
     free(s->want);
     s->want = calloc((size_t) s->n_expert, 1);
+    free(s->share_rows);
+    s->share_rows = calloc((size_t) s->n_expert, sizeof *s->share_rows);
     free(s->queue);
     // a slice is at most n_lanes + 1 chunks (mf_lanes.c); the queue grows if one is more
     s->queue_cap = (size_t) s->n_expert * MF_MAX_XT * (size_t) (s->cfg.lanes + 1) * 2;
     s->queue     = calloc(s->queue_cap, sizeof *s->queue);
     s->q_head    = 0;
     s->q_len     = 0;
-    return s->want && s->queue ? 0 : -ENOMEM;
+    return s->want && s->share_rows && s->queue ? 0 : -ENOMEM;
 }
 
 int mf_streamer_check_loaded(mf_streamer * s) {

@@ -42,6 +42,52 @@ void mf_callback_stop_if_all_resident(mf_streamer * s) {
     MF_SET(s->st.routing_off, 1);
 }
 
+// layer il's reads for this node's rows (route_ids, k a row), shared among the KV sequences of the
+// decode call (mf_streamer_begin_batch): an expert read on demand, or read ahead and routed, splits
+// its bytes evenly among the rows routing it; one read ahead and not routed (a wrong guess, read
+// for these tokens) among all the rows. Rows the call did not announce count as unmapped. Call
+// after the demand reads are queued, before the next layer's prefetch replaces pf_mark.
+static void share_reads(mf_streamer * s, int32_t il, int64_t rows, int64_t k) {
+    const mf_cache * c      = s->cache;
+    const bool       ahead  = s->pf_layer == il;
+    const double     bytes  = (double) c->entry_bytes[il];
+    const bool       mapped = s->batch.n_tokens > 0 && mf_batch_node(&s->batch, il, s->n_layers, rows) == 0;
+    memset(s->share_rows, 0, (size_t) s->n_expert * sizeof *s->share_rows);
+    for (int64_t i = 0; i < rows * k; i++) {
+        s->share_rows[s->route_ids[i]]++;
+    }
+    double guessed = 0.0, read = bytes * c->n_load;  // of wrong guesses; of everything read
+    for (int32_t e = 0; ahead && e < s->n_expert; e++) {
+        guessed += s->pf_mark[e] && !s->share_rows[e] ? bytes : 0.0;
+        read += s->pf_mark[e] && s->share_rows[e] ? bytes : 0.0;
+    }
+    if (read == 0.0 && guessed == 0.0) {
+        return;
+    }
+    if (!mapped || rows == 0) {
+        s->unmapped_bytes += read + guessed;
+        return;
+    }
+    // the loads of this route, marked by a negative count (restored below)
+    for (int32_t j = 0; j < c->n_load; j++) {
+        s->share_rows[c->load[j]] = -s->share_rows[c->load[j]];
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        double * mine = &s->seq_bytes[s->batch.seq[s->batch.rows[r]]];
+        *mine += guessed / (double) rows;
+        for (int64_t slot = 0; slot < k; slot++) {
+            const int32_t e = s->route_ids[r * k + slot];
+            const int32_t n = s->share_rows[e];
+            if (n < 0 || (ahead && s->pf_mark[e])) {
+                *mine += bytes / (double) (n < 0 ? -n : n);
+            }
+        }
+    }
+    for (int32_t j = 0; j < c->n_load; j++) {
+        s->share_rows[c->load[j]] = -s->share_rows[c->load[j]];
+    }
+}
+
 // one ffn_moe_topk-<il> node: makes the routed experts of layer il resident (queued), prefetches
 // layer il + 1's predicted ones and, without overlap, waits for layer il's reads. Returns false to
 // stop the graph (an error is recorded)
@@ -115,6 +161,7 @@ static bool route_layer(mf_streamer * s, int32_t il, struct ggml_tensor * ids) {
         mf_streamer_fail(s, qrc, "cannot queue the reads of layer %d: %s", (int) il, strerror(-qrc));
         return false;
     }
+    share_reads(s, il, ids->ne[1], ids->ne[0]);
     mf_prefetch_score(s, il, ids->ne[1], ids->ne[0]);
     int32_t k = 0, prefetch_hits = 0;
     for (int32_t e = 0; e < s->n_expert; e++) {

@@ -8,6 +8,7 @@
 //   mf_prefetch.c  the next layer's prefetch and its gate
 //   mf_skip.c      dropping uncached low-weight experts (lossy, for measurement: skip_below)
 //   mf_route.c     route traces: replayed and recorded routing (beside the streamer: calls none of it)
+//   mf_batch.c     which token of a decode call each routed row is (the streamer and route traces)
 //   mf_buft.c      the three buffer types; registers expert tensors while the model loads
 //   mf_lanes.c     reader lanes and the memory of slices: carries out a route's loads and evictions
 //   mf_repack.c    the CPU backend's repacked layouts: which weights, and writing them so
@@ -368,6 +369,33 @@ typedef struct mf_counters {
 #define MF_SET(counter, v) atomic_store_explicit(&(counter), (uint64_t) (v), memory_order_relaxed)
 #define MF_GET(counter)    atomic_load_explicit(&(counter), memory_order_relaxed)
 
+// ---------------------------------------------------------------- a decode call's tokens (mf_batch.c)
+// makes *buf hold at least n items of item_size bytes (*cap items now); 0 or -ENOMEM (*buf kept)
+int mf_grow(void ** buf, int64_t * cap, int64_t n, size_t item_size);
+
+// Which token each row of a ffn_moe_topk node is. mf_batch_set names the next llama_decode call's
+// tokens in the order llama.cpp computes them, cut into micro-batches; each topk node then says
+// its layer and rows (mf_batch_node): a layer not above the last one seen begins the next
+// micro-batch, and the model's last layer may compute only the micro-batch's output tokens.
+typedef struct mf_batch {
+    int32_t * seq;     // [n_tokens] each token's KV sequence
+    uint8_t * output;  // [n_tokens] non-zero when its logits are asked for
+    int64_t * ends;    // [n_ubatch] where each micro-batch ends
+    int64_t * rows;    // [n_rows] the last node's rows' tokens
+    int64_t   n_tokens, n_ubatch, n_rows;
+    int64_t   cap_seq, cap_output, cap_ends, cap_rows;
+    int64_t   ubatch;           // the last node's micro-batch (-1: none since mf_batch_set)
+    int32_t   last_layer;       // the last node's layer
+    int64_t   first, size, n_out;  // the last node's micro-batch: its first token, tokens, outputs
+} mf_batch;
+// 0, -EINVAL (ends that do not cut n_tokens, a negative sequence), -ENOMEM; n_tokens 0 forgets
+int  mf_batch_set(mf_batch * b, int64_t n_tokens, const int32_t * seq, const uint8_t * output, int64_t n_ubatch,
+                  const int64_t * ends);
+// a node of layer il (of n_layer) with n_rows rows: 0, rows[0, n_rows) its tokens; -EINVAL (no
+// rows) when the call announced no such micro-batch or the rows fit neither it nor its outputs
+int  mf_batch_node(mf_batch * b, int32_t il, int32_t n_layer, int64_t n_rows);
+void mf_batch_free(mf_batch * b);
+
 struct mf_streamer {
     mf_config  cfg;
     char *     model_path;
@@ -395,6 +423,13 @@ struct mf_streamer {
     uint64_t      expert_bytes;
     mf_cache *    cache;
     uint8_t *     want;  // [n_expert] scratch for routing
+    // the expert bytes each route queues, shared among the KV sequences of the tokens routing
+    // them (mf_streamer_begin_batch, mf_streamer_take_seq_bytes; mf_callback.c)
+    mf_batch      batch;           // the decode call's tokens
+    double *      seq_bytes;       // [cap_seq_bytes] by sequence since the last take
+    int64_t       cap_seq_bytes;
+    double        unmapped_bytes;  // of routes whose tokens were not announced
+    int32_t *     share_rows;      // [n_expert] scratch: a route's rows routing each expert
     int32_t *     route_ids;      // the routed ids of a route's tokens, row after row (grown as needed)
     size_t        route_ids_cap;  // capacity of route_ids, in ids
     // skip_below (mf_skip.c, lossy): the slots the last route dropped, row after row, of layer

@@ -22,10 +22,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-// one token of the decode call being computed (mf_route_trace_begin_batch)
+// a token of the decode call being computed, beside its sequence in `batch` (mf_route_trace_begin_batch)
 typedef struct route_token {
-    int32_t turn, seq, phase, step;
-    bool    output;
+    int32_t turn, phase, step;
 } route_token;
 
 struct mf_route_trace {
@@ -33,12 +32,9 @@ struct mf_route_trace {
     int32_t local_layers;  // layers routed here; 0: all (mf_route_trace_keep_layers)
     int32_t * replay[2];   // per phase: [n_steps][n_layer][k] expert ids (-1: the model's own), or NULL
     int64_t   n_steps[2];
-    route_token * tokens;  // the decode call's tokens in computed order (mf_route_trace_begin_batch)
-    int64_t *        ends;    // the end of each micro-batch in tokens
-    int64_t          n_tokens, n_ubatch, cap_tokens, cap_ubatch;
-    int64_t          ubatch;      // the micro-batch being computed (-1: none yet)
-    int32_t          last_layer;  // the layer of the last topk node seen
-    bool             outputs;     // the last topk node held the micro-batch's output tokens only
+    mf_batch      batch;   // the decode call's tokens and micro-batches
+    route_token * tokens;  // [batch.n_tokens]
+    int64_t       cap_tokens;
     float     predict_error;          // share of predicted slots replaced (mf_route_trace_set_predict_error)
     uint64_t  rng;                    // splitmix64 state of those replacements
     bool      recording;
@@ -62,7 +58,6 @@ int mf_route_trace_new(int32_t n_layer, int32_t n_expert, int32_t k, mf_route_tr
     rt->n_layer = n_layer;
     rt->n_expert = n_expert;
     rt->k = k;
-    rt->ubatch = -1;
     *out = rt;
     return 0;
 }
@@ -75,7 +70,7 @@ void mf_route_trace_free(mf_route_trace * rt) {
     free(rt->replay[1]);
     free(rt->rec);
     free(rt->tokens);
-    free(rt->ends);
+    mf_batch_free(&rt->batch);
     free(rt);
 }
 
@@ -109,54 +104,25 @@ void mf_route_trace_chain(mf_route_trace * rt, ggml_backend_sched_eval_callback 
     rt->next_user_data = next_user_data;
 }
 
-// makes *buf hold at least n items of item_size bytes (*cap items now); 0 or -ENOMEM (*buf kept)
-static int reserve(void ** buf, int64_t * cap, int64_t n, size_t item_size) {
-    if (n <= *cap) {
-        return 0;
-    }
-    const int64_t want  = n > 2 * *cap ? n : 2 * *cap;
-    void *        grown = realloc(*buf, (size_t) want * item_size);
-    if (!grown) {
-        return -ENOMEM;
-    }
-    *buf = grown;
-    *cap = want;
-    return 0;
-}
-
-int mf_route_trace_begin_batch(mf_route_trace * rt, int64_t n_tokens, const int32_t * turn, const int32_t * seq,
-                               const int32_t * phase, const int32_t * step, const uint8_t * output, int64_t n_ubatch,
-                               const int64_t * ends) {
-    rt->n_tokens = rt->n_ubatch = 0;
-    rt->ubatch = -1;
-    if (n_tokens < 0 || n_ubatch < 0 || (n_tokens > 0 && (!turn || !seq || !phase || !step || !output || !ends))) {
+int mf_route_trace_begin_batch(mf_route_trace * rt, int64_t n_tokens, const int32_t * seq, const uint8_t * output,
+                               int64_t n_ubatch, const int64_t * ends, const int32_t * turn, const int32_t * phase,
+                               const int32_t * step) {
+    mf_batch_set(&rt->batch, 0, NULL, NULL, 0, NULL);  // nothing announced until this call is whole
+    if (n_tokens < 0 || (n_tokens > 0 && (!turn || !phase || !step))) {
         return -EINVAL;
-    }
-    for (int64_t u = 0; u < n_ubatch; u++) {
-        if (ends[u] <= (u ? ends[u - 1] : 0) || ends[u] > n_tokens || (u == n_ubatch - 1 && ends[u] != n_tokens)) {
-            return -EINVAL;
-        }
     }
     for (int64_t i = 0; i < n_tokens; i++) {
         if (phase[i] < 0 || phase[i] > 1 || step[i] < 0) {
             return -EINVAL;
         }
     }
-    if (reserve((void **) &rt->tokens, &rt->cap_tokens, n_tokens, sizeof *rt->tokens) != 0 ||
-        reserve((void **) &rt->ends, &rt->cap_ubatch, n_ubatch, sizeof *rt->ends) != 0) {
+    if (mf_grow((void **) &rt->tokens, &rt->cap_tokens, n_tokens, sizeof *rt->tokens) != 0) {
         return -ENOMEM;
     }
     for (int64_t i = 0; i < n_tokens; i++) {
-        rt->tokens[i] = (route_token) {
-            .turn = turn[i], .seq = seq[i], .phase = phase[i], .step = step[i], .output = output[i] != 0,
-        };
+        rt->tokens[i] = (route_token) { .turn = turn[i], .phase = phase[i], .step = step[i] };
     }
-    if (n_ubatch > 0) {
-        memcpy(rt->ends, ends, (size_t) n_ubatch * sizeof *ends);
-    }
-    rt->n_tokens = n_tokens;
-    rt->n_ubatch = n_ubatch;
-    return 0;
+    return mf_batch_set(&rt->batch, n_tokens, seq, output, n_ubatch, ends);
 }
 
 int64_t mf_route_trace_n_recorded(const mf_route_trace * rt) {
@@ -198,14 +164,13 @@ __attribute__((format(printf, 3, 4))) static bool fail(mf_route_trace * rt, int 
     return false;  // stops the graph
 }
 
-static int record(mf_route_trace * rt, const route_token * token, int32_t layer, int32_t slot, int32_t expert,
-                  float weight) {
-    if (reserve((void **) &rt->rec, &rt->cap_rec, rt->n_rec + 1 < 4096 ? 4096 : rt->n_rec + 1, sizeof *rt->rec) != 0) {
+static int record(mf_route_trace * rt, int64_t token, int32_t layer, int32_t slot, int32_t expert, float weight) {
+    if (mf_grow((void **) &rt->rec, &rt->cap_rec, rt->n_rec + 1 < 4096 ? 4096 : rt->n_rec + 1, sizeof *rt->rec) != 0) {
         return -ENOMEM;
     }
     rt->rec[rt->n_rec++] = (mf_route_record) {
-        .turn = token->turn, .seq = token->seq, .phase = token->phase, .step = token->step,
-        .layer = layer, .slot = slot, .expert = expert, .weight = weight,
+        .turn = rt->tokens[token].turn, .seq = rt->batch.seq[token], .phase = rt->tokens[token].phase,
+        .step = rt->tokens[token].step, .layer = layer, .slot = slot, .expert = expert, .weight = weight,
     };
     return 0;
 }
@@ -222,35 +187,17 @@ static bool route_node(mf_route_trace * rt, struct ggml_tensor * ids) {
         return fail(rt, -EINVAL, "layer %ld selects %lld experts per token, the route trace %d", il,
                     (long long) ids->ne[0], (int) rt->k);
     }
-    if (rt->ubatch < 0 || il <= rt->last_layer) {
-        rt->ubatch++;  // the first layer of the next micro-batch
-    }
-    rt->last_layer = (int32_t) il;
-    if (rt->ubatch >= rt->n_ubatch) {
-        return fail(rt, -EINVAL, "layer %ld routes a micro-batch the route trace was not told of (%lld announced)",
-                    il, (long long) rt->n_ubatch);
-    }
-    const int64_t first = rt->ubatch ? rt->ends[rt->ubatch - 1] : 0;
-    const int64_t size  = rt->ends[rt->ubatch] - first;
-    int64_t       n_out = 0;
-    for (int64_t i = first; i < first + size; i++) {
-        n_out += rt->tokens[i].output != 0;
-    }
-    if (n_tokens != size && (il != rt->n_layer - 1 || n_tokens != n_out)) {
+    const mf_batch * b = &rt->batch;
+    if (mf_batch_node(&rt->batch, (int32_t) il, rt->n_layer, n_tokens) != 0) {
         return fail(rt, -EINVAL,
-                    "layer %ld computes %lld rows of a micro-batch of %lld tokens (%lld outputs): llama.cpp "
-                    "cut the batch otherwise than the route trace was told",
-                    il, (long long) n_tokens, (long long) size, (long long) n_out);
+                    "layer %ld computes %lld rows where the route trace was told of a micro-batch of %lld tokens (%lld "
+                    "outputs; %lld micro-batches announced): llama.cpp cut the batch otherwise",
+                    il, (long long) n_tokens, (long long) b->size, (long long) b->n_out, (long long) b->n_ubatch);
     }
-    rt->outputs = n_tokens != size;
-    int64_t i1 = 0;
-    for (int64_t i = first; i < first + size; i++) {
-        const route_token * token = &rt->tokens[i];
-        if (rt->outputs && !token->output) {
-            continue;
-        }
-        int32_t *       row   = (int32_t *) ((char *) ids->data + i1 * ids->nb[1]);
-        const int32_t * table = rt->replay[token->phase];
+    for (int64_t i1 = 0; i1 < n_tokens; i1++) {
+        const route_token * token = &rt->tokens[b->rows[i1]];
+        int32_t *           row   = (int32_t *) ((char *) ids->data + i1 * ids->nb[1]);
+        const int32_t *     table = rt->replay[token->phase];
         if (table) {
             const int64_t   step = token->step % rt->n_steps[token->phase];
             const int32_t * want = table + ((size_t) step * (size_t) rt->n_layer + (size_t) il) * (size_t) rt->k;
@@ -259,11 +206,10 @@ static bool route_node(mf_route_trace * rt, struct ggml_tensor * ids) {
             }
         }
         for (int32_t slot = 0; rt->recording && slot < rt->k; slot++) {
-            if (record(rt, token, (int32_t) il, slot, row[slot], mf_topk_score(ids, i1, row[slot])) != 0) {
+            if (record(rt, b->rows[i1], (int32_t) il, slot, row[slot], mf_topk_score(ids, i1, row[slot])) != 0) {
                 return fail(rt, -ENOMEM, "no memory to record the routing of layer %ld", il);
             }
         }
-        i1++;
     }
     return true;
 }
@@ -313,15 +259,15 @@ static int32_t guess(mf_route_trace * rt, const int32_t * ids, int32_t slot) {
 
 int32_t mf_route_trace_predict(void * user_data, int32_t il, uint8_t * want) {
     mf_route_trace * rt = user_data;
-    if (il < 0 || il >= rt->n_layer || rt->ubatch < 0 || rt->ubatch >= rt->n_ubatch) {
+    const mf_batch * b  = &rt->batch;
+    if (il < 0 || il >= rt->n_layer) {
         return 0;
     }
-    const int64_t first = rt->ubatch ? rt->ends[rt->ubatch - 1] : 0;
-    int32_t       n     = 0;
-    for (int64_t i = first; i < rt->ends[rt->ubatch]; i++) {
-        const route_token * token = &rt->tokens[i];
-        const int32_t *        table = rt->replay[token->phase];
-        if (!table || (rt->outputs && !token->output)) {
+    int32_t n = 0;
+    for (int64_t i = 0; i < b->n_rows; i++) {
+        const route_token * token = &rt->tokens[b->rows[i]];
+        const int32_t *     table = rt->replay[token->phase];
+        if (!table) {
             continue;
         }
         const int64_t   step = token->step % rt->n_steps[token->phase];

@@ -142,6 +142,9 @@ void mf_streamer_free(mf_streamer * s) {
     mf_build_free_layers(s);
     free(s->queue);
     free(s->want);
+    free(s->share_rows);
+    free(s->seq_bytes);
+    mf_batch_free(&s->batch);
     free(s->route_ids);
     free(s->skip_mask);
     free(s->pf_rows);
@@ -276,4 +279,42 @@ const char * mf_streamer_memory_note(const mf_streamer * s) {
 
 int32_t mf_streamer_n_expert(const mf_streamer * s) {
     return s->n_expert;
+}
+
+int mf_streamer_begin_batch(mf_streamer * s, int64_t n_tokens, const int32_t * seq, const uint8_t * output,
+                            int64_t n_ubatch, const int64_t * ends) {
+    int rc = mf_batch_set(&s->batch, n_tokens, seq, output, n_ubatch, ends);
+    int64_t n_seq = 0;
+    for (int64_t i = 0; rc == 0 && i < n_tokens; i++) {
+        n_seq = seq[i] + 1 > n_seq ? seq[i] + 1 : n_seq;
+    }
+    const int64_t had = s->cap_seq_bytes;
+    if (rc == 0 && mf_grow((void **) &s->seq_bytes, &s->cap_seq_bytes, n_seq, sizeof *s->seq_bytes) != 0) {
+        rc = -ENOMEM;
+    }
+    if (s->cap_seq_bytes > had) {
+        memset(s->seq_bytes + had, 0, (size_t) (s->cap_seq_bytes - had) * sizeof *s->seq_bytes);
+    }
+    if (rc != 0) {
+        mf_batch_set(&s->batch, 0, NULL, NULL, 0, NULL);  // its routes count as unmapped
+    }
+    return rc;
+}
+
+int32_t mf_streamer_take_seq_bytes(mf_streamer * s, double * by_seq, int32_t n_seq, double * unmapped) {
+    int32_t used = 0;
+    for (int64_t i = 0; i < s->cap_seq_bytes; i++) {
+        used = s->seq_bytes[i] > 0.0 ? (int32_t) i + 1 : used;
+    }
+    for (int32_t i = 0; by_seq && i < n_seq; i++) {
+        by_seq[i] = i < s->cap_seq_bytes ? s->seq_bytes[i] : 0.0;
+    }
+    if (unmapped) {
+        *unmapped = s->unmapped_bytes;
+    }
+    if (s->cap_seq_bytes > 0) {
+        memset(s->seq_bytes, 0, (size_t) s->cap_seq_bytes * sizeof *s->seq_bytes);
+    }
+    s->unmapped_bytes = 0.0;
+    return used;
 }

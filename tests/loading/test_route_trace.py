@@ -284,6 +284,7 @@ def prefetches(
         threads=2,
         flash_attn="off",
         prefetch=prefetch,
+        follow_memory=False,  # the budget given, whatever else the machine runs
     )
     routing = RouteTraceSettings(
         route_trace=trace,
@@ -474,3 +475,70 @@ def test_requests_decoded_together_are_each_routed_by_their_own_steps(
     for r in replayed:
         steps = TRACE_DECODE_STEPS if r.decode else TRACE_PROMPT_STEPS
         assert r.experts == trace[(r.decode, r.step % steps, r.layer)], f"{r} is not the trace's"
+
+
+def test_a_shared_steps_reads_are_split_by_routing(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    """Telemetry of a shared step: a request decoding beside another's prompt chunk, the two routed
+    (by a trace) to disjoint experts, every route read (no cache, no prefetch): each step's reads
+    are shared among the requests whole, and the decoding request's share is the bytes of its own
+    experts (every layer's k), not its share of the step's tokens."""
+    from server.engine.token_loop import TokenLoop
+
+    path = tiny_model("tiny-qwen3moe")
+    shape = ModelShape.of(path)
+    k = shape.n_expert_used
+    routes = [
+        Route(decode, layer, tuple(range(k, 2 * k)) if decode else tuple(range(k)), 0, step)
+        for decode, n_steps in ((False, 64), (True, 16))
+        for step in range(n_steps)
+        for layer in range(shape.n_layer)
+    ]
+    write_trace(tmp_path / "split.route.csv", shape, routes)
+    settings = ModelSettings(
+        model=path,
+        mode="streaming",
+        budget=2 * expert_layer_bytes(path),
+        ctx_size=256,
+        threads=2,
+        flash_attn="off",
+        prefetch="off",
+        cache_policy="none",
+        follow_memory=False,
+        parallel=2,
+    )
+    loaded = load_model(settings, RouteTraceSettings(route_trace=tmp_path / "split.route.csv"))
+    loop = TokenLoop(loaded.llama, beside=8)
+    shared = []
+    try:
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        first = GenerationStats()
+        loop.start(GenerationRequest(PROMPT[:4], params), first, lambda _d: None, lambda: False)
+        for n in range(12):
+            if n == 2:
+                loop.start(
+                    GenerationRequest(PROMPT + PROMPT, params),
+                    GenerationStats(),
+                    lambda _d: None,
+                    lambda: False,
+                )
+            loop.step()
+            step = loaded.llama.steps[-1]
+            assert step.streamer is not None and step.unmapped_bytes == 0.0
+            assert sum(step.seq_bytes) == pytest.approx(step.streamer.bytes_read, abs=1.0)
+            plan = loop.last_plan
+            if len(plan) == 2 and plan[1].n_tokens > 1:
+                shared.append(
+                    (step, loop.running[0].slot.seq_id, loop.running[1].slot.seq_id, plan[1].n_tokens)
+                )
+    finally:
+        loop.close()
+        loaded.close()
+    assert shared, "no step decoded one request beside another's prompt"
+    own = shape.n_layer * k * shape.entry_bytes[0]  # the decoding token's experts, every layer
+    for step, decoding, prefilling, chunk in shared:
+        assert step.streamer is not None
+        total = step.streamer.bytes_read
+        mine, theirs, by_tokens = step.share(1, decoding), step.share(chunk, prefilling), step.share(1)
+        assert mine.streamer is not None and theirs.streamer is not None and by_tokens.streamer is not None
+        assert (mine.streamer.bytes_read, theirs.streamer.bytes_read) == (own, total - own)
+        assert by_tokens.streamer.bytes_read == total // (chunk + 1) != own

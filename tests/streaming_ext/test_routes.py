@@ -1,4 +1,4 @@
-"""The micro-batches a route tracer maps a decode call's rows by (streaming_ext.routes.micro_batches,
+"""The micro-batches a route tracer maps a decode call's rows by (streaming_ext.batch.micro_batches,
 llama.cpp's split_equal with sequential sequence ids), and the C side's refusal of a call it
 cannot map. The tracer following real llama.cpp splits is tests/loading/test_route_trace.py's."""
 
@@ -9,7 +9,7 @@ import ctypes
 import pytest
 
 from streaming_ext import RouteTracer
-from streaming_ext.routes import micro_batches
+from streaming_ext.batch import DecodeCall, micro_batches
 
 
 @pytest.mark.parametrize(
@@ -40,12 +40,13 @@ def test_a_call_it_cannot_map_is_refused() -> None:
         flags = (ctypes.c_uint8 * 2)(0, 1)
         begin = tracer.lib.cdll.mf_route_trace_begin_batch
         bad_phase = (ctypes.c_int32 * 2)(0, 2)
-        assert begin(tracer.handle, 2, one, one, bad_phase, one, flags, 1, (ctypes.c_int64 * 1)(2)) != 0
+        whole = (ctypes.c_int64 * 1)(2)
+        assert begin(tracer.handle, 2, one, flags, 1, whole, one, bad_phase, one) != 0
         # micro-batch ends that do not cover the call
-        assert begin(tracer.handle, 2, one, one, one, one, flags, 1, (ctypes.c_int64 * 1)(1)) != 0
-        assert begin(tracer.handle, 2, one, one, one, one, flags, 2, (ctypes.c_int64 * 2)(1, 1)) != 0
-        assert begin(tracer.handle, 2, one, one, one, one, flags, 1, (ctypes.c_int64 * 1)(2)) == 0
+        assert begin(tracer.handle, 2, one, flags, 1, (ctypes.c_int64 * 1)(1), one, one, one) != 0
+        assert begin(tracer.handle, 2, one, flags, 2, (ctypes.c_int64 * 2)(1, 1), one, one, one) != 0
+        assert begin(tracer.handle, 2, one, flags, 1, whole, one, one, one) == 0
         tracer.begin_phase(0, 3)
-        tracer.begin_batch([3, 3], [False, True])  # a sequence's steps count from its phase's start
+        tracer.begin_batch(DecodeCall.of([3, 3], [False, True], 512))
     finally:
         tracer.close()
