@@ -452,7 +452,9 @@ def test_entries_of_two_sizes_share_frames_without_releases(
     )
     opts = options(budget=2 * expert_layer_bytes(path))
     gate(path, opts, reference)
-    llm = streamed(path, opts)
+    # the budget given: under memory pressure (another process's cgroup stalling) the watch would
+    # lower it, and a lower budget gives frames back
+    llm = streamed(path, opts, follow_memory=False)
     try:
         assert "frames of" in llm.streamer.memory_note()
         llm.eval(PROMPT)
