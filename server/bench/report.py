@@ -326,7 +326,7 @@ def _vs_cached(ra: dict[str, Any]) -> list[str]:
         "### Decode over every expert cached",
         "",
         "Every expert cached (`--budget all --preload`, uncapped) ran in each cap's rounds next to"
-        " the default, with the flash attention the default's `auto` picked under the cap; the share"
+        " the default, with the flash attention the default's run computed with; the share"
         " is the median of the rounds' ratios. The bound is the most the disk allows: the lower of 1"
         " and ceiling / bytes read per token / cached tok/s.",
         "",

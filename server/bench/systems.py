@@ -94,8 +94,8 @@ class SystemSet:
 # the cached speed a cap's decode is judged against (issue 42): every expert cached, run without
 # the cap (it holds the whole model) in the cap's rounds, each run next to one of the default's,
 # so that the ratio of each round divides neighbours, and with the flash attention the default's
-# `auto` picked under the cap (on where the context would not fit otherwise): one graph, one
-# roofline (ratios.py refuses a pair whose settings still differ)
+# run computed with (the same setting unless flags differ: memory does not choose it): one graph,
+# one roofline (ratios.py refuses a pair whose settings still differ)
 PAIRED_CACHED = System(
     "streaming-all-cached-paired",
     False,
@@ -172,11 +172,15 @@ UNCAPPED = (
         description="every expert cached, a 512-token prompt (compute-bound prefill reference)",
     ),
 )
-# stock mmap under the cap decodes the bench's --mmap-tokens (default_systems sets them)
+# stock mmap under the cap decodes the bench's --mmap-tokens (default_systems sets them). The
+# file's layouts: repacked weights are copies in anonymous memory, which a cap below the model's
+# size cannot hold (the cgroup kills the process), so llama.cpp's own way of running a model
+# larger than memory is mmap with repacking off
+MMAP = ("--mode", "resident", "--repack", "off")
 MMAP_CAPPED = System(
     "mmap-capped",
     True,
-    ("--mode", "resident"),
+    MMAP,
     description="stock llama.cpp load_mode MMAP (use_extra_bufts off) under the cap",
     repeats=CAPPED_ROUNDS,
 )
@@ -185,7 +189,7 @@ CAPPED = (
     System(
         "mmap-capped-prefill-512",
         True,
-        ("--mode", "resident", "--prompt-tokens", str(LONG_PROMPT_TOKENS)),
+        (*MMAP, "--prompt-tokens", str(LONG_PROMPT_TOKENS)),
         decode_tokens=2,
         description="stock llama.cpp mmap under the cap, a 512-token prompt (prefill speedup)",
     ),
