@@ -22,7 +22,8 @@ MoeflashError
       ├── MethodNotAllowed      a known route with the wrong method
       ├── PayloadTooLarge       the request body is over the cap
       ├── QueueFull             the FIFO of waiting requests is full
-      └── ServiceUnavailable    the model is loading or the server is shutting down
+      ├── ServiceUnavailable    the model is loading or the server is shutting down
+      └── ClientClosed          the client left before its (non-streamed) answer was ready
 
 Each is mapped once to a CLI exit status and, in the server (server/http/app.py,
 `error_response`), to one HTTP status and an OpenAI-shaped error body.
@@ -137,3 +138,12 @@ class ServiceUnavailable(RequestError):
     def __init__(self, message: str, *, retry_after_s: int, code: str = "unavailable") -> None:
         super().__init__(message, code=code)
         self.retry_after_s = retry_after_s
+
+
+class ClientClosed(RequestError):
+    """The client closed the connection before its non-streamed answer was ready: the job was
+    cancelled and the answer (499, nginx's "client closed request") goes to nobody; it is what the
+    log and the metrics say of the request."""
+
+    def __init__(self) -> None:
+        super().__init__("the client closed the connection before the answer was ready", code="client_closed")

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse
 
 from server.errors import (
     AuthenticationFailed,
+    ClientClosed,
     ContextLengthExceeded,
     ExpertReadError,
     Forbidden,
@@ -74,6 +75,7 @@ _STATUS: tuple[tuple[type[BaseException], int, str], ...] = (
     (PayloadTooLarge, 413, "invalid_request_error"),
     (QueueFull, 429, "rate_limit_error"),
     (ServiceUnavailable, 503, "service_unavailable_error"),
+    (ClientClosed, 499, "client_closed_request"),
     (ModelLoadError, 503, "service_unavailable_error"),
     (ExpertReadError, 500, "server_error"),
 )

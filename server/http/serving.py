@@ -37,7 +37,7 @@ from server.engine.grammars import GrammarLimits, output_constraint
 from server.engine.reasoning import PlainSplitter, make_splitter
 from server.engine.tool_calls import ChatOutput, OutPiece, call_syntax
 from server.engine.worker import Engine, Failed, Finished, Job
-from server.errors import ContextLengthExceeded, InvalidRequest, NotFound, ServiceUnavailable
+from server.errors import ClientClosed, ContextLengthExceeded, InvalidRequest, NotFound, ServiceUnavailable
 from server.http.errors import describe, is_anthropic, is_ollama
 from server.http.metrics import Metrics
 from server.http.protocol import FinishReason, OutModel
@@ -368,11 +368,12 @@ async def generated(ctx: ServeContext, plan: Plan) -> AsyncIterator[Pieces | Fin
             yield ev
 
 
-async def _watch_disconnect(request: Request, jobs: list[Job]) -> None:
+async def _watch_disconnect(request: Request, jobs: list[Job], gone: asyncio.Event) -> None:
     # after the body is read, receive() only returns when the client goes away
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
+            gone.set()
             for job in jobs:
                 job.cancel()
             return
@@ -396,10 +397,16 @@ async def _collected(ctx: ServeContext, plan: Plan) -> Collected:
 
 
 async def collect(ctx: ServeContext, plans: list[Plan], request: Request) -> list[Collected]:
-    """Non-streamed jobs (a request's choices) run to their end, cancelled if the client leaves."""
-    watcher = asyncio.create_task(_watch_disconnect(request, [plan.job for plan in plans]))
+    """Non-streamed jobs (a request's choices) run to their end, cancelled if the client leaves
+    (ClientClosed then, not the server's shutdown)."""
+    gone = asyncio.Event()
+    watcher = asyncio.create_task(_watch_disconnect(request, [plan.job for plan in plans], gone))
     try:
         return list(await asyncio.gather(*(_collected(ctx, plan) for plan in plans)))
+    except ServiceUnavailable as exc:
+        if gone.is_set():
+            raise ClientClosed from exc
+        raise
     finally:
         watcher.cancel()
         for plan in plans:

@@ -200,8 +200,18 @@ def test_disconnect_mid_stream_frees_the_model_within_one_token(server: RunningS
     wait_for(lambda: not server.engine.running_jobs, "the model to be free")
 
 
+def _answered(server: RunningServer, status: int) -> float:
+    """How many /v1/chat/completions requests the server answered with `status`."""
+    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    line = f'moeflash_requests_total{{route="/v1/chat/completions",status="{status}"}} '
+    return sum(float(row.removeprefix(line)) for row in text.splitlines() if row.startswith(line))
+
+
 def test_disconnect_of_a_non_streaming_request_cancels_it(server: RunningServer) -> None:
+    """The job is cancelled within a token, and the request counts as closed by its client (499),
+    not as refused by a server shutting down (503)."""
     before = len(server.engine.history)
+    closed, refused = _answered(server, 499), _answered(server, 503)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             server.base_url + "/v1/chat/completions",
@@ -214,6 +224,8 @@ def test_disconnect_of_a_non_streaming_request_cancels_it(server: RunningServer)
     assert stats.finish_reason == "cancelled"
     assert stats.completion_tokens < LONG
     assert stats.tokens_after_cancel <= 1
+    wait_for(lambda: _answered(server, 499) == closed + 1, "the request to count as closed by its client")
+    assert _answered(server, 503) == refused
 
 
 def test_a_queued_request_survives_the_one_before_it_being_cancelled(server: RunningServer) -> None:
