@@ -295,7 +295,7 @@ bench-small: setup-dev
 	$(VENV)/bin/moeflash bench suite --shape qwen30b-8l-shape --caps 0.35,0.5 --tokens 16 --mmap-tokens 3 \
 		--out bench/reports/small
 
-# The full report (an 18 GB model, 40 to over 90 minutes: stock mmap's runs) and the trace replay. BENCH_SHAPE=qwen30b-q4km-shape
+# The full report (an 18 GB model, about 40 minutes) and the trace replay. BENCH_SHAPE=qwen30b-q4km-shape
 # runs the same on the real Q4_K_M file's expert layout (19 GB; bench/reports/qwen30b-q4km-shape.*).
 # ROUTE_TRACE=FILE routes every system by a recorded trace (lossy, labelled in the report) and
 # decodes the trace's whole decode; its systems are the prefetch's bounds and the serial lever
