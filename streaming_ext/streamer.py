@@ -130,10 +130,11 @@ class Streamer:
 
     def begin_batch(self, call: DecodeCall) -> None:
         """The next llama_decode call: its routes' reads are then shared among its KV sequences
-        (take_seq_bytes). A call it cannot take has its reads counted as unmapped."""
+        (take_seq_bytes). Telemetry only: a call the C side has no memory to take has its reads
+        counted as unmapped, and the decode goes on."""
         rc = self.lib.cdll.mf_streamer_begin_batch(self.handle, *call.c_args())
-        if rc != 0:
-            raise StreamerError(self.last_error() or os.strerror(-rc), -rc)
+        if rc != 0 and rc != -errno.ENOMEM:
+            raise StreamerError(f"cannot announce a decode call to the streamer: {os.strerror(-rc)}", -rc)
 
     def take_seq_bytes(self, n_seq: int) -> tuple[tuple[float, ...], float]:
         """The expert bytes read since the last call, by KV sequence (0 .. n_seq - 1; each read's

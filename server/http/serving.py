@@ -1,10 +1,10 @@
-"""What every API route shares: the checks, the one chat prepare path, and the job's events.
+"""What every API route shares: the checks, the one chat prepare path, and the one answer loop.
 
 Everything that can refuse a request (model id, bounds that depend on the model, template,
 grammar, context length, queue) runs BEFORE the 200 is sent, in `prepare_chat` (chat
 completions, Responses and Messages, each mapped onto the engine's ChatRequest) or in the
-legacy route. A submitted job becomes a `Plan`; its output arrives as `Pieces` through
-`generated` (wrapped by `collect` for a whole answer, `streamed` for a stream). `respond` is the
+legacy route. A submitted job becomes a `Plan`; its output arrives as `Pieces`
+(server/http/job_events.py: `collect` for a whole answer, `streamed` for a stream). `respond` is the
 one loop behind every API's answer, whole or streamed, parameterised by an `EventFormat`: how
 that API writes the job's output (chat and legacy completions through `Chunks`, Responses,
 Messages and Ollama with formats of their own). Once streaming, a failure is reported in-band,
@@ -13,7 +13,6 @@ in the API's own shape.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import secrets
@@ -32,17 +31,18 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from server.engine.chat import ChatRequest
 from server.engine.chat_template import ChatTemplate
-from server.engine.generation import GenerationRequest, GenerationStats, TextDelta, TokenLogprob
+from server.engine.generation import GenerationRequest, GenerationStats, TokenLogprob
 from server.engine.grammars import GrammarLimits, output_constraint
 from server.engine.reasoning import PlainSplitter, make_splitter
 from server.engine.tool_calls import ChatOutput, OutPiece, call_syntax
-from server.engine.worker import Engine, Failed, Finished, Job
-from server.errors import ClientClosed, ContextLengthExceeded, InvalidRequest, NotFound, ServiceUnavailable
+from server.engine.worker import Engine, Finished, Job
+from server.errors import ContextLengthExceeded, InvalidRequest, NotFound, ServiceUnavailable
 from server.http.errors import describe, is_anthropic, is_ollama
+from server.http.job_events import Pieces, collect, streamed
 from server.http.metrics import Metrics
 from server.http.protocol import FinishReason, OutModel
 from server.http.sse import DONE, event, named_event, sse_response
-from server.http.timings import timings_of, token_timings, usage_of
+from server.http.timings import timings_of, usage_of
 from server.lifecycle.residency import Residency
 from server.lifecycle.switching import ModelSwitch
 from server.loading.loader import LoadedModel, ModelInfo
@@ -51,8 +51,6 @@ from server.settings import ServerSettings
 logger = logging.getLogger(__name__)
 
 TIMINGS_HEADER = "x-moeflash-timings"
-# what a request still connected when its job was cancelled gets: only shutdown does that
-_SHUTDOWN = ServiceUnavailable("the server is shutting down", retry_after_s=5, code="shutting_down")
 
 
 @dataclass
@@ -335,100 +333,6 @@ async def prepare_chat(
         timings=timings,
         include_usage=include_usage,
     )
-
-
-# ---------------------------------------------------------------------- job events
-
-
-@dataclass(frozen=True)
-class Pieces:
-    """Output of a job as it comes: content / reasoning / tool-call pieces, the logprobs of their
-    tokens and, with the timings extension on, the timings of the decode step behind them."""
-
-    pieces: list[OutPiece]
-    logprobs: list[TokenLogprob]
-    timings: dict[str, Any] | None = None
-
-
-async def generated(ctx: ServeContext, plan: Plan) -> AsyncIterator[Pieces | Finished]:
-    """A job's output pieces, then its Finished event (observed by the metrics). A failure on the
-    worker is raised; a job cancelled while its reader is still here means the server is
-    stopping (raised as such). The caller cancels the job when it stops reading."""
-    async for ev in plan.job.events():
-        if isinstance(ev, TextDelta):
-            timings = token_timings(ev.timing) if plan.timings and ev.timing is not None else None
-            yield Pieces(plan.output.feed(ev.text), list(ev.logprobs), timings)
-        elif isinstance(ev, Failed):
-            raise ev.error
-        elif ev.stats.finish_reason == "cancelled":
-            raise _SHUTDOWN
-        else:
-            yield Pieces(plan.output.finish(), [])
-            ctx.metrics.observe(ev.stats)
-            yield ev
-
-
-async def _watch_disconnect(request: Request, jobs: list[Job], gone: asyncio.Event) -> None:
-    # after the body is read, receive() only returns when the client goes away
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            gone.set()
-            for job in jobs:
-                job.cancel()
-            return
-
-
-Collected = tuple[list[OutPiece], list[TokenLogprob], Finished]
-
-
-async def _collected(ctx: ServeContext, plan: Plan) -> Collected:
-    pieces: list[OutPiece] = []
-    logprobs: list[TokenLogprob] = []
-    finished: Finished | None = None
-    async for item in generated(ctx, plan):
-        if isinstance(item, Pieces):
-            pieces += item.pieces
-            logprobs += item.logprobs
-        else:
-            finished = item
-    assert finished is not None  # generated() ends with it or raises
-    return pieces, logprobs, finished
-
-
-async def collect(ctx: ServeContext, plans: list[Plan], request: Request) -> list[Collected]:
-    """Non-streamed jobs (a request's choices) run to their end, cancelled if the client leaves
-    (ClientClosed then, not the server's shutdown)."""
-    gone = asyncio.Event()
-    watcher = asyncio.create_task(_watch_disconnect(request, [plan.job for plan in plans], gone))
-    try:
-        return list(await asyncio.gather(*(_collected(ctx, plan) for plan in plans)))
-    except ServiceUnavailable as exc:
-        if gone.is_set():
-            raise ClientClosed from exc
-        raise
-    finally:
-        watcher.cancel()
-        for plan in plans:
-            plan.job.cancel()
-
-
-async def _cancel_on(shutdown: anyio.Event, job: Job) -> None:
-    await shutdown.wait()
-    job.cancel()
-
-
-async def streamed(ctx: ServeContext, plan: Plan, shutdown: anyio.Event) -> AsyncIterator[Pieces | Finished]:
-    """`generated` for a stream: the job is cancelled when the server shuts down or the reader
-    goes away (the generator is closed)."""
-    watcher = asyncio.create_task(_cancel_on(shutdown, plan.job))
-    try:
-        async for item in generated(ctx, plan):
-            yield item
-    finally:
-        watcher.cancel()
-        # a no-op when the job finished; stops the worker when the client went away
-        plan.job.cancel()
 
 
 def finish_reason(stats: GenerationStats, n_calls: int) -> FinishReason:

@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from server.engine.generation import GenerationStats, TokenLogprob
 from server.engine.tool_calls import OutPiece
 from server.engine.worker import Finished
+from server.http.job_events import Pieces
 from server.http.messages.mapping import to_chat_request
 from server.http.messages.output import ContentBlocks, as_event, stop_reason_of, usage_of
 from server.http.messages.protocol import (
@@ -32,7 +33,6 @@ from server.http.messages.protocol import (
 from server.http.serving import (
     Ctx,
     Frame,
-    Pieces,
     Plan,
     prepare_chat,
     render_chat,

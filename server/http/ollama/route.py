@@ -27,6 +27,7 @@ from server.engine.generation import GenerationRequest, TokenLogprob
 from server.engine.tool_calls import OutPiece
 from server.engine.worker import Finished
 from server.errors import InvalidRequest
+from server.http.job_events import Pieces
 from server.http.ollama.mapping import (
     chat_request,
     check_generate,
@@ -50,7 +51,6 @@ from server.http.openai.completions import TextOutput
 from server.http.serving import (
     Ctx,
     Frame,
-    Pieces,
     Plan,
     ServeContext,
     check_model,

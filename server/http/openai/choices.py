@@ -22,12 +22,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from server.errors import InvalidRequest
+from server.http.job_events import collect
 from server.http.serving import (
     EventFormat,
     Frame,
     Plan,
     ServeContext,
-    collect,
     frames_of,
     respond,
     sse_events,

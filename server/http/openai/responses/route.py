@@ -11,10 +11,11 @@ from starlette.responses import Response
 from server.engine.generation import GenerationStats, TokenLogprob
 from server.engine.tool_calls import OutPiece
 from server.engine.worker import Finished
+from server.http.job_events import Pieces
 from server.http.openai.responses.mapping import Toolbox, to_chat_request
 from server.http.openai.responses.output import OutputBuilder, OutputShape, new_id
 from server.http.openai.responses.protocol import ResponsesRequest, ResponseStatus
-from server.http.serving import Ctx, Frame, Pieces, Plan, finish_reason, prepare_chat, respond
+from server.http.serving import Ctx, Frame, Plan, finish_reason, prepare_chat, respond
 
 
 def _status(stats: GenerationStats, plan: Plan) -> ResponseStatus:
