@@ -1,5 +1,5 @@
 """The build: a second `make setup` is a no-op, and a patch that no longer applies stops the build
-with a message that names it."""
+with a message that names it; the native build has no AMX."""
 
 from __future__ import annotations
 
@@ -52,3 +52,23 @@ def test_a_patch_that_no_longer_applies_stops_the_build(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "patch 0001-llama-load-mode-mmap-no-prefetch.patch no longer applies" in proc.stderr
     assert not (vendor / "llama-cpp-python").exists(), "a half-patched tree must not be left behind"
+
+
+def test_the_native_build_has_no_amx() -> None:
+    """ggml's AMX buffer type segfaults in ggml_backend_amx_mul_mat on Sapphire Rapids Xeons
+    (llama.cpp issue 20824) and holds a layout the streamer does not read, so the native build
+    leaves AMX out on x86-64 whatever the building CPU has (vendor/llama.cpp/cmake-args.sh)."""
+    import platform
+
+    import llama_cpp
+
+    args = subprocess.run(
+        ["bash", "-c", f". {VENDOR / 'cmake-args.sh'} && llama_cmake_args native"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    if platform.machine() == "x86_64":
+        assert "-mno-amx-int8" in args
+    info = llama_cpp.llama_print_system_info().decode()
+    assert "AMX_INT8 = 1" not in info, info

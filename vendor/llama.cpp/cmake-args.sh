@@ -5,7 +5,9 @@
 #   llama_cmake_args CPU   prints the options for MOEFLASH_CPU=CPU; exit status 2 for an unknown CPU
 #
 # CPU:
-#   native    -march=native: fastest on the machine that builds it
+#   native    -march=native: fastest on the machine that builds it; on x86-64 without AMX, whose
+#             buffer type segfaults in ggml_backend_amx_mul_mat on Sapphire Rapids Xeons
+#             (llama.cpp issue 20824, open) and holds a layout the streamer does not read
 #   portable  baseline ISA of the target (x86-64: SSE only; aarch64: armv8-a); for Docker images
 #             and wheels run elsewhere
 #   armv8.2   aarch64 phones with dot-product instructions (armv8.2-a+dotprod+fp16), e.g. Termux
@@ -14,7 +16,12 @@
 llama_cmake_args() {
   local cpu
   case "$1" in
-    native)   cpu="-DGGML_NATIVE=ON" ;;
+    native)
+      cpu="-DGGML_NATIVE=ON"
+      if [ "$(uname -m)" = x86_64 ]; then  # quoted for shlex, as scikit-build-core splits CMAKE_ARGS
+        local no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        cpu="$cpu '-DCMAKE_C_FLAGS=$no_amx' '-DCMAKE_CXX_FLAGS=$no_amx'"
+      fi ;;
     portable) cpu="-DGGML_NATIVE=OFF" ;;
     armv8.2)  cpu="-DGGML_NATIVE=OFF -DGGML_CPU_ARM_ARCH=armv8.2-a+dotprod+fp16" ;;
     armv8.6)  cpu="-DGGML_NATIVE=OFF -DGGML_CPU_ARM_ARCH=armv8.6-a+dotprod+fp16+i8mm" ;;
