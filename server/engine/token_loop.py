@@ -298,8 +298,9 @@ class TokenLoop:
 
     Each step holds every decoding sequence's last token, then prompt chunks of the sequences
     still prefilling, in the order they started: up to `step_tokens` in all (n_batch) when none
-    decodes, else `prompt_beside()` prompt tokens, so a new prompt is prefilled inside the
-    running steps and never stalls them. A sequence's tokens carry
+    decodes, else `prompt_beside()` prompt tokens (chunks spaced out by steps of the decodes
+    alone), so a new prompt is prefilled between the running steps and never stalls them. A
+    sequence's tokens carry
     its slot's sequence id and positions; the step returns logits for each decoding token and
     for a prompt's last one, and each sequence samples its own from its row with its own sampler.
 
@@ -318,6 +319,7 @@ class TokenLoop:
         self.step_tokens = llama.n_batch
         self.beside = beside  # prompt tokens beside decodes, fixed (tests); None: measured
         self.costs = StepCosts()  # what prompt_beside() reads
+        self._paced: tuple[int, int] | None = None  # the last step's start (ns) and decodes
         # a replay's recorded plans: step -> {request index: tokens}, followed instead of chosen
         self.replay: dict[int, dict[int, int]] | None = None
         self.running: list[Sequence] = []
@@ -403,7 +405,13 @@ class TokenLoop:
                 self.journal.append(JournalEntry("cancel", self.steps, seq.index))
         self.running = [seq for seq in self.running if not seq.done]
         if not self.running:
+            self._paced = None
             return self._ended(ended)
+        started_at = time.perf_counter_ns()
+        if self._paced is not None:  # the last step's decodes waited until now
+            self.costs.pace(
+                self._paced[1], started_at - self._paced[0], any(s.prefilling for s in self.running)
+            )
         self._share_prefixes()
         parts = self._parts()
         plan = self._fill(parts)
@@ -416,11 +424,8 @@ class TokenLoop:
                 seq.phase = phase
         llama._ctx.decode(self._batch)
         step = llama.steps[-1]
-        self.costs.learn(
-            sum(seq.next_token is not None for seq, _ in parts),
-            sum(len(tokens) for seq, tokens in parts if seq.next_token is None),
-            step.wall_ns,
-        )
+        decodes = sum(seq.next_token is not None for seq, _ in parts)
+        prompt_tokens = sum(len(tokens) for seq, tokens in parts if seq.next_token is None)
         if self.journal is not None:
             self.journal.append(JournalEntry("step", self.steps, -1, plan=plan))
         self.steps += 1
@@ -433,6 +438,8 @@ class TokenLoop:
                 self.prompt_cache.checkpoint(llama, seq.slot)
             if planned.sampled:
                 seq.take(at - 1, step)
+        self.costs.learn(decodes, prompt_tokens, step.wall_ns)
+        self._paced = (started_at, decodes)
         ended += [seq for seq in self.running if seq.done]
         self.running = [seq for seq in self.running if not seq.done]
         return self._ended(ended)
