@@ -62,18 +62,20 @@ class StepCosts:
             spent = max(0.0, wall_ns - self.decode_ns[decodes])
             self.prompt_token_ns = mix(self.prompt_token_ns, spent / prompt_tokens)
 
-    def pace(self, decodes: int, period_ns: float, prompt_waits: bool) -> None:
-        """Count the time from the start of a step of `decodes` decodes to the next one's, which
-        its decoding requests waited for their tokens (sampling and the server's work between
-        steps included), before a step with a prompt waiting (`prompt_waits`) or none."""
+    def pace(self, decodes: int, prompt_tokens: int, period_ns: float, prompt_waits: bool) -> None:
+        """Count the time from the start of a step of `decodes` decodes and `prompt_tokens` prompt
+        tokens to the next one's, which its decoding requests waited for their tokens (sampling
+        and the server's work between steps included), before a step with a prompt waiting
+        (`prompt_waits`) or none. A step of the decodes alone pays back at least one of their
+        steps from before: decodes that slowed past the mean by themselves do not starve it."""
         if not prompt_waits or not decodes:
             self.over_ns, self.alone_ns = 0.0, None
             return
         if self.alone_ns is None:  # a prompt began waiting: the decodes' steps before it
             self.alone_ns = dict(self.decode_ns)
-        decode_ns = self.alone_ns.get(decodes)
-        if decode_ns is not None:
-            self.over_ns += period_ns - MEAN_STEP_OVER_DECODE * decode_ns
+        decode_ns = self.alone_ns.setdefault(decodes, self.decode_ns.get(decodes, period_ns))
+        over = period_ns - MEAN_STEP_OVER_DECODE * decode_ns
+        self.over_ns += over if prompt_tokens else min(over, -decode_ns)
 
     def prompt_beside(self, decodes: int, most: int) -> int:
         """Prompt tokens the next step takes beside `decodes` running decodes (at most `most`):

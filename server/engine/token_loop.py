@@ -319,7 +319,8 @@ class TokenLoop:
         self.step_tokens = llama.n_batch
         self.beside = beside  # prompt tokens beside decodes, fixed (tests); None: measured
         self.costs = StepCosts()  # what prompt_beside() reads
-        self._paced: tuple[int, int] | None = None  # the last step's start (ns) and decodes
+        # the last step's start (ns), decodes and prompt tokens
+        self._paced: tuple[int, int, int] | None = None
         # a replay's recorded plans: step -> {request index: tokens}, followed instead of chosen
         self.replay: dict[int, dict[int, int]] | None = None
         self.running: list[Sequence] = []
@@ -409,9 +410,8 @@ class TokenLoop:
             return self._ended(ended)
         started_at = time.perf_counter_ns()
         if self._paced is not None:  # the last step's decodes waited until now
-            self.costs.pace(
-                self._paced[1], started_at - self._paced[0], any(s.prefilling for s in self.running)
-            )
+            waits = any(seq.prefilling for seq in self.running)
+            self.costs.pace(self._paced[1], self._paced[2], started_at - self._paced[0], waits)
         self._share_prefixes()
         parts = self._parts()
         plan = self._fill(parts)
@@ -439,7 +439,7 @@ class TokenLoop:
             if planned.sampled:
                 seq.take(at - 1, step)
         self.costs.learn(decodes, prompt_tokens, step.wall_ns)
-        self._paced = (started_at, decodes)
+        self._paced = (started_at, decodes, prompt_tokens)
         ended += [seq for seq in self.running if seq.done]
         self.running = [seq for seq in self.running if not seq.done]
         return self._ended(ended)

@@ -46,7 +46,7 @@ def test_chunks_are_spaced_so_the_decodes_keep_their_mean() -> None:
         step_ms = 20 + 5 * chunk
         steps_ms.append(step_ms)
         costs.learn(1, chunk, step_ms * MS)
-        costs.pace(1, step_ms * MS, prompt_waits=prompt > 0)
+        costs.pace(1, chunk, step_ms * MS, prompt_waits=prompt > 0)
     assert max(steps_ms) <= CHUNK_STEP_OVER_DECODE * 20
     # the last chunk's step is not paid back: no prompt waits after it
     assert sum(steps_ms[:-1]) / len(steps_ms[:-1]) <= MEAN_STEP_OVER_DECODE * 20
@@ -82,6 +82,20 @@ def test_decodes_slowed_beside_the_prompt_keep_the_allowance_from_before_it() ->
         step_ms = 40 + 5 * chunk
         steps_ms.append(step_ms)
         costs.learn(1, chunk, step_ms * MS)
-        costs.pace(1, step_ms * MS, prompt_waits=prompt > 0)
+        costs.pace(1, chunk, step_ms * MS, prompt_waits=prompt > 0)
     assert costs.decode_ns[1] > 39 * MS  # learnt: the chunks' size follows today's steps
     assert sum(steps_ms[:-1]) / len(steps_ms[:-1]) <= MEAN_STEP_OVER_DECODE * 20
+
+
+def test_a_waiting_prompt_is_never_starved() -> None:
+    """Decodes that run slower than the mean by themselves (under a cap that thrashes: 5x their
+    steps from before the prompt) still leave the prompt a chunk now and then."""
+    costs = measured(decodes=2)
+    costs.pace(2, 0, 20 * MS, prompt_waits=True)  # the prompt comes
+    chunks = []
+    for _ in range(200):
+        chunk = costs.prompt_beside(2, 512)
+        chunks.append(chunk)
+        costs.learn(2, chunk, (100 + 5 * chunk) * MS)
+        costs.pace(2, chunk, (100 + 5 * chunk) * MS, prompt_waits=True)
+    assert sum(c > 0 for c in chunks) >= 4 and sum(chunks) >= 500
