@@ -23,6 +23,20 @@ def measured(decodes: int = 1, decode_ms: int = 20, token_ms: int = 5) -> StepCo
     return costs
 
 
+def prefill(costs: StepCosts, decode_ms: int, prompt: int = 1000, decodes: int = 1) -> list[float]:
+    """Each step's time (ms) while a `prompt`-token prompt prefills beside `decodes` decodes whose
+    step takes `decode_ms`, a prompt token 5 ms more (at most 500 steps)."""
+    steps_ms: list[float] = []
+    while prompt > 0 and len(steps_ms) < 500:
+        chunk = min(prompt, costs.prompt_beside(decodes, 512))
+        prompt -= chunk
+        steps_ms.append(decode_ms + 5 * chunk)
+        costs.learn(decodes, chunk, steps_ms[-1] * MS)
+        costs.pace(decodes, chunk, steps_ms[-1] * MS, prompt_waits=prompt > 0)
+    assert prompt == 0, f"{prompt} prompt tokens still wait after 500 steps"
+    return steps_ms
+
+
 def test_a_chunk_beside_decodes_keeps_its_step_within_the_factor() -> None:
     costs = StepCosts()
     assert costs.prompt_beside(1, 512) == PROMPT_TOKENS_BESIDE_DECODES  # nothing measured yet
@@ -38,15 +52,7 @@ def test_chunks_are_spaced_so_the_decodes_keep_their_mean() -> None:
     """After a chunk's step the decodes run alone until the steps since the prompt began average
     MEAN_STEP_OVER_DECODE decode steps; then the next chunk goes."""
     costs = measured()
-    steps_ms: list[float] = []
-    prompt = 1000
-    while prompt > 0:
-        chunk = min(prompt, costs.prompt_beside(1, 512))
-        prompt -= chunk
-        step_ms = 20 + 5 * chunk
-        steps_ms.append(step_ms)
-        costs.learn(1, chunk, step_ms * MS)
-        costs.pace(1, chunk, step_ms * MS, prompt_waits=prompt > 0)
+    steps_ms = prefill(costs, decode_ms=20)
     assert max(steps_ms) <= CHUNK_STEP_OVER_DECODE * 20
     # the last chunk's step is not paid back: no prompt waits after it
     assert sum(steps_ms[:-1]) / len(steps_ms[:-1]) <= MEAN_STEP_OVER_DECODE * 20
@@ -74,28 +80,15 @@ def test_decodes_slowed_beside_the_prompt_keep_the_allowance_from_before_it() ->
     """Under a cap a prompt's reads evict the decodes' experts and their steps slow (here from 20
     to 40 ms): the steps still average MEAN_STEP_OVER_DECODE times the 20 ms of before."""
     costs = measured()
-    steps_ms: list[float] = []
-    prompt = 1000
-    while prompt > 0:
-        chunk = min(prompt, costs.prompt_beside(1, 512))
-        prompt -= chunk
-        step_ms = 40 + 5 * chunk
-        steps_ms.append(step_ms)
-        costs.learn(1, chunk, step_ms * MS)
-        costs.pace(1, chunk, step_ms * MS, prompt_waits=prompt > 0)
+    steps_ms = prefill(costs, decode_ms=40)
     assert costs.decode_ns[1] > 39 * MS  # learnt: the chunks' size follows today's steps
     assert sum(steps_ms[:-1]) / len(steps_ms[:-1]) <= MEAN_STEP_OVER_DECODE * 20
 
 
 def test_a_waiting_prompt_is_never_starved() -> None:
     """Decodes that run slower than the mean by themselves (under a cap that thrashes: 5x their
-    steps from before the prompt) still leave the prompt a chunk now and then."""
+    steps from before the prompt) still leave the prompt chunks: it prefills."""
     costs = measured(decodes=2)
     costs.pace(2, 0, 20 * MS, prompt_waits=True)  # the prompt comes
-    chunks = []
-    for _ in range(200):
-        chunk = costs.prompt_beside(2, 512)
-        chunks.append(chunk)
-        costs.learn(2, chunk, (100 + 5 * chunk) * MS)
-        costs.pace(2, chunk, (100 + 5 * chunk) * MS, prompt_waits=True)
-    assert sum(c > 0 for c in chunks) >= 4 and sum(chunks) >= 500
+    steps_ms = prefill(costs, decode_ms=100, decodes=2)
+    assert sum(step > 100 for step in steps_ms) >= 3
