@@ -7,8 +7,8 @@ first prompt tokens beside a decode cost the most (on qwen30b-8l-shape, 4 of the
 3x a decode, 64 of them 14x, each token of those at 1.1x its cost in a prompt alone;
 docs/benchmarks.md, "Parallel requests"). A chunk takes as many tokens as keep its step within
 CHUNK_STEP_OVER_DECODE decode steps, and the next waits until the decodes' steps since the
-prompt began average MEAN_STEP_OVER_DECODE again: the decoding requests run at a third of their
-speed alone or better, and the prompt prefills at about (1 - 1/3) of its own speed."""
+prompt began average MEAN_STEP_OVER_DECODE again: the decoding requests run at about a third of
+their speed alone, and the prompt prefills at up to two thirds of its own."""
 
 from __future__ import annotations
 
