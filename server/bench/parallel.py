@@ -298,7 +298,7 @@ def markdown(data: dict[str, Any], rows: list[dict[str, Any]], command: str) -> 
     for r in (r for r in rows if "refused" not in r):
         lines.append(
             f"| {_cap(r['cap'])} | {ratio(r['short_ttft_ratio'])} | {ratio(r['long_ttft_ratio'])} | "
-            f"{ratio(r['gap_ratio'])} ({ratio(r.get('gap_max_ratio'))}) |"
+            f"{ratio(r['gap_ratio'])} ({ratio(r['gap_max_ratio'])}) |"
         )
     lines += [
         "",
