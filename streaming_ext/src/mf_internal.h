@@ -526,8 +526,9 @@ const void * mf_repack_layout(const mf_streamer * s, const struct ggml_tensor * 
 // writes 2D weight t, read in the file's layout at t->data, in t->extra's layout; 0 or -errno
 int          mf_repack_in_place(struct ggml_tensor * t);
 // writes slice e of xt (read in the file's layout at xt->slot[e]) in xt->layout, through
-// `scratch` (xt->nb2 bytes); 0 or -errno
+// `scratch` (mf_repack_scratch_bytes(xt->t) bytes); 0 or -errno
 int          mf_repack_slice(mf_xtensor * xt, int32_t e, void * scratch);
+size_t       mf_repack_scratch_bytes(const struct ggml_tensor * t);  // a few of t's rows
 mf_xtensor * mf_buffer_xtensor(ggml_backend_buffer_t buffer);  // the tensor of an expert buffer
 // expert reservations as plain read-write memory asking for huge pages (hold_all); 0 or -errno
 int          mf_buft_hold_all(mf_streamer * s);

@@ -62,8 +62,8 @@ static bool place_entry(mf_streamer * s, mf_layer * L, int32_t e) {
 }
 
 // ---------------------------------------------------------------- reader lanes
-// a lane's own buffer: a page-aligned copy of a slice being repacked, or the bounce buffer of a
-// read that must not write whole pages in place (below)
+// a lane's own buffer: a page-aligned copy of a few rows of a slice being repacked, or the bounce
+// buffer of a read that must not write whole pages in place (below)
 typedef struct lane_buf {
     void * p;
     size_t cap;  // a multiple of the page
@@ -159,7 +159,7 @@ static void * lane_main(void * arg) {
         if (slice_done && job.xt->layout && atomic_load_explicit(state, memory_order_relaxed) == MF_SLICE_LOADING) {
             pthread_mutex_unlock(&s->mu);
             const uint64_t t1 = mf_now_ns();
-            rc = lane_buf_reserve(&buf, job.xt->nb2, s->page_size);
+            rc = lane_buf_reserve(&buf, mf_repack_scratch_bytes(job.xt->t), s->page_size);
             rc = rc ? rc : mf_repack_slice(job.xt, job.expert, buf.p);
             ADD(s->st.repack_ns, mf_now_ns() - t1);
             pthread_mutex_lock(&s->mu);

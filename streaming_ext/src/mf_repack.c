@@ -50,32 +50,45 @@ uint64_t mf_repacked_bytes(const char * name, int32_t type, int64_t ne0, int64_t
     return llama_layout(&t, mf_is_expert_name(name, &layer)) ? ggml_nbytes(&t) : 0;
 }
 
-int mf_repack_slice(mf_xtensor * xt, int32_t e, void * scratch) {
-    memcpy(scratch, xt->slot[e], xt->nb2);
-    return ggml_cpu_repack_slice(xt->layout, xt->t, xt->slot[e], scratch, xt->nb2) == 0 ? 0 : -EINVAL;
-}
-
-// A layout keeps each group of interleaved rows (4, 8 or 16) at its bytes' place, so a 2D weight
-// read in the file's layout is repacked in place a few rows at a time through a small copy: no
-// second copy of the tensor, however large, exists at load.
+// A layout keeps each group of interleaved rows (4, 8 or 16) at its bytes' place, so a weight read
+// in the file's layout is repacked in place a few rows at a time through a small copy: no second
+// copy of a tensor, however large, exists at load, and an expert's bytes cross memory once each
+// way after its read (a copy of the whole slice first made them cross twice more: Q4_K's slices,
+// repacked at about 4 GB/s from memory, then cost a fifth of a capped decode).
 #define MF_REPACK_ROWS 64  // rows a step: a multiple of every layout's group
 
+size_t mf_repack_scratch_bytes(const struct ggml_tensor * t) {
+    return t->nb[1] * MF_REPACK_ROWS;
+}
+
+// the matrix of t's shape (its first slice) at data, in the file's layout, written in `layout`
+// through `copy` (mf_repack_scratch_bytes(t) bytes)
+static int repack_rows(const void * layout, const struct ggml_tensor * t, char * data, void * copy) {
+    const size_t       row  = t->nb[1];
+    struct ggml_tensor part = *t;
+    part.ne[2] = part.ne[3] = 1;
+    int rc                  = 0;
+    for (int64_t r = 0; r < t->ne[1] && rc == 0; r += MF_REPACK_ROWS) {
+        part.ne[1]      = t->ne[1] - r < MF_REPACK_ROWS ? t->ne[1] - r : MF_REPACK_ROWS;
+        part.nb[2]      = row * (size_t) part.ne[1];
+        part.nb[3]      = part.nb[2];
+        char * const at = data + (size_t) r * row;
+        memcpy(copy, at, part.nb[2]);
+        rc = ggml_cpu_repack_slice(layout, &part, at, copy, part.nb[2]) == 0 ? 0 : -EINVAL;
+    }
+    return rc;
+}
+
+int mf_repack_slice(mf_xtensor * xt, int32_t e, void * scratch) {
+    return repack_rows(xt->layout, xt->t, xt->slot[e], scratch);
+}
+
 int mf_repack_in_place(struct ggml_tensor * t) {
-    const size_t row  = t->nb[1];
-    void *       copy = malloc(row * MF_REPACK_ROWS);
+    void * copy = malloc(mf_repack_scratch_bytes(t));
     if (!copy) {
         return -ENOMEM;
     }
-    struct ggml_tensor part = *t;
-    int                rc   = 0;
-    for (int64_t r = 0; r < t->ne[1] && rc == 0; r += MF_REPACK_ROWS) {
-        part.ne[1]       = t->ne[1] - r < MF_REPACK_ROWS ? t->ne[1] - r : MF_REPACK_ROWS;
-        part.nb[2]       = row * (size_t) part.ne[1];
-        part.nb[3]       = part.nb[2];
-        char * const at  = (char *) t->data + (size_t) r * row;
-        memcpy(copy, at, part.nb[2]);
-        rc = ggml_cpu_repack_slice(t->extra, &part, at, copy, part.nb[2]) == 0 ? 0 : -EINVAL;
-    }
+    const int rc = repack_rows(t->extra, t, t->data, copy);
     free(copy);
     return rc;
 }
