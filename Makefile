@@ -34,7 +34,6 @@ CTEST_FRAMES := tests/c/build/test_frames
 CTEST_IDENTITY := tests/c/build/test_stream_identity
 CTEST_REPACK := tests/c/build/test_repack_slices
 CTEST_BATCH := tests/c/build/test_batch_invariance
-CTEST_TILED := tests/c/build/test_tiled_repacked
 
 # aarch64 (the phones): llama.cpp (Debian's cross gcc), streaming_ext and the C tests (clang,
 # Termux's compiler; test_frames with gcc, whose UBSan runtime the cross toolchain has)
@@ -161,8 +160,7 @@ $(VENV)/.install-stamp: pyproject.toml $(VENV)/.deps-stamp
 llama: $(VENV)/.deps-stamp
 	vendor/llama.cpp/build.sh $(VPY)
 
-ext: $(EXT_LIB) $(EXT_DECLARED) $(EXT_ASAN_LIB) $(CTEST_BIN) $(CTEST_FRAMES) $(CTEST_IDENTITY) $(CTEST_REPACK) $(CTEST_BATCH) \
-	$(CTEST_TILED)
+ext: $(EXT_LIB) $(EXT_DECLARED) $(EXT_ASAN_LIB) $(CTEST_BIN) $(CTEST_FRAMES) $(CTEST_IDENTITY) $(CTEST_REPACK) $(CTEST_BATCH)
 
 # the counters and enums moeflash_stream.h declares, as Python (the typed record every figure reads)
 $(EXT_DECLARED): $(EXT_LIB) streaming_ext/declarations.py
@@ -190,11 +188,6 @@ $(CTEST_REPACK): tests/c/test_repack_slices.c $(LLAMA_STAMP) Makefile
 
 # C test of batch-invariant float matmuls (patch 0011)
 $(CTEST_BATCH): tests/c/test_batch_invariance.c $(LLAMA_STAMP) Makefile
-	@mkdir -p $(dir $@)
-	$(CC) $(CTEST_CFLAGS) $< -o $@ $(call LLAMA_LINK,$(SITE)/llama_cpp/lib)
-
-# C test of the tiled K-quant kernel on repacked Q4_K (patch 0010; x86)
-$(CTEST_TILED): tests/c/test_tiled_repacked.c $(LLAMA_STAMP) Makefile
 	@mkdir -p $(dir $@)
 	$(CC) $(CTEST_CFLAGS) $< -o $@ $(call LLAMA_LINK,$(SITE)/llama_cpp/lib)
 

@@ -12,9 +12,8 @@
 //      reads the slice where the hook says it is, not at the tensor's own address)
 // Run with GGML_CPU_TILED_MM_FORCE=1 on a K-quant model, the same holds for the tiled matmul.
 // With `repack` (patch 0009) the experts are repacked (CPU_REPACK) and the same holds for repack's
-// MUL_MAT_ID, whose experts with 4 tokens or more run gemm (on x86 Q4_K gemv, and from 8 tokens
-// the tiled matmul: patch 0010): a sixth check says every hooked slice was repacked and some
-// expert took 4 tokens or more.
+// MUL_MAT_ID, whose experts with 4 tokens or more run gemm: a sixth check says every hooked slice
+// was repacked and some expert took 4 tokens or more.
 // Without the patch this file does not link (ggml_cpu_set_mul_mat_id_ready_hook is missing).
 // Prints one "ok ..." or "FAIL ..." line per check; exit status 0 only if all pass.
 #include <pthread.h>
@@ -265,7 +264,7 @@ int main(int argc, char ** argv) {
                    atomic_load(&p->repacked), atomic_load(&p->calls), gemm);
             failed = 1;
         } else {
-            printf("ok all %ld hooked slices repacked; %ld (layer, expert) pairs took 4+ tokens\n",
+            printf("ok all %ld hooked slices repacked; %ld (layer, expert) pairs took 4+ tokens (gemm)\n",
                    atomic_load(&p->calls), gemm);
         }
     }
