@@ -53,8 +53,7 @@ uint64_t mf_repacked_bytes(const char * name, int32_t type, int64_t ne0, int64_t
 // A layout keeps each group of interleaved rows (4, 8 or 16) at its bytes' place, so a weight read
 // in the file's layout is repacked in place a few rows at a time through a small copy: no second
 // copy of a tensor, however large, exists at load, and an expert's bytes cross memory once each
-// way after its read (a copy of the whole slice first made them cross twice more: Q4_K's slices,
-// repacked at about 4 GB/s from memory, then cost a fifth of a capped decode).
+// way after its read (through a copy of the whole slice they would cross it twice more).
 #define MF_REPACK_ROWS 64  // rows a step: a multiple of every layout's group
 
 size_t mf_repack_scratch_bytes(const struct ggml_tensor * t) {
